@@ -1,0 +1,344 @@
+"""Hugging Face checkpoints <-> Flax parameter trees, and our converted (orbax) format.
+
+Conversion is a table: each row names an HF tensor, the Flax path it fills and the
+transform between them (HF Linear weights are [out, in], Flax kernels [in, out]). The
+table is read both ways, so missing tensors are reported by their HF names and export
+(drafters, issue 4) is the same table backwards.
+
+Loading reads tensor by tensor: each tensor is read, transformed, cast and placed on the
+device before the next one is read, so the host never holds a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import safetensors_io
+from dflash_jax.config import ModelConfig, read_config_json
+from dflash_jax.errors import CheckpointError
+
+# ---------------------------------------------------------------------------- tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    hf: str  # HF tensor name; `{i}` stands for a layer index
+    flax: str  # "/"-joined Flax path, same `{i}`
+    transpose: bool = False  # HF Linear [out, in] <-> Flax kernel [in, out]
+
+    @property
+    def regex(self) -> re.Pattern:
+        return re.compile(re.escape(self.hf).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+def _layer_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
+    rows = []
+    for block, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for p in projs:
+            rows.append(Row(f"{hf_prefix}{block}.{p}.weight", f"{flax_prefix}{block}/{p}/kernel", True))
+            rows.append(Row(f"{hf_prefix}{block}.{p}.bias", f"{flax_prefix}{block}/{p}/bias"))
+    for norm in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
+        rows.append(Row(f"{hf_prefix}{norm}.weight", f"{flax_prefix}{norm.replace('.', '/')}/weight"))
+    return rows
+
+
+TARGET_TABLE: tuple[Row, ...] = (
+    Row("model.embed_tokens.weight", "model/embed_tokens/embedding"),
+    *_layer_rows("model.layers.{i}.", "model/layers_{i}/"),
+    Row("model.norm.weight", "model/norm/weight"),
+    Row("lm_head.weight", "lm_head/kernel", True),
+)
+
+# Buffers some checkpoints carry that are derived, not learned.
+IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+TABLES: dict[str, tuple[Row, ...]] = {"target": TARGET_TABLE}
+
+
+def hf_to_flax(name: str, table) -> tuple[tuple[str, ...], Row] | None:
+    for row in table:
+        m = row.regex.match(name)
+        if m:
+            return tuple(row.flax.format(**m.groupdict()).split("/")), row
+    return None
+
+
+def flax_to_hf(path: tuple[str, ...], table) -> str:
+    joined = "/".join(path)
+    for row in table:
+        pattern = re.escape(row.flax).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$"
+        m = re.match(pattern, joined)
+        if m:
+            return row.hf.format(**m.groupdict())
+    return joined
+
+
+# ---------------------------------------------------------------------------- HF files
+
+WEIGHT_FILES = "model.safetensors, model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json"
+
+
+def _shards(index_path: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index_path} is not a valid index file: {e}") from None
+    files = [index_path.parent / f for f in dict.fromkeys(weight_map.values())]
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"shard {f.name} listed in {index_path.name} is missing")
+    return files
+
+
+def iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of an HF directory, one at a time, as numpy (bfloat16 via ml_dtypes)."""
+    if (hf_dir / "model.safetensors.index.json").is_file():
+        for f in _shards(hf_dir / "model.safetensors.index.json"):
+            yield from safetensors_io.iter_tensors(f)
+    elif (hf_dir / "model.safetensors").is_file():
+        yield from safetensors_io.iter_tensors(hf_dir / "model.safetensors")
+    elif (hf_dir / "pytorch_model.bin.index.json").is_file():
+        for f in _shards(hf_dir / "pytorch_model.bin.index.json"):
+            yield from _iter_torch_bin(f)
+    elif (hf_dir / "pytorch_model.bin").is_file():
+        yield from _iter_torch_bin(hf_dir / "pytorch_model.bin")
+    else:
+        raise CheckpointError(f"no weights in {hf_dir} (expected {WEIGHT_FILES})")
+
+
+def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(
+            f"{path.name} is a PyTorch pickle and needs torch to read; install torch or use safetensors"
+        ) from None
+    try:
+        # weights_only: the unpickler refuses anything but tensors and plain containers,
+        # so a malicious pickle cannot execute code. mmap: tensors stay on disk until read.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises a variety of types for bad/unsafe pickles
+        raise CheckpointError(f"cannot load {path} safely: {str(e).splitlines()[0]}") from None
+    for name in list(state):
+        t = state.pop(name)
+        if t.dtype == torch.bfloat16:
+            arr = t.view(torch.int16).numpy().view(safetensors_io.DTYPES["BF16"])
+        else:
+            arr = t.numpy()
+        yield name, arr
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _flatten(tree) -> dict[tuple[str, ...], object]:
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        flat[tuple(k.key for k in path)] = leaf
+    return flat
+
+
+def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def _default_place(path, array):
+    return jnp.asarray(array)
+
+
+def load_hf_params(
+    hf_dir: str | Path,
+    config: ModelConfig,
+    abstract,
+    *,
+    table=TARGET_TABLE,
+    place: Callable[[tuple[str, ...], np.ndarray], jax.Array] = _default_place,
+    progress: bool = False,
+):
+    """Fill the parameter tree `abstract` (ShapeDtypeStructs) from an HF directory.
+
+    Every checkpoint tensor must map to a parameter and every parameter must be filled,
+    with its shape checked. `place(path, array)` puts one converted tensor where it
+    belongs (default: the default device); sharded loading plugs in here.
+    """
+    hf_dir = Path(hf_dir)
+    expected = _flatten(abstract)
+    filled: dict[tuple[str, ...], jax.Array] = {}
+    tensors = iter_hf_tensors(hf_dir)
+    if progress:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, total=len(expected), desc="loading tensors", unit="tensor")
+    for name, array in tensors:
+        if any(p.match(name) for p in IGNORED):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied head saved anyway; the embedding is the head
+        hit = hf_to_flax(name, table)
+        if hit is None:
+            raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
+        path, row = hit
+        if path not in expected:
+            raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
+        if path in filled:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        want = expected[path]
+        hf_shape = tuple(reversed(want.shape)) if row.transpose else tuple(want.shape)
+        if tuple(array.shape) != hf_shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {hf_shape}")
+        if row.transpose:
+            array = array.T
+        filled[path] = place(path, np.ascontiguousarray(array.astype(want.dtype)))
+        del array
+    missing = [flax_to_hf(p, table) for p in expected if p not in filled]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint in {hf_dir} is missing tensor {missing[0]!r}{more}")
+    return _unflatten(filled)
+
+
+# ---------------------------------------------------------------------------- converted format
+
+METADATA_FILE = "dflash_jax.json"
+FORMAT_VERSION = 1
+# Files copied next to the weights so a converted directory is self-contained.
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+def is_converted(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a model directory (no config.json)")
+    return path
+
+
+def read_metadata(path: Path) -> dict:
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / METADATA_FILE} is not valid JSON: {e}") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was written by format version {meta.get('format_version')}, this dflash-jax reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, config_dict: dict):
+    """Write params (orbax) + config.json + side files + metadata into `out` (must not exist)."""
+    out.mkdir(parents=True)
+    ckptr = _checkpointer()
+    ckptr.save((out / "params").absolute(), params)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    for name in SIDE_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copy2(hf_dir / name, out / name)
+    from dflash_jax import __version__
+
+    meta = dict(format="dflash-jax", format_version=FORMAT_VERSION, kind=kind, dtype=dtype,
+                source=str(hf_dir), dflash_jax_version=__version__)
+    (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_converted_params(path: Path, abstract):
+    """Restore params written by `save_converted`, cast to the dtypes of `abstract`."""
+    meta_dtype = read_metadata(path)["dtype"]
+    saved = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(meta_dtype)), abstract
+    )
+    ckptr = _checkpointer()
+    try:
+        params = ckptr.restore((path / "params").absolute(), saved)
+    except Exception as e:  # orbax raises ValueError/KeyError/FileNotFoundError variants
+        raise CheckpointError(f"cannot restore converted checkpoint {path}: {str(e).splitlines()[0]}") from None
+    finally:
+        ckptr.close()
+    return jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract)
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False):
+    """Load a target model from an HF directory or one written by `dflash_jax.convert`.
+
+    Returns (ModelConfig, params). dtype: "float32" | "bfloat16" (default: the checkpoint's).
+    """
+    from dflash_jax.model import abstract_params
+
+    path = check_model_dir(path)
+    if is_converted(path):
+        meta = read_metadata(path)
+        if meta.get("kind") != "target":
+            raise CheckpointError(f"{path} holds a converted {meta.get('kind')}, not a target")
+        config = ModelConfig.from_json(path / "config.json", dtype=dtype or meta["dtype"])
+        return config, load_converted_params(path, abstract_params(config))
+    config = ModelConfig.from_json(path / "config.json", dtype=dtype)
+    return config, load_hf_params(path, config, abstract_params(config), progress=progress)
+
+
+def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False,
+            progress: bool = False) -> Path:
+    """HF directory -> converted directory. Written under a temporary name and renamed at
+    the end, so an interrupted conversion leaves nothing that looks complete."""
+    hf_dir, out = check_model_dir(hf_dir), Path(out)
+    if is_converted(hf_dir):
+        raise CheckpointError(f"{hf_dir} is already a converted checkpoint")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
+    config_dict = read_config_json(hf_dir / "config.json")
+    config, params = load_target(hf_dir, dtype=dtype, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        save_converted(tmp, params, hf_dir=hf_dir, kind="target", dtype=config.dtype, config_dict=config_dict)
+        if out.exists():  # --force: replace only once the new one is complete
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,13 @@
+"""Errors of our own: one line that names the problem, caught at the CLI edge."""
+
+
+class DFlashError(Exception):
+    """Base class of every error the package raises on bad input."""
+
+
+class ConfigError(DFlashError):
+    """A config.json we cannot use (unsupported model_type, missing or bad field)."""
+
+
+class CheckpointError(DFlashError):
+    """A checkpoint directory or tensor set that does not match its config."""

@@ -1,0 +1,311 @@
+"""The target decoder: one Flax Linen implementation for every family in `config.FAMILIES`.
+
+Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/kernel`
+for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
+
+The KV cache is preallocated, `[layers, batch, max_len, kv_heads, head_dim]`, with a
+length per row. `forward` writes a chunk of T tokens per row at that row's own offset
+(`cache.lengths`), so one entry point serves batched prefill (prompts right-padded to a
+bucket; pass `num_tokens`), single-token decode (T=1) and the block verify pass of
+speculative decoding (T=B). Rollback is a length update: entries at or past a row's length
+are stale, and the causal mask (key position <= query position, with every position below
+the query written in this or an earlier call) guarantees they are never read.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.config import ModelConfig, rope_inv_freq
+from dflash_jax.errors import ConfigError
+
+
+def jnp_dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@struct.dataclass
+class KVCache:
+    """Static-shape KV cache with a length per row.
+
+    k, v:    [layers, batch, max_len, kv_heads, head_dim]
+    lengths: [batch] int32, number of valid (committed) positions of each row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    dtype = dtype or jnp_dtype(config.dtype)
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+    )
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; the weight multiplies in the input dtype (as HF)."""
+
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight * x32.astype(x.dtype)
+
+
+def rope_angles(config: ModelConfig, positions):
+    """cos, sin of shape [*positions.shape, head_dim] (half-split layout, as HF)."""
+    inv_freq = jnp.asarray(rope_inv_freq(config.rope, config.head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [batch, T, heads, head_dim]; cos/sin [batch, T, head_dim]."""
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def write_rows(cache_layer, new, offsets):
+    """Write new [batch, T, ...] into cache_layer [batch, max_len, ...] at per-row offsets."""
+
+    def one(row_cache, row_new, off):
+        return jax.lax.dynamic_update_slice_in_dim(row_cache, row_new.astype(row_cache.dtype), off, axis=0)
+
+    return jax.vmap(one)(cache_layer, new, offsets)
+
+
+def attention_weights(q, k, mask):
+    """Grouped-query attention probabilities, float32.
+
+    q [batch, T, kv_heads, groups, head_dim]; k [batch, S, kv_heads, head_dim];
+    mask [batch, T, S] bool -> [batch, kv_heads, groups, T, S].
+    """
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (q.shape[-1] ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+        b, t, _ = x.shape
+        q = dense(c.num_attention_heads * c.head_dim, "q_proj", c.qkv_bias)(x)
+        k = dense(c.num_key_value_heads * c.head_dim, "k_proj", c.qkv_bias)(x)
+        v = dense(c.num_key_value_heads * c.head_dim, "v_proj", c.qkv_bias)(x)
+        q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
+        v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        k_cache = write_rows(k_cache, k, offsets)
+        v_cache = write_rows(v_cache, v, offsets)
+
+        key_pos = jnp.arange(k_cache.shape[1])
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        if self.window is not None:
+            mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
+        q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
+        probs = attention_weights(q, k_cache, mask).astype(v_cache.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1)
+        return dense(c.hidden_size, "o_proj", c.o_bias)(out), k_cache, v_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=dtype, param_dtype=dtype, name=name)
+        h = jax.nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(c.intermediate_size, "up_proj")(x)
+        return dense(c.hidden_size, "down_proj")(h)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        h, k_cache, v_cache = Attention(c, self.window, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, k_cache, v_cache, offsets, query_pos
+        )
+        x = x + h
+        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
+        return x, k_cache, v_cache
+
+
+class Decoder(nn.Module):
+    """HF `model.*`: embeddings, decoder layers, final norm."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype)
+        self.layers = [
+            DecoderLayer(c, c.sliding_windows[i] if c.sliding_windows else None, name=f"layers_{i}")
+            for i in range(c.num_hidden_layers)
+        ]
+        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int]):
+        offsets = cache.lengths
+        query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        cos, sin = rope_angles(self.config, query_pos)
+        x = self.embed_tokens(tokens)
+        ks, vs, tapped = [], [], {}
+        for i, layer in enumerate(self.layers):
+            x, k_i, v_i = layer(x, cos, sin, cache.k[i], cache.v[i], offsets, query_pos)
+            ks.append(k_i)
+            vs.append(v_i)
+            if i in taps:
+                tapped[i] = x
+        x = self.norm(x)
+        last = self.config.num_hidden_layers - 1
+        if last in taps:
+            # HF's hidden_states[L] is taken after the final norm; DFlash drafters were
+            # trained on exactly hidden_states[l + 1], so the last tap follows HF.
+            tapped[last] = x
+        return x, jnp.stack(ks), jnp.stack(vs), tapped
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def attend(self, h):
+        return self.embed_tokens.attend(h)
+
+
+class CausalLM(nn.Module):
+    """HF `*ForCausalLM`. Returns (hidden after final norm, k, v, {tap: hidden})."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.model = Decoder(c)
+        if not c.tie_word_embeddings:
+            dtype = jnp_dtype(c.dtype)
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = ()):
+        return self.model(tokens, cache, taps)
+
+    def logits(self, h):
+        """h [..., hidden] -> float32 logits [..., vocab]."""
+        out = self.model.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def embed(self, tokens):
+        return self.model.embed(tokens)
+
+    def _init_all(self, tokens, cache):
+        h, *_ = self(tokens, cache)
+        return self.logits(h)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+@struct.dataclass
+class ForwardOutput:
+    """logits: [batch, T or K, vocab] float32, or None when not asked for.
+    tap_features: [batch, T, len(taps) * hidden], taps concatenated in the order given
+        (the DFlash drafter's context input), or None when no taps.
+    cache: the cache with the chunk written and lengths advanced by num_tokens.
+    """
+
+    logits: jax.Array | None
+    tap_features: jax.Array | None
+    cache: KVCache
+
+
+def init_params(config: ModelConfig, rng=None):
+    """Random parameters (for tests and shape discovery)."""
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    cache = init_cache(config, 1, 8)
+    return CausalLM(config).init(rng, jnp.zeros((1, 1), jnp.int32), cache, method=CausalLM._init_all)["params"]
+
+
+def abstract_params(config: ModelConfig):
+    """ShapeDtypeStruct tree of the parameters, computed without allocating them."""
+    return jax.eval_shape(lambda: init_params(config))
+
+
+def forward(
+    params,
+    config: ModelConfig,
+    tokens,
+    cache: KVCache,
+    *,
+    num_tokens=None,
+    taps: Sequence[int] = (),
+    logits_indices=None,
+    return_logits: bool = True,
+) -> ForwardOutput:
+    """Process a chunk of tokens per row at each row's own offset.
+
+    tokens: [batch, T] int32, placed at positions cache.lengths[b] + 0..T-1.
+    num_tokens: [batch] int32, how many of the T tokens are real per row (default T);
+        the row's length advances by it. Padding past it writes stale entries only.
+    taps: target layer ids l whose outputs are returned, equal to HF hidden_states[l + 1]
+        (for the last layer that is after the final norm, as in HF).
+    logits_indices: [batch, K] int32 chunk indices at which to compute logits (e.g. the
+        last real token of each prompt) instead of all T, to save memory at large vocab.
+    The caller guarantees cache.lengths + T <= cache.max_len.
+    """
+    taps = tuple(taps)
+    bad = [l for l in taps if not 0 <= l < config.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
+    model = CausalLM(config)
+    h, k, v, tapped = model.apply({"params": params}, tokens, cache, taps)
+    logits = None
+    if return_logits:
+        if logits_indices is not None:
+            h = jnp.take_along_axis(h, logits_indices[..., None], axis=1)
+        logits = model.apply({"params": params}, h, method=CausalLM.logits)
+    features = jnp.concatenate([tapped[l] for l in taps], axis=-1) if taps else None
+    if num_tokens is None:
+        num_tokens = jnp.full(cache.lengths.shape, tokens.shape[1], jnp.int32)
+    new_cache = KVCache(k=k, v=v, lengths=cache.lengths + num_tokens.astype(jnp.int32))
+    return ForwardOutput(logits=logits, tap_features=features, cache=new_cache)

@@ -1,0 +1,89 @@
+"""Reading and writing safetensors one tensor at a time, bfloat16 included, without torch.
+
+The format is an 8-byte little-endian header length, a JSON header
+`{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}` and the raw
+bytes. We read each tensor with one positioned read into its own buffer: at most one
+tensor is held beyond what the caller keeps, and nothing stays mapped afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from dflash_jax.errors import CheckpointError
+
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def read_header(path: str | Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20:
+                raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read safetensors header of {path}: {e}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) for every tensor in the file, one read each."""
+    header, start = read_header(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, info in header.items():
+            if info["dtype"] not in DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            buf = bytearray(end - begin)
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                n = os.preadv(fd, [view[got:]], start + begin + got)
+                if n <= 0:
+                    raise CheckpointError(f"{path}: truncated data for tensor {name}")
+                got += n
+            yield name, np.frombuffer(buf, dtype=DTYPES[info["dtype"]]).reshape(info["shape"])
+    finally:
+        os.close(fd)
+
+
+def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None):
+    """Write tensors (numpy, bfloat16 allowed) to a safetensors file."""
+    header, offset = {}, 0
+    arrays = {}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in NAMES:
+            raise CheckpointError(f"cannot save tensor {name} of dtype {arr.dtype}")
+        header[name] = {"dtype": NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays[name] = arr
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep data 8-byte aligned, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays.values():
+            f.write(arr.tobytes())
