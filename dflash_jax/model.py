@@ -14,6 +14,7 @@ the query written in this or an earlier call) guarantees they are never read.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -292,11 +293,17 @@ def forward(
     logits_indices: [batch, K] int32 chunk indices at which to compute logits (e.g. the
         last real token of each prompt) instead of all T, to save memory at large vocab.
     The caller guarantees cache.lengths + T <= cache.max_len.
+    Jit-compiled (config, taps and return_logits are static); callable inside other jits.
     """
-    taps = tuple(taps)
+    taps = tuple(int(l) for l in taps)
     bad = [l for l in taps if not 0 <= l < config.num_hidden_layers]
     if bad:
         raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
+    return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "taps", "return_logits"))
+def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits):
     model = CausalLM(config)
     h, k, v, tapped = model.apply({"params": params}, tokens, cache, taps)
     logits = None
