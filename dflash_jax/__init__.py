@@ -3,10 +3,10 @@
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import CheckpointError, ConfigError, DFlashError
 from dflash_jax.model import CausalLM, KVCache, ForwardOutput, forward, init_cache
-from dflash_jax.checkpoint import load_target
+from dflash_jax.checkpoint import load_drafter, load_target
 
 __all__ = [
     "ModelConfig", "CausalLM", "KVCache", "ForwardOutput", "forward", "init_cache",
-    "load_target", "DFlashError", "ConfigError", "CheckpointError",
+    "load_target", "load_drafter", "DFlashError", "ConfigError", "CheckpointError",
 ]
 __version__ = "0.1.0"

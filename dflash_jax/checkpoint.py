@@ -60,10 +60,18 @@ TARGET_TABLE: tuple[Row, ...] = (
     Row("lm_head.weight", "lm_head/kernel", True),
 )
 
+# z-lab DFlash drafters: no `model.` prefix, no embedding or head (borrowed from the target).
+DRAFTER_TABLE: tuple[Row, ...] = (
+    Row("fc.weight", "fc/kernel", True),
+    Row("hidden_norm.weight", "hidden_norm/weight"),
+    *_layer_rows("layers.{i}.", "layers_{i}/"),
+    Row("norm.weight", "norm/weight"),
+)
+
 # Buffers some checkpoints carry that are derived, not learned.
 IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
-TABLES: dict[str, tuple[Row, ...]] = {"target": TARGET_TABLE}
+TABLES: dict[str, tuple[Row, ...]] = {"target": TARGET_TABLE, "drafter": DRAFTER_TABLE}
 
 
 def hf_to_flax(name: str, table) -> tuple[tuple[str, ...], Row] | None:
@@ -296,43 +304,77 @@ def load_converted_params(path: Path, abstract):
 # ---------------------------------------------------------------------------- public API
 
 
+def model_kind(config_dict: dict) -> str:
+    """'drafter' for DFlash drafter configs, else 'target'."""
+    if "DFlashDraftModel" in (config_dict.get("architectures") or []) or "dflash_config" in config_dict:
+        return "drafter"
+    return "target"
+
+
+def _config_and_abstract(kind: str, config_path: Path, dtype: str | None):
+    if kind == "drafter":
+        from dflash_jax.drafter import DrafterConfig, abstract_drafter_params
+
+        config = DrafterConfig.from_json(config_path, dtype=dtype)
+        return config, abstract_drafter_params(config), config.model
+    from dflash_jax.model import abstract_params
+
+    config = ModelConfig.from_json(config_path, dtype=dtype)
+    return config, abstract_params(config), config
+
+
+def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, place=None):
+    """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
+    path = check_model_dir(path)
+    if is_converted(path):
+        meta = read_metadata(path)
+        if meta.get("kind") != kind:
+            raise CheckpointError(f"{path} holds a converted {meta.get('kind')}, not a {kind}")
+        config, abstract, _ = _config_and_abstract(kind, path / "config.json", dtype or meta["dtype"])
+        return config, load_converted_params(path, abstract)
+    found = model_kind(read_config_json(path / "config.json"))
+    if found != kind:
+        raise CheckpointError(f"{path} holds a {found} checkpoint, not a {kind}")
+    config, abstract, model_config = _config_and_abstract(kind, path / "config.json", dtype)
+    return config, load_hf_params(path, model_config, abstract, table=TABLES[kind], progress=progress,
+                                  place=place or _default_place)
+
+
 def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False):
     """Load a target model from an HF directory or one written by `dflash_jax.convert`.
 
     Returns (ModelConfig, params). dtype: "float32" | "bfloat16" (default: the checkpoint's).
     """
-    from dflash_jax.model import abstract_params
+    return load_model(path, "target", dtype=dtype, progress=progress)
 
-    path = check_model_dir(path)
-    if is_converted(path):
-        meta = read_metadata(path)
-        if meta.get("kind") != "target":
-            raise CheckpointError(f"{path} holds a converted {meta.get('kind')}, not a target")
-        config = ModelConfig.from_json(path / "config.json", dtype=dtype or meta["dtype"])
-        return config, load_converted_params(path, abstract_params(config))
-    config = ModelConfig.from_json(path / "config.json", dtype=dtype)
-    return config, load_hf_params(path, config, abstract_params(config), progress=progress)
+
+def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool = False):
+    """Load a DFlash drafter (z-lab HF format or converted). Returns (DrafterConfig, params)."""
+    return load_model(path, "drafter", dtype=dtype, progress=progress)
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False,
             progress: bool = False) -> Path:
-    """HF directory -> converted directory. Written under a temporary name and renamed at
-    the end, so an interrupted conversion leaves nothing that looks complete."""
+    """HF directory (target or DFlash drafter) -> converted directory. Written under a
+    temporary name and renamed at the end, so an interrupted conversion leaves nothing
+    that looks complete."""
     hf_dir, out = check_model_dir(hf_dir), Path(out)
     if is_converted(hf_dir):
         raise CheckpointError(f"{hf_dir} is already a converted checkpoint")
     if out.exists() and not force:
         raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
     config_dict = read_config_json(hf_dir / "config.json")
+    kind = model_kind(config_dict)
     # Device arrays, not host numpy: orbax serialises numpy trees with more copies
     # (measured: peak 3.2x vs 2.1x the checkpoint for a 1 GB model).
-    config, params = load_target(hf_dir, dtype=dtype, progress=progress)
+    config, params = load_model(hf_dir, kind, dtype=dtype, progress=progress)
+    dtype = config.model.dtype if kind == "drafter" else config.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        save_converted(tmp, params, hf_dir=hf_dir, kind="target", dtype=config.dtype, config_dict=config_dict)
+        save_converted(tmp, params, hf_dir=hf_dir, kind=kind, dtype=dtype, config_dict=config_dict)
         if out.exists():  # --force: replace only once the new one is complete
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)

@@ -1,0 +1,248 @@
+"""The DFlash drafter (SPEC section 1): Qwen3-style layers with target features injected
+into the keys and values of every layer, non-causal attention over one block.
+
+The drafter has no embedding or LM head of its own; it borrows the target's. Its only
+state across decoding cycles is a context K/V cache per layer (`KVCache`, with a length
+per row): context K/V depend only on the tap features of committed positions, so they are
+computed once, when those positions are committed (`extend_context`), and every later
+draft reads them. Block K/V are never kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ModelConfig, read_config_json
+from dflash_jax.errors import ConfigError
+from dflash_jax.model import (
+    MLP, KVCache, RMSNorm, apply_rope, attention_weights, jnp_dtype, rope_angles, write_rows,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A drafter's decoder shape (`model`) plus the DFlash fields."""
+
+    model: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], *, dtype: str | None = None) -> "DrafterConfig":
+        dflash = cfg.get("dflash_config") or {}
+        if "DFlashDraftModel" not in (cfg.get("architectures") or []) and not dflash:
+            raise ConfigError("not a DFlash drafter config (no DFlashDraftModel architecture, no dflash_config)")
+        # Drafter layers are always Qwen3-style (q/k norm), whatever model_type says.
+        model = ModelConfig.from_hf_dict({**cfg, "model_type": "qwen3"}, dtype=dtype).replace(qk_norm=True)
+        block_size = dflash.get("block_size", cfg.get("block_size"))
+        if block_size is None:
+            raise ConfigError("drafter config has no block_size (top level or in dflash_config)")
+        mask = dflash.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask is None:
+            raise ConfigError("drafter config has no dflash_config.mask_token_id")
+        n_target = cfg.get("num_target_layers")
+        taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if taps is None:
+            if n_target is None:
+                raise ConfigError("drafter config has neither target_layer_ids nor num_target_layers")
+            taps = default_target_layer_ids(int(n_target), model.num_hidden_layers)
+        return cls(model=model, block_size=int(block_size), mask_token_id=int(mask),
+                   target_layer_ids=tuple(int(t) for t in taps),
+                   num_target_layers=int(n_target) if n_target is not None else -1)
+
+    @classmethod
+    def from_json(cls, path, *, dtype: str | None = None) -> "DrafterConfig":
+        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference rule: one tap in the middle, or n taps spread over layers 1..L-3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def check_pair(target: ModelConfig, drafter: DrafterConfig):
+    """Refuse a target/drafter pair that cannot work together, naming the mismatch."""
+    d = drafter.model
+    if d.hidden_size != target.hidden_size:
+        raise ConfigError(f"drafter hidden_size {d.hidden_size} != target hidden_size {target.hidden_size}")
+    if d.vocab_size != target.vocab_size:
+        raise ConfigError(f"drafter vocab_size {d.vocab_size} != target vocab_size {target.vocab_size}")
+    bad = [l for l in drafter.target_layer_ids if not 0 <= l < target.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"drafter taps target layers {bad}, but the target has {target.num_hidden_layers} layers")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise ConfigError(f"drafter mask_token_id {drafter.mask_token_id} is outside the target vocab ({target.vocab_size})")
+
+
+# --------------------------------------------------------------------------- module
+
+
+class DraftAttention(nn.Module):
+    """KV injection: block queries attend to [context ; block] keys, non-causally."""
+
+    config: ModelConfig
+    window: int | None = None
+
+    def setup(self):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype)
+        self.q_proj = dense(c.num_attention_heads * c.head_dim, c.qkv_bias)
+        self.k_proj = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias)
+        self.v_proj = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias)
+        self.o_proj = dense(c.hidden_size, c.o_bias)
+        self.q_norm = RMSNorm(c.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(c.rms_norm_eps, dtype)
+
+    def kv(self, x, cos, sin):
+        """Keys (normed, rotated) and values of x [batch, T, hidden] -> [batch, T, kv_heads, head_dim]."""
+        c = self.config
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
+        """x [batch, block, hidden]; ctx_k/v [batch, S, kv_heads, head_dim]; ctx_mask [batch, block, S]."""
+        c = self.config
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
+        mask = jnp.concatenate([ctx_mask, jnp.ones((b, t, t), bool)], axis=-1)  # the block is non-causal
+        q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
+        probs = attention_weights(q, keys, mask).astype(values.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+class DraftLayer(nn.Module):
+    config: ModelConfig
+    window: int | None = None
+
+    def setup(self):
+        c = self.config
+        dtype = jnp_dtype(c.dtype)
+        self.self_attn = DraftAttention(c, self.window)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+
+    def context_kv(self, ctx, cos, sin):
+        return self.self_attn.kv(ctx, cos, sin)
+
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter paths mirror the z-lab names: `fc`, `hidden_norm`, `layers_{i}/...`, `norm`."""
+
+    config: DrafterConfig
+
+    def setup(self):
+        c = self.config.model
+        dtype = jnp_dtype(c.dtype)
+        self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+        self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
+        windows = c.sliding_windows or (None,) * c.num_hidden_layers
+        self.layers = [DraftLayer(c, windows[i]) for i in range(c.num_hidden_layers)]  # layers_{i}
+        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+
+    def context(self, features):
+        """Context feature: hidden_norm(fc(concat of taps)). [batch, T, n*hidden] -> [batch, T, hidden]."""
+        return self.hidden_norm(self.fc(features.astype(jnp_dtype(self.config.model.dtype))))
+
+    def context_kv(self, features, positions):
+        """Per-layer context K/V of tap features at positions [batch, T] -> k, v [layers, batch, T, kv, hd]."""
+        ctx = self.context(features)
+        cos, sin = rope_angles(self.config.model, positions)
+        kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+
+    def __call__(self, block_embeds, positions, ctx_k, ctx_v, ctx_lengths, ctx_positions):
+        """Drafter output after its final norm, [batch, block, hidden].
+
+        block_embeds [batch, block, hidden] (target embeddings of [anchor, MASK...]);
+        positions [batch, block]; ctx_k/v [layers, batch, S, kv, hd] with ctx_lengths [batch]
+        valid entries at ctx_positions [S] (entry j holds position j).
+        """
+        c = self.config.model
+        cos, sin = rope_angles(c, positions)
+        valid = ctx_positions[None, None, :] < ctx_lengths[:, None, None]  # [batch, 1, S]
+        x = block_embeds.astype(jnp_dtype(c.dtype))
+        for i, layer in enumerate(self.layers):
+            mask = jnp.broadcast_to(valid, (x.shape[0], x.shape[1], ctx_positions.shape[0]))
+            if layer.window is not None:
+                mask &= ctx_positions[None, None, :] > positions[:, :, None] - layer.window
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.norm(x)
+
+    def _init_all(self, features, block_embeds):
+        b, t = features.shape[:2]
+        pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+        k, v = self.context_kv(features, pos)
+        return self(block_embeds, pos, k, v, jnp.full((b,), t), jnp.arange(t))
+
+
+# --------------------------------------------------------------------------- functions
+
+
+def init_drafter_params(config: DrafterConfig, rng=None):
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    d = config.model.hidden_size
+    return DFlashDrafter(config).init(
+        rng, jnp.zeros((1, 2, config.num_taps * d)), jnp.zeros((1, 2, d)), method=DFlashDrafter._init_all
+    )["params"]
+
+
+def abstract_drafter_params(config: DrafterConfig):
+    return jax.eval_shape(lambda: init_drafter_params(config))
+
+
+def init_context_cache(config: DrafterConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    c = config.model
+    dtype = dtype or jnp_dtype(c.dtype)
+    shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_tokens) -> KVCache:
+    """Commit tap features [batch, T, n*hidden] of positions lengths..lengths+T-1: their
+    K/V go into the context cache; each row's length advances by num_tokens [batch]."""
+    t = features.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    k, v = DFlashDrafter(config).apply({"params": params}, features, positions, method=DFlashDrafter.context_kv)
+    write = jax.vmap(write_rows, in_axes=(0, 0, None))  # over layers
+    return KVCache(k=write(cache.k, k, cache.lengths), v=write(cache.v, v, cache.lengths),
+                   lengths=cache.lengths + num_tokens.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def draft_hidden(params, config: DrafterConfig, block_embeds, cache: KVCache):
+    """Drafter hidden states [batch, block, hidden] (after its final norm) for a block that
+    starts at each row's context length (the anchor's position)."""
+    t = block_embeds.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    return DFlashDrafter(config).apply(
+        {"params": params}, block_embeds, positions, cache.k, cache.v, cache.lengths, jnp.arange(cache.max_len)
+    )
