@@ -222,6 +222,21 @@ def load_hf_params(
     return _unflatten(filled)
 
 
+def save_hf_params(params, path: str | Path, *, table, dtype=None):
+    """Write a parameter tree as one HF safetensors file: the table read backwards."""
+    tensors = {}
+    for flax_path, leaf in _flatten(params).items():
+        name = flax_to_hf(flax_path, table)
+        hit = hf_to_flax(name, table)
+        if hit is None or hit[0] != flax_path:
+            raise CheckpointError(f"parameter {'/'.join(flax_path)} has no HF name in the table")
+        array = np.asarray(jax.device_get(leaf))
+        if dtype is not None:
+            array = array.astype(dtype)
+        tensors[name] = array.T if hit[1].transpose else array
+    safetensors_io.save_file(tensors, path, metadata={"format": "pt"})
+
+
 # ---------------------------------------------------------------------------- converted format
 
 METADATA_FILE = "dflash_jax.json"

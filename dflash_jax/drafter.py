@@ -62,6 +62,29 @@ class DrafterConfig:
                    target_layer_ids=tuple(int(t) for t in taps),
                    num_target_layers=int(n_target) if n_target is not None else -1)
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The z-lab config.json of this drafter (SPEC section 2)."""
+        m = self.model
+        layer_types = ["sliding_attention" if w else "full_attention" for w in (m.sliding_windows or (None,) * m.num_hidden_layers)]
+        windows = [w for w in m.sliding_windows if w]
+        rope = {"rope_type": m.rope.type, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,
+                "high_freq_factor": m.rope.high_freq_factor,
+                "original_max_position_embeddings": m.rope.original_max_position_embeddings}
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+            "num_hidden_layers": m.num_hidden_layers, "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_key_value_heads, "head_dim": m.head_dim,
+            "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta,
+            "rope_scaling": None if m.rope.type == "default" else rope,
+            "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
+            "attention_bias": m.qkv_bias, "tie_word_embeddings": False, "hidden_act": "silu",
+            "num_target_layers": self.num_target_layers, "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "layer_types": layer_types, "sliding_window": windows[0] if windows else None,
+            "use_sliding_window": bool(windows), "dtype": m.dtype,
+        }
+
     @classmethod
     def from_json(cls, path, *, dtype: str | None = None) -> "DrafterConfig":
         return cls.from_hf_dict(read_config_json(path), dtype=dtype)

@@ -1,0 +1,1 @@
+"""`python -m infer`: batch generation with DFlash speculative decoding (see infer.cli)."""

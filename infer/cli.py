@@ -1,0 +1,371 @@
+"""`python -m infer`: batch generation with a target and a DFlash drafter (SPEC section 5).
+
+Reads prompts from JSONL (`input_ids`, `prompt`, `messages` or `turns`, optional `id`),
+writes one JSON line per row as rows finish, and ends with a summary (tau, acceptance
+histogram, tokens/s; with --compare-baseline the baseline's tokens/s and the speedup).
+Rerunning with the same --output skips the ids already written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_jax.errors import DFlashError
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "dflash_jax" / "demo"
+
+
+class InputError(DFlashError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m infer",
+        description="Batch generation with DFlash speculative decoding. With no --target/--drafter, "
+        "runs the bundled demo pair on its built-in prompts.",
+    )
+    p.add_argument("--target", "--model", dest="target", metavar="DIR",
+                   help="target model: Hugging Face directory or one written by dflash_jax.convert")
+    p.add_argument("--drafter", "--draft-model", dest="drafter", metavar="DIR",
+                   help="DFlash drafter (z-lab HF format or converted); without it, plain decoding")
+    p.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
+    p.add_argument("--output", metavar="FILE.jsonl",
+                   help="results, appended as rows finish; ids already there are skipped (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate per row (default 256; 40 for the demo pair)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the stop tokens")
+    p.add_argument("--compare-baseline", action="store_true",
+                   help="also time plain decoding of the same prompts and report the speedup")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="pass enable_thinking=True to the chat template (Qwen3); off by default")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt in tokens (default: the longest in the input, rounded up)")
+    p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
+    p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+# --------------------------------------------------------------------------- input
+
+
+@dataclass
+class Row:
+    id: Any
+    line: int
+    kind: str  # input_ids | prompt | messages | turns
+    value: Any
+    position: int = 0  # index among the input's rows: keys the row's random stream
+    turn_ids: list[list[int]] = field(default_factory=list)  # prompt ids, one per turn so far
+    turn_records: list[dict] = field(default_factory=list)  # finished turns of a `turns` row
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.is_file():
+        raise InputError(f"input file {path} does not exist")
+    rows, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path.name} line {n}"
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            kinds = [k for k in ("input_ids", "prompt", "messages", "turns") if k in obj]
+            if len(kinds) != 1:
+                raise InputError(f"{where}: needs exactly one of input_ids, prompt, messages, turns"
+                                 + (f" (has {', '.join(kinds)})" if kinds else ""))
+            kind, value = kinds[0], obj[kinds[0]]
+            if kind == "input_ids" and not (isinstance(value, list) and value
+                                            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+                raise InputError(f"{where}: input_ids must be a non-empty list of integers")
+            if kind == "prompt" and not isinstance(value, str):
+                raise InputError(f"{where}: prompt must be a string")
+            if kind == "messages" and not (isinstance(value, list) and value and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in value)):
+                raise InputError(f"{where}: messages must be a non-empty list of {{role, content}} strings")
+            if kind == "turns" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
+                raise InputError(f"{where}: turns must be a non-empty list of strings")
+            row_id = obj.get("id", n)
+            if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+                raise InputError(f"{where}: id must be a string or an integer")
+            if row_id in seen:
+                raise InputError(f"{where}: duplicate id {row_id!r}")
+            seen.add(row_id)
+            rows.append(Row(row_id, n, kind, value, position=len(rows)))
+    return rows
+
+
+def load_tokenizer(target_dir: Path):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((target_dir / n).is_file() for n in names):
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target_dir))
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise InputError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from None
+
+
+def encode(row: Row, tokenizer, messages: list[dict] | None, thinking: bool) -> list[int]:
+    """Token ids of a row's (current) prompt."""
+    if row.kind == "input_ids":
+        return list(row.value)
+    if tokenizer is None:
+        raise InputError(f"line {row.line}: '{row.kind}' needs a tokenizer, and the target has none")
+    if row.kind == "prompt":
+        return tokenizer(row.value, add_special_tokens=True)["input_ids"]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InputError(f"line {row.line}: '{row.kind}' needs a chat template, and the tokenizer has none")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        enable_thinking=thinking)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def prompt_budget(row: Row, tokenizer, args) -> int:
+    """Longest prompt this row will need: for `turns`, the last turn's prompt holds every
+    earlier answer (at most max_new_tokens each, plus a little for re-tokenising text)."""
+    if row.kind != "turns" or len(row.value) == 1:
+        return len(row.turn_ids[0])
+    conv = []
+    for turn in row.value[:-1]:
+        conv += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+    conv.append({"role": "user", "content": row.value[-1]})
+    return len(encode(row, tokenizer, conv, args.enable_thinking)) + (len(row.value) - 1) * (args.max_new_tokens + 8)
+
+
+def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
+    ids: list = []
+    for name in ("generation_config.json", "config.json"):
+        path = target_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return [int(i) for i in ids]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def completed_ids(path: Path) -> set:
+    """Ids already in an output file. A torn last line (an interrupted write) is cut off."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    done = set()
+    for line in data[:keep].splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "id" in obj and "error" not in obj:
+            done.add(obj["id"])
+    return done
+
+
+class Writer:
+    def __init__(self, path: Path | None):
+        self.file = open(path, "a", encoding="utf-8") if path else sys.stdout
+
+    def write(self, record: dict):
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self):
+        if self.file is not sys.stdout:
+            self.file.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.spec_decode import Generator, GenerationStats, Sampling, bucket, timed
+
+    if args.target is None and args.drafter is not None:
+        raise InputError("--drafter needs --target")
+    demo = args.target is None
+    target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
+    drafter_dir = Path(args.drafter) if args.drafter else (DEMO_DIR / "drafter" if demo else None)
+    input_path = Path(args.input) if args.input else (DEMO_DIR / "prompts.jsonl" if demo else None)
+    if input_path is None:
+        raise InputError("--input is required when --target is given")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 40 if demo else 256
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--sync-every", args.sync_every)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+
+    rows = read_rows(input_path)
+    out_path = Path(args.output) if args.output else None
+    skip = completed_ids(out_path) if out_path else set()
+    todo = [r for r in rows if r.id not in skip]
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    if demo:
+        say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
+    if skip:
+        say(f"{out_path}: {len(rows) - len(todo)} of {len(rows)} rows already done, skipping them")
+
+    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet)
+    dcfg = dparams = None
+    if drafter_dir is not None and args.block_size != 1:
+        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
+    tokenizer = load_tokenizer(target_dir)
+    stops = [] if args.ignore_eos else stop_token_ids(target_dir, tokenizer)
+
+    # Turn 1 of every row (later turns of `turns` rows are encoded as earlier ones finish).
+    conversations = {}
+    for r in todo:
+        if r.kind == "turns":
+            conversations[r.id] = [{"role": "user", "content": r.value[0]}]
+        elif r.kind == "messages":
+            conversations[r.id] = list(r.value)
+        r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
+    longest = max((prompt_budget(r, tokenizer, args) for r in todo), default=1)
+    max_prompt = args.max_prompt_len or min(bucket(longest), tcfg.max_position_embeddings)
+
+    gen = Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
+                    max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
+                    stop_token_ids=stops, sync_every=args.sync_every)
+    stats = GenerationStats(gen.spec.block_size)
+    writer = Writer(out_path)
+    errors = 0
+    try:
+        say(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}) ...")
+        t0 = time.perf_counter()
+        gen.warmup([len(r.turn_ids[0]) for r in todo] or [1])
+        say(f"compiled in {time.perf_counter() - t0:.1f}s")
+        bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet or None, file=sys.stderr)
+        pending = todo
+        turn = 0
+        while pending:
+            runnable, next_pending = [], []
+            for r in pending:
+                why = gen.check_prompt(r.turn_ids[turn])
+                if why:
+                    writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
+                    say(f"warning: id {r.id!r} (line {r.line}): {why}")
+                    errors += 1
+                    bar.update(1)
+                else:
+                    runnable.append(r)
+            by_position = {r.position: r for r in runnable}
+            results = gen.generate([r.turn_ids[turn] for r in runnable], seed=args.seed,
+                                   indices=[r.position for r in runnable])
+            for res in timed(results, stats):
+                r = by_position[res.index]
+                record = result_record(res, tokenizer)
+                if r.kind == "turns" and turn + 1 < len(r.value):
+                    # Multi-turn (z-lab benchmark format): the answer joins the conversation,
+                    # the next user turn runs in the next round.
+                    r.turn_records.append(record)
+                    conversations[r.id] += [{"role": "assistant", "content": record.get("text", "")},
+                                            {"role": "user", "content": r.value[turn + 1]}]
+                    r.turn_ids.append(encode(r, tokenizer, conversations[r.id], args.enable_thinking))
+                    next_pending.append(r)
+                    continue
+                if r.turn_records:
+                    record["turns"] = r.turn_records + [dict(record)]
+                writer.write({"id": r.id, **record})
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}")
+            pending, turn = next_pending, turn + 1
+        bar.close()
+    finally:
+        writer.close()
+
+    summary = {"rows": len(todo), "errors": errors, **stats.summary()}
+    if args.compare_baseline:
+        summary["baseline"] = baseline_summary(args, tcfg, tparams, todo, max_prompt, sampling, stops)
+        base = summary["baseline"]["tokens_per_second"]
+        summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
+    print_summary(summary, say)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def result_record(res, tokenizer) -> dict:
+    record = {"output_ids": res.output_ids}
+    if tokenizer is not None:
+        record["text"] = tokenizer.decode(res.output_ids, skip_special_tokens=True)
+    record.update(acceptance_lengths=res.acceptance_lengths, num_output_tokens=len(res.output_ids),
+                  finish_reason=res.finish_reason)
+    return record
+
+
+def baseline_summary(args, tcfg, tparams, rows, max_prompt, sampling, stops) -> dict:
+    """Plain decoding of the same first-turn prompts through the same engine, timed."""
+    from dflash_jax.spec_decode import Generator, GenerationStats, timed
+
+    gen = Generator(tcfg, tparams, block_size=1, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                    max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stops, sync_every=args.sync_every)
+    prompts = [r.turn_ids[0] for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
+    gen.warmup([len(p) for p in prompts] or [1])
+    stats = GenerationStats(1)
+    for _ in timed(gen.generate(prompts, seed=args.seed), stats):
+        pass
+    return stats.summary()
+
+
+def print_summary(s: dict, say):
+    say("")
+    say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
+        f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
+    say(f"block size {s['block_size']}: tau {s['tau']:.3f} over {s['cycles']} cycles")
+    hist = s["acceptance_histogram"]
+    if hist:
+        total = sum(hist.values())
+        say("acceptance length histogram:")
+        for k, v in hist.items():
+            say(f"  {int(k):3d}: {v:7d} ({100 * v / total:5.1f}%)")
+    if "baseline" in s:
+        say(f"baseline (block size 1): {s['baseline']['tokens_per_second']:.1f} tokens/s; speedup {s['speedup']}x")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

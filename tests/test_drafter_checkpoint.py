@@ -1,0 +1,91 @@
+"""Loading z-lab drafters: config variants, conversion, and pairs that must be refused."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from dflash_jax import CheckpointError, ConfigError, load_drafter, load_target
+from dflash_jax.convert import main as convert_main
+from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids
+from dflash_jax.spec_decode import Generator
+from fixtures import tiny
+
+
+def edited_drafter(tmp_path, edit):
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny() / "drafter", d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_default_target_layer_ids_rule():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B
+    assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)  # Llama-3.1-8B
+    assert default_target_layer_ids(6, 1) == (3,)
+
+
+def test_block_size_in_dflash_config_and_default_taps(tmp_path):
+    def edit(cfg):
+        cfg["dflash_config"] = {"mask_token_id": 511, "block_size": 4}
+        del cfg["block_size"]
+    config, _ = load_drafter(edited_drafter(tmp_path, edit))
+    assert config.block_size == 4
+    assert config.target_layer_ids == default_target_layer_ids(6, 2) == (1, 3)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+    (lambda c: c.pop("block_size"), "block_size"),
+])
+def test_drafter_config_missing_fields(tmp_path, edit, message):
+    with pytest.raises(ConfigError, match=message):
+        load_drafter(edited_drafter(tmp_path, edit))
+
+
+def test_loading_a_drafter_as_target_and_vice_versa_is_refused():
+    with pytest.raises(CheckpointError, match="holds a drafter checkpoint, not a target"):
+        load_target(tiny() / "drafter")
+    with pytest.raises(CheckpointError, match="holds a target checkpoint, not a drafter"):
+        load_drafter(tiny() / "target")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=32), "hidden_size 32 != target hidden_size 64"),
+    (dict(vocab_size=1000), "vocab_size 1000 != target vocab_size 512"),
+    (dict(target_layer_ids=(1, 6)), r"taps target layers \[6\], but the target has 6 layers"),
+    (dict(mask_token_id=512), "mask_token_id 512 is outside the target vocab"),
+])
+def test_incompatible_pairs_are_refused(change, message):
+    tc, tp = load_target(tiny() / "target")
+    dc, dp = load_drafter(tiny() / "drafter")
+    model_change = {k: v for k, v in change.items() if k in ("hidden_size", "vocab_size")}
+    dc = DrafterConfig(model=dc.model.replace(**model_change),
+                       block_size=dc.block_size,
+                       mask_token_id=change.get("mask_token_id", dc.mask_token_id),
+                       target_layer_ids=change.get("target_layer_ids", dc.target_layer_ids),
+                       num_target_layers=dc.num_target_layers)
+    with pytest.raises(ConfigError, match=message):
+        check_pair(tc, dc)
+    with pytest.raises(ConfigError, match=message):
+        Generator(tc, tp, dc, dp)
+
+
+def test_converted_drafter_drafts_identically(tmp_path):
+    out = tmp_path / "drafter-jax"
+    assert convert_main(["--hf", str(tiny() / "drafter"), "--out", str(out), "--quiet"]) == 0
+    assert json.loads((out / "dflash_jax.json").read_text())["kind"] == "drafter"
+    c_hf, p_hf = load_drafter(tiny() / "drafter")
+    c_cv, p_cv = load_drafter(out)
+    assert c_cv == c_hf
+    jax.tree.map(np.testing.assert_array_equal, p_cv, p_hf)
+    tc, tp = load_target(tiny() / "target")
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    run = lambda c, p: [r.output_ids for r in sorted(
+        Generator(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16).generate(prompts),
+        key=lambda r: r.index)]
+    assert run(c_cv, p_cv) == run(c_hf, p_hf)

@@ -1,0 +1,239 @@
+"""`python -m infer`: the JSONL contract, resume, stop tokens, chat inputs, bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import DrafterConfig, init_drafter_params
+from dflash_jax import load_target
+from dflash_jax.spec_decode import Generator
+from fixtures import tiny
+from infer.cli import main
+from tiny import make_model, save_model
+
+FIELDS = ["id", "output_ids", "acceptance_lengths", "num_output_tokens", "finish_reason"]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ----------------------------------------------------------------------------- demo pair
+
+
+def test_demo_run_reproduces_the_reference(tmp_path, capsys):
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    assert main(["--output", str(out), "--summary-json", str(summary)]) == 0
+    err = capsys.readouterr().err
+    assert "bundled demo pair" in err and "tau" in err and "tokens/s" in err
+    records = read_jsonl(out)
+    cases = json.loads((tiny() / "greedy_cases.json").read_text())
+    assert sorted(r["id"] for r in records) == [f"demo-{i}" for i in range(8)]
+    for r in records:
+        assert list(r) == FIELDS  # no tokenizer in the demo pair: no text
+        i = int(r["id"].split("-")[1])
+        assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
+        assert r["acceptance_lengths"] == cases["acceptance_lengths"][i]
+        assert r["num_output_tokens"] == 40 and r["finish_reason"] == "length"
+    s = json.loads(summary.read_text())
+    all_acc = [a for r in records for a in r["acceptance_lengths"]]
+    assert s["tau"] == pytest.approx(np.mean(all_acc), abs=1e-3)
+    assert s["cycles"] == len(all_acc) and s["output_tokens"] == 320
+    assert sum(s["acceptance_histogram"].values()) == len(all_acc)
+
+
+def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path):
+    full = tmp_path / "full.jsonl"
+    assert main(["--output", str(full), "--quiet"]) == 0
+    by_id = {r["id"]: r for r in read_jsonl(full)}
+
+    partial = tmp_path / "partial.jsonl"
+    kept = [dict(by_id["demo-3"], output_ids=[-7]), by_id["demo-5"]]  # a marker proves no rerun
+    partial.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"id": "demo-1", "output_')
+    assert main(["--output", str(partial), "--quiet"]) == 0
+    records = read_jsonl(partial)  # every line parses: the torn line is gone
+    assert sorted(r["id"] for r in records) == sorted(by_id)
+    got = {r["id"]: r for r in records}
+    assert got["demo-3"]["output_ids"] == [-7]
+    for i in by_id:
+        if i != "demo-3":
+            assert got[i] == by_id[i]
+    # Nothing left to do: a third run adds nothing.
+    assert main(["--output", str(partial), "--quiet"]) == 0
+    assert len(read_jsonl(partial)) == 8
+
+
+def test_block_size_one_is_the_baseline_with_the_same_tokens(tmp_path, capsys):
+    spec, base = tmp_path / "spec.jsonl", tmp_path / "base.jsonl"
+    assert main(["--output", str(spec), "--quiet"]) == 0
+    summary = tmp_path / "s.json"
+    assert main(["--output", str(base), "--block-size", "1", "--summary-json", str(summary), "--quiet"]) == 0
+    s, b = {r["id"]: r for r in read_jsonl(spec)}, {r["id"]: r for r in read_jsonl(base)}
+    for i in s:
+        assert s[i]["output_ids"] == b[i]["output_ids"]
+        assert set(b[i]["acceptance_lengths"]) == {1}
+    assert json.loads(summary.read_text())["tau"] == 1.0
+
+
+def test_compare_baseline_reports_speedup(tmp_path):
+    summary = tmp_path / "s.json"
+    assert main(["--output", str(tmp_path / "o.jsonl"), "--compare-baseline", "--summary-json", str(summary),
+                 "--quiet", "--max-new-tokens", "16"]) == 0
+    s = json.loads(summary.read_text())
+    assert s["baseline"]["block_size"] == 1 and s["baseline"]["tau"] == 1.0
+    assert s["baseline"]["output_tokens"] == s["output_tokens"] == 8 * 16
+    assert s["speedup"] == pytest.approx(s["tokens_per_second"] / s["baseline"]["tokens_per_second"], rel=1e-2)
+
+
+def test_stop_tokens_come_from_the_generation_config(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(tiny() / "target", target)
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": [5, 6, 7, 8]}])
+    common = ["--target", str(target), "--drafter", str(tiny() / "drafter"), "--input", str(prompts),
+              "--max-new-tokens", "30", "--quiet"]
+    assert main(common + ["--output", str(tmp_path / "a.jsonl")]) == 0
+    plain = read_jsonl(tmp_path / "a.jsonl")[0]["output_ids"]
+    stop = plain[6]
+    cut = plain[:plain.index(stop) + 1]
+    gen_cfg = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": [999, stop]}))
+    assert main(common + ["--output", str(tmp_path / "b.jsonl")]) == 0
+    r = read_jsonl(tmp_path / "b.jsonl")[0]
+    assert r["output_ids"] == cut and r["finish_reason"] == "stop" and r["num_output_tokens"] == len(cut)
+    assert main(common + ["--output", str(tmp_path / "c.jsonl"), "--ignore-eos"]) == 0
+    assert read_jsonl(tmp_path / "c.jsonl")[0]["output_ids"] == plain
+
+
+# ----------------------------------------------------------------------------- chat inputs
+
+WORDS = [f"w{i}" for i in range(150)] + ["user", "assistant", "system"]
+TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """A tiny random target with a word-level tokenizer and chat template, and a random drafter."""
+    root = tmp_path_factory.mktemp("chat")
+    target = save_model(make_model("qwen3", seed=7), root / "target")
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "</s>", "<|im_start|>", "<|im_end|>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(target)
+    tcfg = ModelConfig.from_json(target / "config.json")
+    dcfg = DrafterConfig(model=tcfg.replace(num_hidden_layers=1, sliding_windows=(None,), qk_norm=True),
+                         block_size=4, mask_token_id=1, target_layer_ids=(1, 2), num_target_layers=4)
+    drafter = root / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(dcfg.to_hf_dict()))
+    save_hf_params(init_drafter_params(dcfg, jax.random.PRNGKey(1)), drafter / "model.safetensors", table=DRAFTER_TABLE)
+    return target, drafter, fast
+
+
+def test_prompt_messages_turns_and_input_ids(chat_pair, tmp_path):
+    target, drafter, tokenizer = chat_pair
+    rows = [
+        {"id": "p", "prompt": "w1 w2 w3"},
+        {"id": "m", "messages": [{"role": "system", "content": "w9"}, {"role": "user", "content": "w4 w5"}]},
+        {"id": "t", "turns": ["w6 w7", "w8"]},
+        {"input_ids": [10, 11, 12]},
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(target), "--drafter", str(drafter), "--input", str(inp), "--output", str(out),
+                 "--max-new-tokens", "6", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert set(got) == {"p", "m", "t", 4}  # a row without id is named by its line number
+    for r in got.values():
+        assert r["num_output_tokens"] == 6 and r["text"] == tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+
+    tcfg, tparams = load_target(target)
+    plain = Generator(tcfg, tparams, max_new_tokens=6, max_prompt_len=64)
+    first = lambda ids: next(plain.generate([ids])).output_ids
+    assert got["p"]["output_ids"] == first(tokenizer("w1 w2 w3")["input_ids"])
+    msgs = rows[1]["messages"]
+    assert got["m"]["output_ids"] == first(list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]))
+    assert got[4]["output_ids"] == first([10, 11, 12])
+    # turns: the first answer joins the conversation before the second user turn.
+    t = got["t"]
+    assert len(t["turns"]) == 2 and t["output_ids"] == t["turns"][1]["output_ids"]
+    conv = [{"role": "user", "content": "w6 w7"}]
+    assert t["turns"][0]["output_ids"] == first(list(tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"]))
+    conv += [{"role": "assistant", "content": t["turns"][0]["text"]}, {"role": "user", "content": "w8"}]
+    assert t["output_ids"] == first(list(tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"]))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def run_cli(args):
+    proc = subprocess.run([sys.executable, "-m", "infer", *args], capture_output=True, text=True)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"input_ids": [1, 2]}', "{not json"], "line 2: not valid JSON"),
+    (['[1, 2]'], "line 1: expected a JSON object"),
+    (['{"id": 1}'], "line 1: needs exactly one of input_ids, prompt, messages, turns"),
+    (['{"input_ids": [1, "a"]}'], "line 1: input_ids must be a non-empty list of integers"),
+    (['{"id": 1, "input_ids": [1]}', '{"id": 1, "input_ids": [2]}'], "line 2: duplicate id 1"),
+    (['{"prompt": "hello"}'], "'prompt' needs a tokenizer"),
+])
+def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    code = main(["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
+                 "--input", str(inp), "--output", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not out.exists() or out.read_text() == ""
+
+
+def test_missing_files_and_incompatible_drafter(tmp_path):
+    code, err = run_cli(["--target", str(tmp_path / "nope"), "--input", str(tmp_path / "x.jsonl")])
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
+    code, err = run_cli(["--target", str(tiny() / "target"), "--input", str(tmp_path / "in.jsonl"),
+                         "--drafter", str(tmp_path / "nope")])
+    assert code == 2 and "nope does not exist" in err
+    bad = tmp_path / "drafter"
+    shutil.copytree(tiny() / "drafter", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 7]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    code, err = run_cli(["--target", str(tiny() / "target"), "--drafter", str(bad), "--input", str(tmp_path / "in.jsonl")])
+    assert code == 2 and "taps target layers [7], but the target has 6 layers" in err, err
+    code, err = run_cli(["--drafter", str(tiny() / "drafter")])
+    assert code == 2 and "--drafter needs --target" in err
+
+
+def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys):
+    rows = [{"id": "ok", "input_ids": [1, 2, 3]}, {"id": "long", "input_ids": [5] * 40}, {"id": "ok2", "input_ids": [4]}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
+                 "--output", str(out), "--max-prompt-len", "16", "--max-new-tokens", "5", "--quiet"]) == 0
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert got["long"] == {"id": "long", "error": "line 2: prompt of 40 tokens is longer than the context (16 tokens)"}
+    assert got["ok"]["num_output_tokens"] == 5 and got["ok2"]["num_output_tokens"] == 5
+    # An error row is retried on resume (it is not counted as done).
+    assert main(["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
+                 "--output", str(out), "--max-new-tokens", "5", "--quiet"]) == 0
+    assert read_jsonl(out)[-1]["id"] == "long" and read_jsonl(out)[-1]["num_output_tokens"] == 5
