@@ -19,7 +19,9 @@ from typing import Any
 
 from dflash_jax.errors import DFlashError
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "dflash_jax" / "demo"
+import dflash_jax
+
+DEMO_DIR = Path(dflash_jax.__file__).resolve().parent / "demo"
 
 
 class InputError(DFlashError):
