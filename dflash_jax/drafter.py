@@ -140,8 +140,9 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
-        """x [batch, block, hidden]; ctx_k/v [batch, S, kv_heads, head_dim]; ctx_mask [batch, block, S]."""
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask=None):
+        """x [batch, block, hidden]; ctx_k/v [batch, S, kv_heads, head_dim]; ctx_mask [batch, block, S];
+        block_mask [batch, block, block] (default: all true, one non-causal block)."""
         c = self.config
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
@@ -149,7 +150,9 @@ class DraftAttention(nn.Module):
         k, v = self.kv(x, cos, sin)
         keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
-        mask = jnp.concatenate([ctx_mask, jnp.ones((b, t, t), bool)], axis=-1)  # the block is non-causal
+        if block_mask is None:
+            block_mask = jnp.ones((b, t, t), bool)  # the block is non-causal
+        mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)
         q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
         probs = attention_weights(q, keys, mask).astype(values.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, -1)
@@ -171,8 +174,8 @@ class DraftLayer(nn.Module):
     def context_kv(self, ctx, cos, sin):
         return self.self_attn.kv(ctx, cos, sin)
 
-    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -219,6 +222,26 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
         return self.norm(x)
 
+    def train_hidden(self, block_embeds, block_positions, features, ctx_mask, block_mask):
+        """All blocks of a sequence in one pass (training).
+
+        block_embeds [batch, N*B, hidden] at block_positions [batch, N*B]; features
+        [batch, S, n*hidden] of positions 0..S-1; ctx_mask [batch, N*B, S] (a block sees context
+        strictly before its anchor); block_mask [batch, N*B, N*B] (a block sees itself only).
+        """
+        c = self.config.model
+        s = features.shape[1]
+        ctx_pos = jnp.broadcast_to(jnp.arange(s), features.shape[:2])
+        ctx_k, ctx_v = self.context_kv(features, ctx_pos)
+        cos, sin = rope_angles(c, block_positions)
+        x = block_embeds.astype(jnp_dtype(c.dtype))
+        for i, layer in enumerate(self.layers):
+            mask = ctx_mask
+            if layer.window is not None:
+                mask &= jnp.arange(s)[None, None, :] > block_positions[:, :, None] - layer.window
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask, block_mask)
+        return self.norm(x)
+
     def _init_all(self, features, block_embeds):
         b, t = features.shape[:2]
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -229,6 +252,7 @@ class DFlashDrafter(nn.Module):
 # --------------------------------------------------------------------------- functions
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_drafter_params(config: DrafterConfig, rng=None):
     rng = jax.random.PRNGKey(0) if rng is None else rng
     d = config.model.hidden_size

@@ -260,6 +260,7 @@ class ForwardOutput:
     cache: KVCache
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, rng=None):
     """Random parameters (for tests and shape discovery)."""
     rng = jax.random.PRNGKey(0) if rng is None else rng

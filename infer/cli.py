@@ -215,7 +215,9 @@ class Writer:
 # --------------------------------------------------------------------------- main
 
 
-def run(args) -> int:
+def run(args, make_record=None) -> int:
+    """The whole job. make_record(row, record, conversation) -> dict, if given, shapes each
+    output line (train.generate_data writes conversations with it)."""
     from tqdm import tqdm
 
     from dflash_jax.checkpoint import load_drafter, load_target
@@ -307,7 +309,10 @@ def run(args) -> int:
                     continue
                 if r.turn_records:
                     record["turns"] = r.turn_records + [dict(record)]
-                writer.write({"id": r.id, **record})
+                if make_record is not None:
+                    writer.write(make_record(r, record, conversations.get(r.id)))
+                else:
+                    writer.write({"id": r.id, **record})
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}")
             pending, turn = next_pending, turn + 1

@@ -1,0 +1,117 @@
+"""Training data: conversations JSONL -> fixed-length (tokens, loss_mask) batches with grain.
+
+A conversation line is one of
+  {"messages": [...]}                      chat; the target's template is applied and the
+                                           loss mask covers the assistant turns only;
+  {"prompt_ids": [...], "response_ids": [...]}   token ids (no tokenizer needed); the
+                                           loss mask covers the response;
+  {"input_ids": [...], "loss_mask": [...]}  already tokenised.
+`python -m train.generate_data` writes the first two forms from the target's own outputs.
+
+The pipeline is a grain `MapDataset`: shuffled by seed with a new order every epoch,
+repeated for the epochs, sharded by process (process p takes elements p, p+P, ... so the
+global batch is the same set for any process count), batched. Its iterator state is a
+small dict that checkpoints with the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from dflash_jax.errors import DFlashError
+
+
+class DataError(DFlashError):
+    pass
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path.name} line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path.name} line {n}: expected a JSON object")
+            if "error" in obj:
+                continue  # a row generation could not run
+            obj["_line"] = n
+            records.append(obj)
+    if not records:
+        raise DataError(f"{path} holds no conversations")
+    return records
+
+
+def _template(tokenizer, messages, *, generation_prompt: bool, thinking: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        enable_thinking=thinking)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode(record: dict, tokenizer=None, *, thinking: bool = False) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one conversation."""
+    where = f"line {record.get('_line', '?')}"
+    if "input_ids" in record:
+        ids, mask = list(record["input_ids"]), list(record.get("loss_mask", []))
+        if len(mask) != len(ids):
+            raise DataError(f"{where}: input_ids and loss_mask differ in length")
+        return ids, [int(bool(m)) for m in mask]
+    if "messages" in record and tokenizer is not None:
+        messages = record["messages"]
+        full = _template(tokenizer, messages, generation_prompt=False, thinking=thinking)
+        mask = [0] * len(full)
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            # The assistant's tokens are what its turn adds after the generation prompt.
+            before = _template(tokenizer, messages[:i], generation_prompt=True, thinking=thinking)
+            upto = _template(tokenizer, messages[:i + 1], generation_prompt=False, thinking=thinking)
+            if full[:len(upto)] != upto or upto[:len(before)] != before:
+                raise DataError(f"{where}: the chat template does not render the conversation incrementally")
+            for j in range(len(before), len(upto)):
+                mask[j] = 1
+        return full, mask
+    if "prompt_ids" in record and "response_ids" in record:
+        p, r = list(record["prompt_ids"]), list(record["response_ids"])
+        return p + r, [0] * len(p) + [1] * len(r)
+    raise DataError(f"{where}: needs messages (with a tokenizer), prompt_ids + response_ids, or input_ids + loss_mask")
+
+
+def fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Truncate or right-pad to seq_len; padding carries no loss."""
+    ids, mask = ids[:seq_len], mask[:seq_len]
+    n = len(ids)
+    tokens = np.full((seq_len,), pad_id, np.int32)
+    loss_mask = np.zeros((seq_len,), np.int32)
+    tokens[:n], loss_mask[:n] = ids, mask
+    return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+def make_dataset(records: list[dict], tokenizer, *, seq_len: int, global_batch: int, seed: int, epochs: int,
+                 process_index: int = 0, process_count: int = 1, pad_id: int = 0, thinking: bool = False):
+    """grain MapDataset of this process's batches {tokens, loss_mask: [global_batch / P, S]}."""
+    if global_batch % process_count:
+        raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
+    ds = grain.MapDataset.source(records).map(
+        lambda r: fit(*encode(r, tokenizer, thinking=thinking), seq_len, pad_id))
+    ds = ds.shuffle(seed=seed).repeat(epochs)
+    ds = ds[process_index::process_count]
+    return ds.batch(global_batch // process_count, drop_remainder=True)
+
+
+def steps_per_epoch(num_records: int, global_batch: int) -> int:
+    return num_records // global_batch

@@ -1,0 +1,203 @@
+"""Drafter training (SPEC section 3): random anchors, all blocks of a sequence in one pass,
+decay-weighted cross-entropy, AdamW. Pure functions; the loop lives in `train/`.
+
+For a sequence of S tokens with loss mask m, up to N anchors are drawn uniformly without
+replacement among positions i with m[i] and m[i+1]. Block j is `[x_a, MASK x (B-1)]` at
+positions a..a+B-1; its slot k (1..B-1) predicts x_{a+k} with weight exp(-(k-1)/gamma),
+zero past the end or outside the mask. The frozen target computes the tap features of the
+whole sequence inside the step; a query of block j sees context positions < a_j and every
+slot of block j, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import DFlashDrafter, DrafterConfig
+from dflash_jax.model import CausalLM, forward, init_cache
+
+LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
+
+
+def default_gamma(block_size: int) -> float:
+    return LOSS_GAMMA.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+# --------------------------------------------------------------------------- anchors and layout
+
+
+def sample_anchors(key, loss_mask, num_anchors: int):
+    """Anchors [batch, N] (ascending) and their validity [batch, N].
+
+    Uniform without replacement among positions i with loss_mask[i] and loss_mask[i+1];
+    a sequence with fewer eligible positions than N gets invalid (masked) extra anchors.
+    """
+    b, s = loss_mask.shape
+    mask = loss_mask.astype(bool)
+    eligible = mask & jnp.concatenate([mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    scores = jnp.where(eligible, jax.random.uniform(key, (b, s)), -1.0)
+    values, idx = jax.lax.top_k(scores, num_anchors)
+    valid = values >= 0
+    # Ascending positions (invalid ones last) keep blocks in sequence order.
+    order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)
+    return jnp.take_along_axis(idx, order, 1).astype(jnp.int32), jnp.take_along_axis(valid, order, 1)
+
+
+@struct.dataclass
+class BlockLayout:
+    """Static-shape description of N blocks of B slots for a batch of sequences of S tokens."""
+
+    tokens: jax.Array  # [batch, N*B] drafter input: [x_a, MASK, ...] per block
+    positions: jax.Array  # [batch, N*B] a..a+B-1 per block
+    ctx_mask: jax.Array  # [batch, N*B, S] context position < anchor
+    block_mask: jax.Array  # [N*B, N*B] same block
+    targets: jax.Array  # [batch, N, B] x_{a+k} (slot 0 unused)
+    weights: jax.Array  # [batch, N, B] decay weight, 0 where no loss
+
+
+def block_layout(tokens, loss_mask, anchors, anchor_valid, *, block_size: int, mask_token_id: int,
+                 gamma: float) -> BlockLayout:
+    b, s = tokens.shape
+    n = anchors.shape[1]
+    k = jnp.arange(block_size)
+    pos = anchors[:, :, None] + k[None, None, :]  # [b, N, B]
+    in_range = pos < s
+    safe = jnp.minimum(pos, s - 1)
+    targets = jnp.take_along_axis(tokens, safe.reshape(b, -1), 1).reshape(b, n, block_size)
+    covered = jnp.take_along_axis(loss_mask.astype(bool), safe.reshape(b, -1), 1).reshape(b, n, block_size)
+    decay = jnp.where(k >= 1, jnp.exp(-(k - 1) / gamma), 0.0)
+    weights = decay[None, None, :] * (in_range & covered & anchor_valid[:, :, None])
+    block_tokens = jnp.where(k[None, None, :] == 0, targets[:, :, :1], mask_token_id)
+    ctx_mask = jnp.arange(s)[None, None, :] < jnp.repeat(anchors, block_size, axis=1)[:, :, None]
+    block_ids = jnp.repeat(jnp.arange(n), block_size)
+    return BlockLayout(
+        tokens=block_tokens.reshape(b, n * block_size).astype(jnp.int32),
+        positions=pos.reshape(b, n * block_size).astype(jnp.int32),
+        ctx_mask=ctx_mask,
+        block_mask=block_ids[:, None] == block_ids[None, :],
+        targets=targets.astype(jnp.int32),
+        weights=weights.astype(jnp.float32),
+    )
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def chunked_cross_entropy(hidden, head_fn, targets, chunk: int):
+    """Cross-entropy and correctness of rows of hidden [M, D] under head_fn (-> logits),
+    `chunk` rows at a time with rematerialisation, so [M, vocab] logits never exist at once.
+    Returns (ce [M], correct [M] bool)."""
+    m = hidden.shape[0]
+    pad = -m % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one(h_c, t_c):
+        logits = head_fn(h_c).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t_c[:, None], 1)[:, 0]
+        return lse - picked, jnp.argmax(logits, -1) == t_c
+
+    ce, correct = jax.lax.map(lambda xs: one(*xs), (h, t))
+    return ce.reshape(-1)[:m], correct.reshape(-1)[:m]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """Static parts of the loss (hashable: a jit static argument)."""
+
+    target: ModelConfig
+    drafter: DrafterConfig  # its model dtype is the compute dtype
+    num_anchors: int
+    gamma: float
+    ce_chunk: int = 1024
+
+
+def target_features(tparams, target: ModelConfig, tokens, taps):
+    """Tap features [batch, S, n*hidden] of the frozen target over whole sequences."""
+    b, s = tokens.shape
+    out = forward(tparams, target, tokens, init_cache(target, b, s), taps=taps, return_logits=False)
+    return jax.lax.stop_gradient(out.tap_features)
+
+
+def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
+    """Weighted cross-entropy of all blocks of a batch. tokens, loss_mask [batch, S].
+    Returns (loss, metrics) with per-slot accuracy and the tau estimate."""
+    d = spec.drafter
+    bsz = d.block_size
+    features = target_features(tparams, spec.target, tokens, d.target_layer_ids)
+    anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors)
+    lay = block_layout(tokens, loss_mask, anchors, valid, block_size=bsz, mask_token_id=d.mask_token_id,
+                       gamma=spec.gamma)
+    target_model = CausalLM(spec.target)
+    embeds = jax.lax.stop_gradient(target_model.apply({"params": tparams}, lay.tokens, method=CausalLM.embed))
+    compute = jax.tree.map(lambda p: p.astype(embeds.dtype) if d.model.dtype == "bfloat16" else p, dparams)
+    hidden = DFlashDrafter(d).apply(
+        {"params": compute}, embeds, lay.positions, features, lay.ctx_mask,
+        jnp.broadcast_to(lay.block_mask, lay.ctx_mask.shape[:1] + lay.block_mask.shape),
+        method=DFlashDrafter.train_hidden,
+    )
+    b, n = anchors.shape
+    hidden = hidden.reshape(b, n, bsz, -1)[:, :, 1:]  # slot 0 carries no loss
+    head = lambda h: target_model.apply({"params": tparams}, h.astype(embeds.dtype), method=CausalLM.logits)
+    ce, correct = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head,
+                                        lay.targets[:, :, 1:].reshape(-1), spec.ce_chunk)
+    weights = lay.weights[:, :, 1:]
+    ce, correct = ce.reshape(weights.shape), correct.reshape(weights.shape)
+    total = weights.sum()
+    loss = (ce * weights).sum() / jnp.maximum(total, 1e-9)
+
+    has_loss = weights > 0
+    slot_acc = (correct & has_loss).sum((0, 1)) / jnp.maximum(has_loss.sum((0, 1)), 1)
+    # Teacher-forced acceptance: the accepted prefix of each block, as in a decoding cycle.
+    accepted = jnp.cumprod(correct & has_loss, axis=-1).sum(-1)
+    blocks = valid.sum()
+    tau = 1.0 + (accepted * valid).sum() / jnp.maximum(blocks, 1)
+    metrics = dict(loss=loss, tau_estimate=tau, slot_accuracy=slot_acc, anchors=blocks,
+                   weight_sum=total)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- optimiser and step
+
+
+def make_optimizer(lr: float, total_steps: int, warmup_ratio: float = 0.04, clip: float = 1.0,
+                   weight_decay: float = 0.01, b1: float = 0.9, b2: float = 0.95):
+    """AdamW with linear warmup + cosine decay and global-norm clipping (SPEC section 3)."""
+    warmup = max(1, int(round(warmup_ratio * total_steps)))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)), schedule
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict  # drafter parameters, float32
+    opt_state: optax.OptState
+
+
+def init_train_state(params, tx) -> TrainState:
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "tx"), donate_argnames=("state",))
+def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec: LossSpec, tx):
+    """One optimiser step. Anchors are keyed by (seed, step): redrawn every time a
+    sequence is seen again, and identical when a resumed run replays a step."""
+    key = jax.random.fold_in(seed_key, state.step)
+    (loss, metrics), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
+        state.params, tparams, spec, tokens, loss_mask, key)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

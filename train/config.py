@@ -1,0 +1,119 @@
+"""Training configuration: YAML file + `key.sub=value` overrides over these defaults.
+
+Unknown keys are errors (a typo must not silently train with a default).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_jax.errors import DFlashError
+
+DEFAULTS: dict[str, Any] = {
+    "target": None,  # HF or converted target directory (required)
+    "target_dtype": None,  # default: the checkpoint's
+    "data": {
+        "conversations": None,  # conversations JSONL (required)
+        "generate_from": None,  # prompts JSONL: regenerate responses with the target first
+        "generate_max_new_tokens": 256,
+        "generate_batch_size": 8,
+        "seq_len": 3072,
+        "eval_holdout": 8,  # conversations held out: their prompts measure real tau
+        "enable_thinking": False,
+    },
+    "drafter": {
+        "init": None,  # an existing drafter (HF or converted) to continue from
+        "num_hidden_layers": 5,
+        "block_size": 16,
+        "target_layer_ids": None,  # default: the reference rule
+        "mask_token_id": None,  # default: the first id past the tokenizer, else vocab_size - 1
+        "intermediate_size": None,  # default: the target's
+    },
+    "train": {
+        "output_dir": None,  # required
+        "seed": 0,
+        "global_batch": 8,
+        "epochs": 6,
+        "steps": None,  # default: epochs * conversations / global_batch
+        "lr": 6e-4,
+        "warmup_ratio": 0.04,
+        "weight_decay": 0.01,
+        "clip": 1.0,
+        "num_anchors": 512,
+        "gamma": None,  # default: 7 (B=16), 5 (B=10), 4 (B=8)
+        "compute_dtype": "bfloat16",
+        "ce_chunk": 2048,
+        "log_every": 10,
+        "save_every": 200,
+        "keep": 3,
+        "eval_every": 500,
+        "eval_max_new_tokens": 128,
+        "eval_batch_size": 8,
+    },
+}
+
+
+class TrainConfigError(DFlashError):
+    pass
+
+
+def _parse_value(text: str):
+    value = yaml.safe_load(text)
+    return value
+
+
+def _merge(base: dict, update: dict, where: str):
+    for key, value in update.items():
+        if key not in base:
+            raise TrainConfigError(f"unknown config key {where}{key!r}; known: {', '.join(sorted(base))}")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise TrainConfigError(f"config key {where}{key} must be a mapping")
+            _merge(base[key], value, f"{where}{key}.")
+        else:
+            base[key] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    config = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise TrainConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise TrainConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise TrainConfigError(f"{path} must hold a mapping")
+        _merge(config, loaded, "")
+        # Relative paths in a config file are relative to the working directory.
+    for item in overrides:
+        if "=" not in item:
+            raise TrainConfigError(f"override {item!r} is not key=value")
+        key, text = item.split("=", 1)
+        node, parts = {}, key.split(".")
+        cur = node
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = _parse_value(text)
+        _merge(config, node, "")
+    for key in ("target", "data.conversations", "train.output_dir"):
+        value = config
+        for p in key.split("."):
+            value = value[p]
+        if value in (None, ""):
+            raise TrainConfigError(f"config needs {key}")
+    t = config["train"]
+    if t["compute_dtype"] not in ("float32", "bfloat16"):
+        raise TrainConfigError(f"train.compute_dtype must be float32 or bfloat16, got {t['compute_dtype']!r}")
+    for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk"):
+        if not isinstance(t[key], int) or t[key] < 1:
+            raise TrainConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
+    if config["drafter"]["block_size"] < 2:
+        raise TrainConfigError("drafter.block_size must be >= 2")
+    return config

@@ -1,0 +1,51 @@
+"""`python -m train.generate_data`: the target regenerates the responses of a prompt set.
+
+DFlash drafters learn to predict what *their target* would write, so training data is the
+target's own output: this runs `python -m infer` (same flags, same batch engine, same resume:
+rerunning with the same --output skips finished ids) and writes conversation lines:
+
+  {"id", "messages": [..., {"role": "assistant", "content": answer}]}   chat prompts, with a tokenizer
+  {"id", "prompt": text, "response": text}                              raw text prompts
+and always "prompt_ids" (the exact prompt tokens) and "response_ids" (the target's tokens),
+plus "finish_reason". `turns` rows keep every turn's answer in "messages".
+"""
+
+from __future__ import annotations
+
+import sys
+
+from infer.cli import build_parser, run
+from dflash_jax.errors import DFlashError
+
+
+def conversation_record(row, record, conversation) -> dict:
+    out = {"id": row.id}
+    text = record.get("text")
+    if conversation is not None and text is not None:
+        out["messages"] = list(conversation) + [{"role": "assistant", "content": text}]
+    elif row.kind == "prompt" and text is not None:
+        out["prompt"], out["response"] = row.value, text
+    out["prompt_ids"] = row.turn_ids[-1]
+    out["response_ids"] = record["output_ids"]
+    out["finish_reason"] = record["finish_reason"]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    parser.prog = "python -m train.generate_data"
+    parser.description = ("Regenerate responses with the target (optionally sped up by a drafter) and write "
+                          "conversations JSONL for `python -m train`. Same flags as `python -m infer`.")
+    args = parser.parse_args(argv)
+    if args.output is None:
+        print("error: --output is required", file=sys.stderr)
+        return 2
+    try:
+        return run(args, make_record=conversation_record)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

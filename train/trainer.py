@@ -1,0 +1,283 @@
+"""The training loop, top to bottom: load the frozen target, (re)generate data, build the
+drafter, then steps with logging, evaluation by real speculative decoding, and atomic
+orbax checkpoints that resume bit-identically."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.checkpoint import load_drafter, load_target
+from dflash_jax.data import encode, make_dataset, read_jsonl
+from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids, init_drafter_params
+from dflash_jax.errors import DFlashError
+from dflash_jax.spec_decode import GenerationStats, Generator
+from dflash_jax.training import LossSpec, TrainState, default_gamma, init_train_state, make_optimizer, train_step
+from train.config import TrainConfigError, load_config
+
+CHECKPOINTS = "checkpoints"
+DRAFTER_CONFIG = "drafter_config.json"  # z-lab config of the drafter being trained
+METRICS = "metrics.jsonl"
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def log(*a):
+    if jax.process_index() == 0:
+        print(*a, file=sys.stderr, flush=True)
+
+
+def ensure_data(cfg: dict, tokenizer_dir: Path):
+    """Regenerate responses with the target when `data.generate_from` is set (resumable)."""
+    d = cfg["data"]
+    if not d["generate_from"]:
+        return
+    from infer.cli import build_parser, run
+    from train.generate_data import conversation_record
+
+    argv = ["--target", str(cfg["target"]), "--input", str(d["generate_from"]), "--output", str(d["conversations"]),
+            "--max-new-tokens", str(d["generate_max_new_tokens"]), "--batch-size", str(d["generate_batch_size"]),
+            "--quiet"]
+    if cfg["target_dtype"]:
+        argv += ["--dtype", cfg["target_dtype"]]
+    log(f"regenerating responses with the target: {d['generate_from']} -> {d['conversations']}")
+    Path(d["conversations"]).parent.mkdir(parents=True, exist_ok=True)
+    run(build_parser().parse_args(argv), make_record=conversation_record)
+
+
+def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:
+    d = cfg["drafter"]
+    n = d["num_hidden_layers"]
+    mask = d["mask_token_id"]
+    if mask is None:
+        first_free = len(tokenizer) if tokenizer is not None else tcfg.vocab_size - 1
+        mask = first_free if first_free < tcfg.vocab_size else tcfg.vocab_size - 1
+    taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
+    model = tcfg.replace(model_type="qwen3", num_hidden_layers=n, qk_norm=True, qkv_bias=False, o_bias=False,
+                         mlp_bias=False, tie_word_embeddings=False, sliding_windows=(None,) * n,
+                         intermediate_size=d["intermediate_size"] or tcfg.intermediate_size, dtype=compute_dtype)
+    return DrafterConfig(model=model, block_size=d["block_size"], mask_token_id=int(mask),
+                         target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers)
+
+
+def eval_prompts(records, tokenizer, thinking: bool) -> list[list[int]]:
+    prompts = []
+    for r in records:
+        if "prompt_ids" in r:
+            prompts.append(list(r["prompt_ids"]))
+        else:
+            ids, mask = encode(r, tokenizer, thinking=thinking)
+            first = mask.index(1) if 1 in mask else len(ids)
+            prompts.append(ids[:first])
+    return [p for p in prompts if p]
+
+
+def checkpoint_manager(out: Path, cfg: dict):
+    import orbax.checkpoint as ocp
+
+    t = cfg["train"]
+    options = ocp.CheckpointManagerOptions(max_to_keep=t["keep"], create=True)
+    return ocp.CheckpointManager((out / CHECKPOINTS).absolute(), options=options,
+                                 item_names=("state", "data"))
+
+
+def save(mngr, step: int, state: TrainState, data_state: dict):
+    import orbax.checkpoint as ocp
+
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            data=ocp.args.JsonSave(data_state)), force=True)
+
+
+def restore(mngr, step: int, abstract_state):
+    import orbax.checkpoint as ocp
+
+    got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                     data=ocp.args.JsonRestore()))
+    return got["state"], got["data"]
+
+
+def trim_metrics(path: Path, upto_step: int):
+    """After a resume, drop metric lines of steps that will run again."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= upto_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            pass
+    path.write_text("".join(l + "\n" for l in keep))
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+class TauEvaluator:
+    """Real speculative decoding on held-out prompts with the current drafter weights."""
+
+    def __init__(self, tcfg, tparams, dcfg: DrafterConfig, prompts, max_new: int, batch: int):
+        self.dcfg = DrafterConfig(model=dcfg.model.replace(dtype=tcfg.dtype), block_size=dcfg.block_size,
+                                  mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
+                                  num_target_layers=dcfg.num_target_layers)
+        self.prompts = prompts
+        self.tcfg, self.tparams = tcfg, tparams
+        self.max_new, self.batch = max_new, batch
+        self.gen = None
+
+    def __call__(self, params) -> dict:
+        cast = jax.tree.map(lambda p: p.astype(jnp.dtype(self.tcfg.dtype)), params)
+        if self.gen is None:  # one Generator: later evaluations reuse its compilation
+            self.gen = Generator(self.tcfg, self.tparams, self.dcfg, cast, batch_size=self.batch,
+                                 max_new_tokens=self.max_new, max_prompt_len=max(len(p) for p in self.prompts))
+        self.gen.dparams = cast
+        stats = GenerationStats(self.dcfg.block_size)
+        for r in self.gen.generate(self.prompts):
+            stats.add(r)
+        return {"eval_tau": round(stats.tau, 4), "eval_histogram": stats.summary()["acceptance_histogram"]}
+
+
+# --------------------------------------------------------------------------- main loop
+
+
+def train(cfg: dict, *, progress: bool = True) -> dict:
+    from infer.cli import load_tokenizer
+    from tqdm import tqdm
+
+    t, d = cfg["train"], cfg["data"]
+    out = Path(t["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = Path(cfg["target"])
+    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"])
+    tokenizer = load_tokenizer(target_dir)
+    ensure_data(cfg, target_dir)
+
+    records = read_jsonl(d["conversations"])
+    holdout = min(d["eval_holdout"], len(records) - 1)
+    train_records, held = (records[:-holdout], records[-holdout:]) if holdout > 0 else (records, [])
+    if len(train_records) < t["global_batch"]:
+        raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
+
+    if cfg["drafter"]["init"]:
+        dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32")
+        dcfg = DrafterConfig(model=dcfg.model.replace(dtype=t["compute_dtype"]), block_size=dcfg.block_size,
+                             mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
+                             num_target_layers=dcfg.num_target_layers)
+    else:
+        dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
+        init_params = init_drafter_params(
+            DrafterConfig(model=dcfg.model.replace(dtype="float32"), block_size=dcfg.block_size,
+                          mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
+                          num_target_layers=dcfg.num_target_layers),
+            jax.random.PRNGKey(t["seed"]))
+    check_pair(tcfg, dcfg)
+    gamma = t["gamma"] or default_gamma(dcfg.block_size)
+    spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
+                    ce_chunk=t["ce_chunk"])
+    steps_per_epoch = len(train_records) // t["global_batch"]
+    total = t["steps"] or t["epochs"] * steps_per_epoch
+    epochs_needed = -(-total // steps_per_epoch)
+    tx, schedule = make_optimizer(t["lr"], total, t["warmup_ratio"], t["clip"], t["weight_decay"])
+
+    dataset = make_dataset(train_records, tokenizer, seq_len=d["seq_len"], global_batch=t["global_batch"],
+                           seed=t["seed"], epochs=epochs_needed, process_index=jax.process_index(),
+                           process_count=jax.process_count(), thinking=d["enable_thinking"],
+                           pad_id=0)
+    data_iter = iter(dataset.to_iter_dataset())
+
+    state = init_train_state(init_params, tx)
+    mngr = checkpoint_manager(out, cfg)
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        state, data_state = restore(mngr, start, jax.eval_shape(lambda: state))
+        data_iter.set_state(data_state)
+        trim_metrics(out / METRICS, start)
+        log(f"resumed from step {start} ({out / CHECKPOINTS})")
+    if jax.process_index() == 0:
+        (out / DRAFTER_CONFIG).write_text(json.dumps(
+            {**dcfg.to_hf_dict(), "dtype": "float32"}, indent=2) + "\n")
+        (out / "train_config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+
+    evaluator = TauEvaluator(tcfg, tparams, dcfg, eval_prompts(held, tokenizer, d["enable_thinking"]),
+                             t["eval_max_new_tokens"], t["eval_batch_size"]) if held else None
+    seed_key = jax.random.PRNGKey(t["seed"])
+    metrics_file = open(out / METRICS, "a") if jax.process_index() == 0 else None
+
+    def record(entry: dict):
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(entry) + "\n")
+            metrics_file.flush()
+
+    history = []
+    if evaluator is not None and start == 0:
+        entry = {"step": 0, **evaluator(state.params)}
+        record(entry)
+        history.append(entry)
+        log(f"step 0: eval tau {entry['eval_tau']:.3f} (untrained drafter)")
+
+    bar = tqdm(total=total, initial=start, desc="train", unit="step",
+               disable=not progress or jax.process_index() != 0, file=sys.stderr)
+    window_t, window_tokens = time.perf_counter(), 0
+    try:
+        for step in range(start, total):
+            batch = next(data_iter)
+            state, metrics = train_step(state, tparams, jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]),
+                                        seed_key, spec=spec, tx=tx)
+            window_tokens += int(batch["tokens"].size) * jax.process_count()
+            done = step + 1
+            entry = None
+            if done % t["log_every"] == 0 or done == total:
+                m = jax.device_get(metrics)
+                now = time.perf_counter()
+                entry = {"step": done, "loss": round(float(m["loss"]), 5), "tau_estimate": round(float(m["tau_estimate"]), 4),
+                         "slot_accuracy": [round(float(a), 4) for a in m["slot_accuracy"]],
+                         "grad_norm": round(float(m["grad_norm"]), 4), "lr": float(schedule(step)),
+                         "tokens_per_second": round(window_tokens / (now - window_t), 1)}
+                window_t, window_tokens = now, 0
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau_estimate']:.2f}")
+            if evaluator is not None and (done % t["eval_every"] == 0 or done == total):
+                entry = {**(entry or {"step": done}), **evaluator(state.params)}
+            if entry is not None:
+                record(entry)
+                history.append(entry)
+                if "eval_tau" in entry:
+                    log(f"step {done}: eval tau {entry['eval_tau']:.3f}")
+            if done % t["save_every"] == 0 or done == total:
+                save(mngr, done, state, data_iter.get_state())
+            bar.update(1)
+    finally:
+        bar.close()
+        mngr.wait_until_finished()
+        mngr.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    return {"steps": total, "output_dir": str(out), "history": history}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train", description=(
+        "Train a DFlash drafter against a frozen target. Settings come from --config (YAML) and "
+        "key.sub=value overrides, e.g. train.steps=100 drafter.block_size=8."))
+    p.add_argument("--config", required=True, help="YAML config (see configs/train/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        summary = train(cfg, progress=not args.quiet)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    last = summary["history"][-1] if summary["history"] else {}
+    log(f"done: {summary['steps']} steps in {summary['output_dir']}; last: " + json.dumps(
+        {k: v for k, v in last.items() if k != "eval_histogram"}))
+    return 0
