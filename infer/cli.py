@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt in tokens (default: the longest in the input, rounded up)")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
     return p
 
 
@@ -325,7 +325,7 @@ def run(args, make_record=None) -> int:
         summary["baseline"] = baseline_summary(args, tcfg, tparams, todo, max_prompt, sampling, stops)
         base = summary["baseline"]["tokens_per_second"]
         summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
-    print_summary(summary, say)
+    print_summary(summary, lambda *a: print(*a, file=sys.stderr))
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

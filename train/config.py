@@ -6,6 +6,7 @@ Unknown keys are errors (a typo must not silently train with a default).
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +62,30 @@ class TrainConfigError(DFlashError):
     pass
 
 
-def _parse_value(text: str):
-    value = yaml.safe_load(text)
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
+
+
+def _coerce(value):
+    """YAML 1.1 reads `6e-4` as a string; take it as the number it is."""
+    if isinstance(value, str) and _FLOAT.match(value):
+        return float(value)
     return value
+
+
+def _parse_value(text: str):
+    return _coerce(yaml.safe_load(text))
 
 
 def _merge(base: dict, update: dict, where: str):
     for key, value in update.items():
         if key not in base:
-            raise TrainConfigError(f"unknown config key {where}{key!r}; known: {', '.join(sorted(base))}")
+            raise TrainConfigError(f"unknown config key '{where}{key}'; known: {', '.join(sorted(base))}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise TrainConfigError(f"config key {where}{key} must be a mapping")
             _merge(base[key], value, f"{where}{key}.")
         else:
-            base[key] = value
+            base[key] = _coerce(value)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:

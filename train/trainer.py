@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ from train.config import TrainConfigError, load_config
 CHECKPOINTS = "checkpoints"
 DRAFTER_CONFIG = "drafter_config.json"  # z-lab config of the drafter being trained
 METRICS = "metrics.jsonl"
+# Testing hook: kill this process (SIGKILL, no cleanup) right after that step.
+FAIL_AT_STEP = int(os.environ.get("DFLASH_TRAIN_KILL_AT_STEP", "0") or 0)
 
 
 # --------------------------------------------------------------------------- setup
@@ -253,6 +257,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
                     log(f"step {done}: eval tau {entry['eval_tau']:.3f}")
             if done % t["save_every"] == 0 or done == total:
                 save(mngr, done, state, data_iter.get_state())
+            if done == FAIL_AT_STEP:  # fault injection for the resume test: a real SIGKILL
+                os.kill(os.getpid(), signal.SIGKILL)
             bar.update(1)
     finally:
         bar.close()

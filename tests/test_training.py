@@ -1,0 +1,246 @@
+"""Drafter training: anchors, the attention layout, loss weights, end to end, resume, export."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import load_drafter, load_target
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
+    init_drafter_params
+from dflash_jax.model import forward, init_cache, init_params
+from dflash_jax.spec_decode import Generator
+from dflash_jax.training import block_layout, default_gamma, drafter_loss, LossSpec, sample_anchors
+from train.config import TrainConfigError, load_config
+from train.export import export, restore_params
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO / "dflash_jax" / "demo" / "target"
+
+TARGET = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)
+DRAFTER = DrafterConfig(model=TARGET.replace(num_hidden_layers=2, sliding_windows=(None, None)), block_size=4,
+                        mask_token_id=63, target_layer_ids=(0, 2), num_target_layers=3)
+
+
+# ----------------------------------------------------------------------------- anchors, layout, weights
+
+
+def test_anchors_are_eligible_distinct_sorted_and_redrawn():
+    mask = np.zeros((3, 40), np.int32)
+    mask[0, 10:30] = 1  # eligible 10..28 (19 positions)
+    mask[1, [5, 6, 20, 30, 31, 32]] = 1  # eligible 5, 30, 31
+    mask[2, 39] = 1  # the last position has no successor: nothing eligible
+    anchors, valid = map(np.asarray, sample_anchors(jax.random.PRNGKey(0), jnp.asarray(mask), 8))
+    assert valid.sum(1).tolist() == [8, 3, 0]
+    for row in range(3):
+        a = anchors[row][valid[row]]
+        assert (mask[row, a] == 1).all() and (mask[row, a + 1] == 1).all()
+        assert len(set(a.tolist())) == len(a) and (np.diff(a) > 0).all()
+    assert sorted(anchors[1][valid[1]].tolist()) == [5, 30, 31]
+    other, _ = sample_anchors(jax.random.PRNGKey(1), jnp.asarray(mask), 8)
+    assert np.asarray(other)[0].tolist() != anchors[0].tolist()
+    # Uniform: over many draws every eligible position is picked about equally often.
+    counts = np.zeros(40)
+    for k in range(200):
+        a, v = sample_anchors(jax.random.PRNGKey(k), jnp.asarray(mask[:1]), 4)
+        counts[np.asarray(a)[0][np.asarray(v)[0]]] += 1
+    picked = counts[10:29]
+    assert counts.sum() == 800 and picked.min() > 20 and picked.max() < 70  # expected 42 each
+
+
+def test_loss_weights_decay_and_vanish_where_there_is_no_loss():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    s, b = 12, 4
+    tokens = jnp.arange(s)[None] + 100
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1]])
+    anchors, valid = jnp.asarray([[2, 5, 9, 0]]), jnp.asarray([[True, True, True, False]])
+    lay = block_layout(tokens, mask, anchors, valid, block_size=b, mask_token_id=7, gamma=2.0)
+    w = np.asarray(lay.weights[0])
+    decay = [0, 1, np.exp(-0.5), np.exp(-1.0)]
+    np.testing.assert_allclose(w[0], decay, rtol=1e-6)  # positions 3, 4, 5 all in the mask
+    np.testing.assert_allclose(w[1], [0, 1, 0, np.exp(-1.0)], rtol=1e-6)  # position 7 is outside the mask
+    np.testing.assert_allclose(w[2], [0, 1, np.exp(-0.5), 0], rtol=1e-6)  # 12 is past the end
+    np.testing.assert_array_equal(w[3], 0)  # an invalid anchor carries no loss
+    assert np.asarray(lay.tokens[0]).reshape(4, b)[:, 0].tolist() == [102, 105, 109, 100]
+    assert (np.asarray(lay.tokens[0]).reshape(4, b)[:, 1:] == 7).all()
+    assert np.asarray(lay.targets[0, 0]).tolist() == [102, 103, 104, 105]
+    assert np.asarray(lay.positions[0]).reshape(4, b)[1].tolist() == [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def models():
+    tparams = init_params(TARGET, jax.random.PRNGKey(0))
+    dparams = init_drafter_params(DRAFTER, jax.random.PRNGKey(1))
+    return tparams, dparams
+
+
+def block_hiddens(dparams, features, embeds, anchors, s):
+    """Drafter hidden states of all blocks through the training path, [N, B, D]."""
+    n, b = len(anchors), DRAFTER.block_size
+    a = jnp.asarray([anchors])
+    lay = block_layout(jnp.zeros((1, s), jnp.int32), jnp.ones((1, s)), a, jnp.ones_like(a, bool),
+                       block_size=b, mask_token_id=DRAFTER.mask_token_id, gamma=4.0)
+    h = DFlashDrafter(DRAFTER).apply({"params": dparams}, embeds, lay.positions, features, lay.ctx_mask,
+                                     lay.block_mask[None], method=DFlashDrafter.train_hidden)
+    return h.reshape(n, b, -1)
+
+
+def test_a_block_sees_only_context_before_its_anchor_and_itself(models):
+    tparams, dparams = models
+    s, anchors, b = 24, [3, 9, 15], DRAFTER.block_size
+    rng = np.random.RandomState(0)
+    features = jnp.asarray(rng.randn(1, s, 2 * 32), jnp.float32)
+    embeds = jnp.asarray(rng.randn(1, len(anchors) * b, 32), jnp.float32)
+    ref = block_hiddens(dparams, features, embeds, anchors, s)
+    for j, a in enumerate(anchors):
+        # Context at or after the anchor: invisible to block j.
+        late = features.at[:, a:].add(5.0)
+        np.testing.assert_allclose(block_hiddens(dparams, late, embeds, anchors, s)[j], ref[j], atol=1e-6)
+        # Other blocks' inputs: invisible.
+        others = embeds.reshape(len(anchors), b, 32).at[jnp.arange(len(anchors)) != j].add(5.0).reshape(1, -1, 32)
+        np.testing.assert_allclose(block_hiddens(dparams, features, others, anchors, s)[j], ref[j], atol=1e-6)
+        # The test has power: the position just before the anchor is seen.
+        early = features.at[:, a - 1].add(5.0)
+        assert np.abs(np.asarray(block_hiddens(dparams, early, embeds, anchors, s)[j] - ref[j])).max() > 1e-3
+        # And training computes what decoding computes for a block at that anchor.
+        ctx = extend_context(dparams, DRAFTER, features[:, :a], init_context_cache(DRAFTER, 1, 32), jnp.array([a]))
+        decode = draft_hidden(dparams, DRAFTER, embeds[:, j * b:(j + 1) * b], ctx)
+        np.testing.assert_allclose(np.asarray(decode[0]), np.asarray(ref[j]), atol=1e-5)
+
+
+def test_block_loss_ignores_tokens_it_must_not_see(models):
+    """End to end through the loss: with one anchor, changing tokens after the block's last
+    slot leaves the loss unchanged; changing a token before the anchor changes it."""
+    tparams, dparams = models
+    s = 20
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 60, (1, s)), jnp.int32)
+    mask = jnp.zeros((1, s), jnp.int32).at[:, 8:10].set(1)  # one eligible anchor: 8
+    spec = LossSpec(target=TARGET, drafter=DRAFTER, num_anchors=1, gamma=4.0, ce_chunk=8)
+    loss = lambda t: float(drafter_loss(dparams, tparams, spec, t, mask, jax.random.PRNGKey(0))[0])
+    ref = loss(tokens)
+    assert loss(tokens.at[:, 12:].set(1)) == pytest.approx(ref, abs=1e-6)
+    assert abs(loss(tokens.at[:, 5].set((tokens[0, 5] + 1) % 60)) - ref) > 1e-4
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_overrides_and_unknown_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("target: t\ndata: {conversations: c.jsonl}\ntrain: {output_dir: o}\n")
+    cfg = load_config(path, ["train.steps=7", "drafter.block_size=8", "train.lr=1e-3"])
+    assert cfg["train"]["steps"] == 7 and cfg["drafter"]["block_size"] == 8 and cfg["train"]["lr"] == 1e-3
+    with pytest.raises(TrainConfigError, match="unknown config key 'train.stepz'"):
+        load_config(path, ["train.stepz=7"])
+    with pytest.raises(TrainConfigError, match="config needs target"):
+        load_config(None, ["data.conversations=x", "train.output_dir=o"])
+    with pytest.raises(TrainConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    for shipped in ("tiny", "qwen3-8b"):
+        load_config(REPO / "configs" / "train" / f"{shipped}.yaml")
+    paper = load_config(REPO / "configs" / "train" / "qwen3-8b.yaml")
+    assert paper["drafter"]["num_hidden_layers"] == 5 and paper["drafter"]["block_size"] == 16
+    assert paper["drafter"]["target_layer_ids"] == [1, 9, 17, 25, 33] and paper["data"]["seq_len"] == 3072
+    assert paper["train"]["num_anchors"] == 512 and paper["train"]["lr"] == 6e-4 and paper["train"]["epochs"] == 6
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def write_prompts(path, n, seed):
+    rng = np.random.RandomState(seed)
+    path.write_text("".join(json.dumps({"id": i, "input_ids": rng.randint(3, 500, int(rng.randint(4, 24))).tolist()})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def train_cli(tmp_path, name, *overrides, env=None):
+    cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs" / "train" / "tiny.yaml"), "--quiet",
+           f"target={DEMO_TARGET}", f"train.output_dir={tmp_path / name}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The tiny config end to end: regenerate data with the demo target, train, evaluate."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    prompts = write_prompts(tmp / "prompts.jsonl", 240, 3)
+    proc = train_cli(tmp, "run", f"data.generate_from={prompts}", f"data.conversations={tmp / 'conv.jsonl'}",
+                     "train.epochs=8", "train.eval_every=1000", "train.log_every=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(l) for l in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return tmp, metrics
+
+
+def test_regenerated_data_is_the_targets_own_output(trained):
+    tmp, _ = trained
+    convs = [json.loads(l) for l in (tmp / "conv.jsonl").read_text().splitlines()]
+    assert len(convs) == 240 and all(c["response_ids"] and c["prompt_ids"] for c in convs)
+    tc, tp = load_target(DEMO_TARGET)
+    plain = Generator(tc, tp, max_new_tokens=64, max_prompt_len=32, stop_token_ids=[2], batch_size=4)
+    for c, r in zip(convs[:4], plain.generate([c["prompt_ids"] for c in convs[:4]])):
+        assert r.output_ids == c["response_ids"]
+
+
+def test_training_lowers_loss_and_raises_real_tau(trained):
+    _, metrics = trained
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    evals = [m["eval_tau"] for m in metrics if "eval_tau" in m]
+    assert metrics[0]["step"] == 0 and len(evals) == 2  # untrained, then final
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:2]), losses
+    assert evals[0] < 1.02 and evals[-1] > evals[0] + 0.05, evals
+    assert all(len(m["slot_accuracy"]) == 7 for m in metrics if "loss" in m)
+    assert all(m["tokens_per_second"] > 0 and 1.0 <= m["tau_estimate"] <= 8.0 for m in metrics if "loss" in m)
+
+
+def test_export_round_trip_gives_identical_drafts(trained, tmp_path):
+    tmp, _ = trained
+    run = tmp / "run"
+    out = export(run, tmp_path / "hf", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    dcfg, dparams = load_drafter(out)
+    params, step = restore_params(run)
+    jax.tree.map(np.testing.assert_array_equal, dparams, jax.tree.map(np.asarray, params))
+    tc, tp = load_target(DEMO_TARGET)
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    via_export = [r.acceptance_lengths for r in Generator(tc, tp, dcfg, dparams, batch_size=2, max_new_tokens=24,
+                                                          max_prompt_len=16).generate(prompts)]
+    direct = [r.acceptance_lengths for r in Generator(tc, tp, dcfg, jax.tree.map(jnp.asarray, params), batch_size=2,
+                                                      max_new_tokens=24, max_prompt_len=16).generate(prompts)]
+    assert via_export == direct
+    with pytest.raises(Exception, match="already exists"):
+        export(run, out)
+    # bfloat16 export (the published format) loads too.
+    bf = export(run, tmp_path / "bf16")
+    assert load_drafter(bf)[0].model.dtype == "bfloat16"
+
+
+def test_resume_after_kill_is_bit_identical(trained, tmp_path):
+    tmp, _ = trained
+    common = [f"data.conversations={tmp / 'conv.jsonl'}", "data.generate_from=null", "data.eval_holdout=0",
+              "train.steps=16", "train.save_every=4", "train.log_every=2"]
+    straight = train_cli(tmp_path, "straight", *common)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = train_cli(tmp_path, "resumed", *common, env={"DFLASH_TRAIN_KILL_AT_STEP": "10"})
+    assert killed.returncode == -9  # SIGKILL: no cleanup ran
+    assert max(restore_params(tmp_path / "resumed")[1] for _ in [0]) == 8
+    resumed = train_cli(tmp_path, "resumed", *common)
+    assert resumed.returncode == 0 and "resumed from step 8" in resumed.stderr, resumed.stderr[-2000:]
+    a, step_a = restore_params(tmp_path / "straight")
+    b, step_b = restore_params(tmp_path / "resumed")
+    assert step_a == step_b == 16
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    m_a = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    m_b = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_second"} for l in lines]
+    assert strip(m_a) == strip(m_b)  # same losses at every logged step, none duplicated
