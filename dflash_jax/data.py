@@ -30,11 +30,11 @@ class DataError(DFlashError):
     pass
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def iter_jsonl_objects(path: str | Path, error=DFlashError, what: str = "file"):
+    """(line number, object) of each non-empty line; a one-line `error` names a bad line."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    records = []
+        raise error(f"{what} {path} does not exist")
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -42,13 +42,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path.name} line {n}: not valid JSON ({e.msg})") from None
+                raise error(f"{path.name} line {n}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{path.name} line {n}: expected a JSON object")
-            if "error" in obj:
-                continue  # a row generation could not run
-            obj["_line"] = n
-            records.append(obj)
+                raise error(f"{path.name} line {n}: expected a JSON object, got {type(obj).__name__}")
+            yield n, obj
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Conversations of a JSONL file (rows that generation could not run are skipped)."""
+    records = [{**obj, "_line": n} for n, obj in iter_jsonl_objects(path, DataError, "data file") if "error" not in obj]
     if not records:
         raise DataError(f"{path} holds no conversations")
     return records

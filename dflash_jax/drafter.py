@@ -62,6 +62,9 @@ class DrafterConfig:
                    target_layer_ids=tuple(int(t) for t in taps),
                    num_target_layers=int(n_target) if n_target is not None else -1)
 
+    def with_dtype(self, dtype: str) -> "DrafterConfig":
+        return dataclasses.replace(self, model=self.model.replace(dtype=dtype))
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The z-lab config.json of this drafter (SPEC section 2)."""
         m = self.model

@@ -80,43 +80,34 @@ class Row:
 
 
 def read_rows(path: Path) -> list[Row]:
-    if not path.is_file():
-        raise InputError(f"input file {path} does not exist")
+    from dflash_jax.data import iter_jsonl_objects
+
     rows, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path.name} line {n}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            kinds = [k for k in ("input_ids", "prompt", "messages", "turns") if k in obj]
-            if len(kinds) != 1:
-                raise InputError(f"{where}: needs exactly one of input_ids, prompt, messages, turns"
-                                 + (f" (has {', '.join(kinds)})" if kinds else ""))
-            kind, value = kinds[0], obj[kinds[0]]
-            if kind == "input_ids" and not (isinstance(value, list) and value
-                                            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
-                raise InputError(f"{where}: input_ids must be a non-empty list of integers")
-            if kind == "prompt" and not isinstance(value, str):
-                raise InputError(f"{where}: prompt must be a string")
-            if kind == "messages" and not (isinstance(value, list) and value and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in value)):
-                raise InputError(f"{where}: messages must be a non-empty list of {{role, content}} strings")
-            if kind == "turns" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
-                raise InputError(f"{where}: turns must be a non-empty list of strings")
-            row_id = obj.get("id", n)
-            if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
-                raise InputError(f"{where}: id must be a string or an integer")
-            if row_id in seen:
-                raise InputError(f"{where}: duplicate id {row_id!r}")
-            seen.add(row_id)
-            rows.append(Row(row_id, n, kind, value, position=len(rows)))
+    for n, obj in iter_jsonl_objects(path, InputError, "input file"):
+        where = f"{path.name} line {n}"
+        kinds = [k for k in ("input_ids", "prompt", "messages", "turns") if k in obj]
+        if len(kinds) != 1:
+            raise InputError(f"{where}: needs exactly one of input_ids, prompt, messages, turns"
+                             + (f" (has {', '.join(kinds)})" if kinds else ""))
+        kind, value = kinds[0], obj[kinds[0]]
+        if kind == "input_ids" and not (isinstance(value, list) and value
+                                        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+            raise InputError(f"{where}: input_ids must be a non-empty list of integers")
+        if kind == "prompt" and not isinstance(value, str):
+            raise InputError(f"{where}: prompt must be a string")
+        if kind == "messages" and not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            raise InputError(f"{where}: messages must be a non-empty list of {{role, content}} strings")
+        if kind == "turns" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
+            raise InputError(f"{where}: turns must be a non-empty list of strings")
+        row_id = obj.get("id", n)
+        if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+            raise InputError(f"{where}: id must be a string or an integer")
+        if row_id in seen:
+            raise InputError(f"{where}: duplicate id {row_id!r}")
+        seen.add(row_id)
+        rows.append(Row(row_id, n, kind, value, position=len(rows)))
     return rows
 
 

@@ -129,9 +129,7 @@ class TauEvaluator:
     """Real speculative decoding on held-out prompts with the current drafter weights."""
 
     def __init__(self, tcfg, tparams, dcfg: DrafterConfig, prompts, max_new: int, batch: int):
-        self.dcfg = DrafterConfig(model=dcfg.model.replace(dtype=tcfg.dtype), block_size=dcfg.block_size,
-                                  mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
-                                  num_target_layers=dcfg.num_target_layers)
+        self.dcfg = dcfg.with_dtype(tcfg.dtype)
         self.prompts = prompts
         self.tcfg, self.tparams = tcfg, tparams
         self.max_new, self.batch = max_new, batch
@@ -172,16 +170,10 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
 
     if cfg["drafter"]["init"]:
         dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32")
-        dcfg = DrafterConfig(model=dcfg.model.replace(dtype=t["compute_dtype"]), block_size=dcfg.block_size,
-                             mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
-                             num_target_layers=dcfg.num_target_layers)
+        dcfg = dcfg.with_dtype(t["compute_dtype"])
     else:
         dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
-        init_params = init_drafter_params(
-            DrafterConfig(model=dcfg.model.replace(dtype="float32"), block_size=dcfg.block_size,
-                          mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids,
-                          num_target_layers=dcfg.num_target_layers),
-            jax.random.PRNGKey(t["seed"]))
+        init_params = init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
     check_pair(tcfg, dcfg)
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
