@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -109,13 +109,14 @@ def _shards(index_path: Path) -> list[Path]:
     return files
 
 
-def iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of an HF directory, one at a time, as numpy (bfloat16 via ml_dtypes)."""
+def iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[str, "safetensors_io.LazyTensor"]]:
+    """Every tensor of an HF directory, one at a time, as a lazy tensor (read on demand;
+    bfloat16 via ml_dtypes)."""
     if (hf_dir / "model.safetensors.index.json").is_file():
         for f in _shards(hf_dir / "model.safetensors.index.json"):
-            yield from safetensors_io.iter_tensors(f)
+            yield from safetensors_io.iter_lazy_tensors(f)
     elif (hf_dir / "model.safetensors").is_file():
-        yield from safetensors_io.iter_tensors(hf_dir / "model.safetensors")
+        yield from safetensors_io.iter_lazy_tensors(hf_dir / "model.safetensors")
     elif (hf_dir / "pytorch_model.bin.index.json").is_file():
         for f in _shards(hf_dir / "pytorch_model.bin.index.json"):
             yield from _iter_torch_bin(f)
@@ -144,7 +145,7 @@ def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             arr = t.view(torch.int16).numpy().view(safetensors_io.DTYPES["BF16"])
         else:
             arr = t.numpy()
-        yield name, arr
+        yield name, safetensors_io.ArrayTensor(arr)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -167,8 +168,17 @@ def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
     return tree
 
 
-def _default_place(path, array):
-    return jnp.asarray(array)
+def _read_transformed(tensor, transpose: bool, dtype, index=None) -> np.ndarray:
+    """The Flax-layout array (or the block `index` of it) of an HF tensor, cast to dtype.
+    Only the HF rows the block needs are read (HF axis 0 is Flax's last axis if transposed)."""
+    if index is None:
+        index = tuple(slice(None) for _ in tensor.shape)
+    hf_index = tuple(reversed(index)) if transpose else tuple(index)
+    rows = hf_index[0].indices(tensor.shape[0]) if tensor.shape else (0, 1, 1)
+    block = tensor.read_rows(rows[0], rows[1])[(slice(None, None, rows[2]),) + tuple(hf_index[1:])]
+    if transpose:
+        block = block.T
+    return np.ascontiguousarray(block.astype(dtype))
 
 
 def load_hf_params(
@@ -177,24 +187,30 @@ def load_hf_params(
     abstract,
     *,
     table=TARGET_TABLE,
-    place: Callable[[tuple[str, ...], np.ndarray], jax.Array] = _default_place,
+    mesh=None,
     progress: bool = False,
 ):
     """Fill the parameter tree `abstract` (ShapeDtypeStructs) from an HF directory.
 
     Every checkpoint tensor must map to a parameter and every parameter must be filled,
-    with its shape checked. `place(path, array)` puts one converted tensor where it
-    belongs (default: the default device); sharded loading plugs in here.
+    with its shape checked. Without a mesh each tensor is read, transformed and put on the
+    default device before the next is read. With a mesh each lands straight in its
+    sharding (dflash_jax.sharding rules), and for each device only its block is read.
     """
     hf_dir = Path(hf_dir)
     expected = _flatten(abstract)
+    shardings = None
+    if mesh is not None:
+        from dflash_jax.sharding import param_shardings
+
+        shardings = _flatten(param_shardings(abstract, mesh))
     filled: dict[tuple[str, ...], jax.Array] = {}
     tensors = iter_hf_tensors(hf_dir)
     if progress:
         from tqdm import tqdm
 
         tensors = tqdm(tensors, total=len(expected), desc="loading tensors", unit="tensor")
-    for name, array in tensors:
+    for name, tensor in tensors:
         if any(p.match(name) for p in IGNORED):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -209,12 +225,15 @@ def load_hf_params(
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
         want = expected[path]
         hf_shape = tuple(reversed(want.shape)) if row.transpose else tuple(want.shape)
-        if tuple(array.shape) != hf_shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {hf_shape}")
-        if row.transpose:
-            array = array.T
-        filled[path] = place(path, np.ascontiguousarray(array.astype(want.dtype)))
-        del array
+        if tuple(tensor.shape) != hf_shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
+        if shardings is None:
+            filled[path] = jnp.asarray(_read_transformed(tensor, row.transpose, want.dtype))
+        else:
+            filled[path] = jax.make_array_from_callback(
+                tuple(want.shape), shardings[path],
+                lambda index, t=tensor, tr=row.transpose, dt=want.dtype: _read_transformed(t, tr, dt, index))
+        del tensor
     missing = [flax_to_hf(p, table) for p in expected if p not in filled]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -300,11 +319,17 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def load_converted_params(path: Path, abstract):
-    """Restore params written by `save_converted`, cast to the dtypes of `abstract`."""
+def load_converted_params(path: Path, abstract, mesh=None):
+    """Restore params written by `save_converted`, cast to the dtypes of `abstract`; with a
+    mesh, each array is read straight into its sharding (only the needed chunks)."""
     meta_dtype = read_metadata(path)["dtype"]
+    shardings = jax.tree.map(lambda _: None, abstract)
+    if mesh is not None:
+        from dflash_jax.sharding import param_shardings
+
+        shardings = param_shardings(abstract, mesh)
     saved = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(meta_dtype)), abstract
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.dtype(meta_dtype), sharding=s), abstract, shardings
     )
     ckptr = _checkpointer()
     try:
@@ -338,7 +363,7 @@ def _config_and_abstract(kind: str, config_path: Path, dtype: str | None):
     return config, abstract_params(config), config
 
 
-def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, place=None):
+def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None):
     """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
     path = check_model_dir(path)
     if is_converted(path):
@@ -346,26 +371,26 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
         if meta.get("kind") != kind:
             raise CheckpointError(f"{path} holds a converted {meta.get('kind')}, not a {kind}")
         config, abstract, _ = _config_and_abstract(kind, path / "config.json", dtype or meta["dtype"])
-        return config, load_converted_params(path, abstract)
+        return config, load_converted_params(path, abstract, mesh)
     found = model_kind(read_config_json(path / "config.json"))
     if found != kind:
         raise CheckpointError(f"{path} holds a {found} checkpoint, not a {kind}")
     config, abstract, model_config = _config_and_abstract(kind, path / "config.json", dtype)
-    return config, load_hf_params(path, model_config, abstract, table=TABLES[kind], progress=progress,
-                                  place=place or _default_place)
+    return config, load_hf_params(path, model_config, abstract, table=TABLES[kind], progress=progress, mesh=mesh)
 
 
-def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False):
+def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):
     """Load a target model from an HF directory or one written by `dflash_jax.convert`.
 
     Returns (ModelConfig, params). dtype: "float32" | "bfloat16" (default: the checkpoint's).
+    mesh: load each parameter straight into its sharding on that mesh.
     """
-    return load_model(path, "target", dtype=dtype, progress=progress)
+    return load_model(path, "target", dtype=dtype, progress=progress, mesh=mesh)
 
 
-def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool = False):
+def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):
     """Load a DFlash drafter (z-lab HF format or converted). Returns (DrafterConfig, params)."""
-    return load_model(path, "drafter", dtype=dtype, progress=progress)
+    return load_model(path, "drafter", dtype=dtype, progress=progress, mesh=mesh)
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False,

@@ -9,8 +9,8 @@ A conversation line is one of
 `python -m train.generate_data` writes the first two forms from the target's own outputs.
 
 The pipeline is a grain `MapDataset`: shuffled by seed with a new order every epoch,
-repeated for the epochs, sharded by process (process p takes elements p, p+P, ... so the
-global batch is the same set for any process count), batched. Its iterator state is a
+repeated for the epochs, sharded by process (each process reads only its rows of every
+global batch, so the global batch is the same for any process count), batched. Its iterator state is a
 small dict that checkpoints with the model.
 """
 
@@ -105,14 +105,20 @@ def fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int = 0) -> dict[
 
 def make_dataset(records: list[dict], tokenizer, *, seq_len: int, global_batch: int, seed: int, epochs: int,
                  process_index: int = 0, process_count: int = 1, pad_id: int = 0, thinking: bool = False):
-    """grain MapDataset of this process's batches {tokens, loss_mask: [global_batch / P, S]}."""
+    """grain MapDataset of this process's batches {tokens, loss_mask: [global_batch / P, S]}.
+
+    Process p takes rows p*L..(p+1)*L-1 of every global batch (L = global_batch / P), so the
+    global batch, in order, is the same for any number of processes.
+    """
     if global_batch % process_count:
         raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
-    ds = grain.MapDataset.source(records).map(
-        lambda r: fit(*encode(r, tokenizer, thinking=thinking), seq_len, pad_id))
-    ds = ds.shuffle(seed=seed).repeat(epochs)
-    ds = ds[process_index::process_count]
-    return ds.batch(global_batch // process_count, drop_remainder=True)
+    local = global_batch // process_count
+    stream = grain.MapDataset.source(records).shuffle(seed=seed).repeat(epochs)
+    num_batches = len(stream) // global_batch
+    mine = grain.MapDataset.range(num_batches * local).map(
+        lambda i: stream[(i // local) * global_batch + process_index * local + i % local])
+    mine = mine.map(lambda r: fit(*encode(r, tokenizer, thinking=thinking), seq_len, pad_id))
+    return mine.batch(local, drop_remainder=True)
 
 
 def steps_per_epoch(num_records: int, global_batch: int) -> int:

@@ -2,8 +2,8 @@
 
 The format is an 8-byte little-endian header length, a JSON header
 `{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}` and the raw
-bytes. We read each tensor with one positioned read into its own buffer: at most one
-tensor is held beyond what the caller keeps, and nothing stays mapped afterwards.
+bytes. We read each tensor (or a range of its rows) with positioned reads into its own
+buffer: at most one tensor is held beyond what the caller keeps, and nothing stays mapped.
 """
 
 from __future__ import annotations
@@ -45,25 +45,63 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+class LazyTensor:
+    """A tensor of a safetensors file, read on demand: whole, or a range of rows (axis 0,
+    contiguous on disk), so a host can read only the shard its devices need."""
+
+    def __init__(self, path: Path, name: str, offset: int, shape: tuple[int, ...], dtype):
+        self.path, self.name, self.offset = path, name, offset
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    def read_rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        rows = self.shape[0] if self.shape else 1
+        stop = rows if stop is None else stop
+        row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        buf = bytearray((stop - start) * row_bytes)
+        view, got = memoryview(buf), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while got < len(buf):
+                n = os.preadv(fd, [view[got:]], self.offset + start * row_bytes + got)
+                if n <= 0:
+                    raise CheckpointError(f"{self.path}: truncated data for tensor {self.name}")
+                got += n
+        finally:
+            os.close(fd)
+        out = np.frombuffer(buf, dtype=self.dtype)
+        return out.reshape((stop - start,) + self.shape[1:]) if self.shape else out.reshape(())
+
+    def read(self) -> np.ndarray:
+        return self.read_rows()
+
+
+class ArrayTensor:
+    """An in-memory array with LazyTensor's interface (for pytorch_model.bin files)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.shape, self.dtype = array, tuple(array.shape), array.dtype
+
+    def read_rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.array[start:stop]
+
+    def read(self) -> np.ndarray:
+        return self.array
+
+
+def iter_lazy_tensors(path: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, LazyTensor) for every tensor in the file; nothing is read yet."""
+    header, start = read_header(path)
+    for name, info in header.items():
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, _ = info["data_offsets"]
+        yield name, LazyTensor(Path(path), name, start + begin, info["shape"], DTYPES[info["dtype"]])
+
+
 def iter_tensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) for every tensor in the file, one read each."""
-    header, start = read_header(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for name, info in header.items():
-            if info["dtype"] not in DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-            begin, end = info["data_offsets"]
-            buf = bytearray(end - begin)
-            view, got = memoryview(buf), 0
-            while got < len(buf):
-                n = os.preadv(fd, [view[got:]], start + begin + got)
-                if n <= 0:
-                    raise CheckpointError(f"{path}: truncated data for tensor {name}")
-                got += n
-            yield name, np.frombuffer(buf, dtype=DTYPES[info["dtype"]]).reshape(info["shape"])
-    finally:
-        os.close(fd)
+    for name, tensor in iter_lazy_tensors(path):
+        yield name, tensor.read()
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None):

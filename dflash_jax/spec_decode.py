@@ -30,11 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair, draft_hidden, extend_context, init_context_cache
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, KVCache, forward, init_cache
+from dflash_jax.sharding import CACHE_AXES, constrain, put_batch, shard_params, to_host
 
 # --------------------------------------------------------------------------- sampling
 
@@ -119,6 +121,7 @@ class EngineSpec:
     sampling: Sampling
     max_new_tokens: int
     cache_len: int  # target and context caches: prompt bucket cap + max_new + 2 * block
+    mesh: Mesh | None = None  # batch over `data`, heads/MLP/vocab over `model` (dflash_jax.sharding)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -158,6 +161,27 @@ class DecodeState:
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "run_cycles": 0}
 
 
+def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
+    if cache is None or mesh is None:
+        return cache
+    return KVCache(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
+                   lengths=constrain(cache.lengths, mesh, ("batch",)))
+
+
+def constrain_state(state: "DecodeState", mesh) -> "DecodeState":
+    """Pin the layout of the loop state: rows over `data`, cache heads over `model`."""
+    if mesh is None:
+        return state
+    rows = lambda x: constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
+    return state.replace(
+        target_cache=_constrain_cache(state.target_cache, mesh),
+        context_cache=_constrain_cache(state.context_cache, mesh),
+        anchor=rows(state.anchor), output=rows(state.output), num_generated=rows(state.num_generated),
+        acceptance=rows(state.acceptance), num_cycles=rows(state.num_cycles), done=rows(state.done),
+        stopped=rows(state.stopped), row_keys=rows(state.row_keys),
+    )
+
+
 def _hits_stop(tokens, stop_ids):
     """tokens [batch, T], stop_ids [K] (-1 padded) -> [batch, T] bool."""
     return (tokens[..., None] == stop_ids[None, None, :]).any(-1) & (stop_ids >= 0).any()
@@ -177,7 +201,7 @@ def prefill(tparams, dparams, spec: EngineSpec, tokens, prompt_lens, active, row
         context_cache = extend_context(dparams, spec.drafter, out.tap_features,
                                        init_context_cache(spec.drafter, batch, spec.cache_len), prompt_lens)
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
-    return DecodeState(
+    return constrain_state(DecodeState(
         target_cache=out.cache,
         context_cache=context_cache,
         anchor=first,
@@ -188,7 +212,7 @@ def prefill(tparams, dparams, spec: EngineSpec, tokens, prompt_lens, active, row
         done=~active | stopped,
         stopped=stopped & active,
         row_keys=row_keys,
-    )
+    ), spec.mesh)
 
 
 def draft_block(tparams, dparams, spec: EngineSpec, anchor, context_cache):
@@ -242,13 +266,13 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
         context_cache = extend_context(dparams, spec.drafter, out.tap_features, context_cache, n_new)
     # The reference keeps cycling while generated <= max_new (its `start < max_length`).
     done = state.done | stopped | (num_generated > spec.max_new_tokens)
-    return state.replace(
+    return constrain_state(state.replace(
         target_cache=target_cache, context_cache=context_cache,
         anchor=jnp.where(active, jnp.take_along_axis(y, a[:, None], axis=1)[:, 0], state.anchor),
         output=output, num_generated=num_generated, acceptance=acceptance,
         num_cycles=state.num_cycles + active.astype(jnp.int32),
         done=done, stopped=state.stopped | stopped,
-    )
+    ), spec.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -294,7 +318,7 @@ class Generator:
     def __init__(self, target_config: ModelConfig, target_params, drafter_config: DrafterConfig | None = None,
                  drafter_params=None, *, block_size: int | None = None, batch_size: int = 1,
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
-                 stop_token_ids: Sequence[int] = (), sync_every: int = 8):
+                 stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -309,9 +333,13 @@ class Generator:
         self.spec = EngineSpec(
             target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
             sampling=sampling, max_new_tokens=max_new_tokens,
-            cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size,
+            cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size, mesh=mesh,
         )
-        self.tparams, self.dparams = target_params, drafter_params if block_size > 1 else None
+        if mesh is not None and batch_size % mesh.shape["data"]:
+            raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
+        self.mesh = mesh
+        self.tparams = shard_params(target_params, mesh)
+        self.dparams = shard_params(drafter_params, mesh) if block_size > 1 else None
         self.batch_size, self.sync_every = batch_size, sync_every
         stop = list(dict.fromkeys(int(t) for t in stop_token_ids)) or [-1]
         self.stop_ids = jnp.asarray(stop + [-1] * (-len(stop) % 8), jnp.int32)
@@ -340,8 +368,9 @@ class Generator:
         ids = np.zeros((self.batch_size,), np.uint32)
         ids[:n] = indices
         row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), jnp.asarray(ids))
-        return prefill(self.tparams, self.dparams, self.spec, jnp.asarray(tokens), jnp.asarray(lens),
-                       jnp.asarray(active), row_keys, self.stop_ids)
+        put = lambda x: put_batch(x, self.mesh)
+        return prefill(self.tparams, self.dparams, self.spec, put(tokens), put(lens), put(active),
+                       put(np.asarray(row_keys)), self.stop_ids)
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,)):
         """Compile prefill for the buckets of these lengths and the cycle loop."""
@@ -379,14 +408,15 @@ class Generator:
             last_counts = np.ones(self.batch_size, np.int64)
             while True:
                 state = run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids, self.sync_every)
-                done, num_generated = jax.device_get((state.done, state.num_generated))
+                done, num_generated = to_host(state.done), to_host(state.num_generated)
                 if progress is not None:
                     counts = np.minimum(num_generated, self.spec.max_new_tokens)
                     progress(int((counts - np.minimum(last_counts, self.spec.max_new_tokens))[:len(chunk)].sum()))
                     last_counts = num_generated.copy()
                 newly = done & ~reported
                 if newly.any():
-                    output, acceptance, num_cycles = jax.device_get((state.output, state.acceptance, state.num_cycles))
+                    output, acceptance, num_cycles = (to_host(state.output), to_host(state.acceptance),
+                                                      to_host(state.num_cycles))
                     for i in np.flatnonzero(newly):
                         yield self._finish(indices[start + i], output[i], num_generated[i], acceptance[i], num_cycles[i])
                     reported |= newly

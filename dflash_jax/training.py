@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
 from dflash_jax.model import CausalLM, forward, init_cache
+from dflash_jax.sharding import param_shardings
 
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
 
@@ -119,6 +121,7 @@ class LossSpec:
     num_anchors: int
     gamma: float
     ce_chunk: int = 1024
+    mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
 
 
 def target_features(tparams, target: ModelConfig, tokens, taps):
@@ -186,7 +189,8 @@ class TrainState:
 
 
 def init_train_state(params, tx) -> TrainState:
-    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    # A copy: train_step donates the state, which must not delete the caller's arrays.
+    params = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
@@ -200,4 +204,13 @@ def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.global_norm(grads)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    if spec.mesh is not None:  # keep the state's layout fixed from step to step
+        new = jax.lax.with_sharding_constraint(new, state_shardings(new, spec.mesh))
+    return new, metrics
+
+
+def state_shardings(state, mesh: Mesh):
+    """Shardings of a TrainState: parameters and their optimizer moments by the parameter
+    rules (the moments' paths end in the parameter's names), scalars replicated."""
+    return param_shardings(state, mesh)

@@ -60,9 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=None,
                    help="longest prompt in tokens (default: the longest in the input, rounded up)")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
+                        "(default: every device on `data`; one device: no mesh)")
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
+    add_distributed_flags(p)
     return p
+
+
+def add_distributed_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("multi-host (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, help="number of processes")
+    g.add_argument("--process-id", type=int, help="this process's index")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-host run using the cluster's auto-detection (TPU pods, SLURM)")
 
 
 # --------------------------------------------------------------------------- input
@@ -191,15 +204,18 @@ def completed_ids(path: Path) -> set:
 
 
 class Writer:
-    def __init__(self, path: Path | None):
-        self.file = open(path, "a", encoding="utf-8") if path else sys.stdout
+    """Appends JSON lines, flushed one by one. In a multi-process run only process 0 writes."""
+
+    def __init__(self, path: Path | None, enabled: bool = True):
+        self.file = None if not enabled else open(path, "a", encoding="utf-8") if path else sys.stdout
 
     def write(self, record: dict):
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.file.flush()
 
     def close(self):
-        if self.file is not sys.stdout:
+        if self.file not in (None, sys.stdout):
             self.file.close()
 
 
@@ -211,7 +227,10 @@ def run(args, make_record=None) -> int:
     output line (train.generate_data writes conversations with it)."""
     from tqdm import tqdm
 
+    import jax
+
     from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.sharding import make_mesh
     from dflash_jax.spec_decode import Generator, GenerationStats, Sampling, bucket, timed
 
     if args.target is None and args.drafter is not None:
@@ -258,11 +277,12 @@ def run(args, make_record=None) -> int:
     longest = max((prompt_budget(r, tokenizer, args) for r in todo), default=1)
     max_prompt = args.max_prompt_len or min(bucket(longest), tcfg.max_position_embeddings)
 
+    mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
     gen = Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
                     max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
-                    stop_token_ids=stops, sync_every=args.sync_every)
+                    stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh)
     stats = GenerationStats(gen.spec.block_size)
-    writer = Writer(out_path)
+    writer = Writer(out_path, enabled=jax.process_index() == 0)
     errors = 0
     try:
         say(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}) ...")
@@ -313,9 +333,11 @@ def run(args, make_record=None) -> int:
 
     summary = {"rows": len(todo), "errors": errors, **stats.summary()}
     if args.compare_baseline:
-        summary["baseline"] = baseline_summary(args, tcfg, tparams, todo, max_prompt, sampling, stops)
+        summary["baseline"] = baseline_summary(args, tcfg, tparams, todo, max_prompt, sampling, stops, mesh)
         base = summary["baseline"]["tokens_per_second"]
         summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
+    if jax.process_index() != 0:
+        return 0
     print_summary(summary, lambda *a: print(*a, file=sys.stderr))
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
@@ -331,12 +353,13 @@ def result_record(res, tokenizer) -> dict:
     return record
 
 
-def baseline_summary(args, tcfg, tparams, rows, max_prompt, sampling, stops) -> dict:
+def baseline_summary(args, tcfg, tparams, rows, max_prompt, sampling, stops, mesh=None) -> dict:
     """Plain decoding of the same first-turn prompts through the same engine, timed."""
     from dflash_jax.spec_decode import Generator, GenerationStats, timed
 
     gen = Generator(tcfg, tparams, block_size=1, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                    max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stops, sync_every=args.sync_every)
+                    max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stops, sync_every=args.sync_every,
+                    mesh=mesh)
     prompts = [r.turn_ids[0] for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
     gen.warmup([len(p) for p in prompts] or [1])
     stats = GenerationStats(1)
@@ -361,8 +384,11 @@ def print_summary(s: dict, say):
 
 
 def main(argv=None) -> int:
+    from dflash_jax.sharding import init_distributed
+
     args = build_parser().parse_args(argv)
     try:
+        init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
         return run(args)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

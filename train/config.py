@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "train": {
         "output_dir": None,  # required
+        "mesh": None,  # e.g. "data=4,model=2"; default: every device on `data`
         "seed": 0,
         "global_batch": 8,
         "epochs": 6,

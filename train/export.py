@@ -27,7 +27,8 @@ def restore_params(run_dir: Path, step: int | None = None):
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{run_dir} is not a training run (no checkpoints/)")
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False),
-                                 item_names=("state", "data"))
+                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                "data": ocp.JsonCheckpointHandler()})
     try:
         steps = mngr.all_steps()
         if not steps:
@@ -35,7 +36,13 @@ def restore_params(run_dir: Path, step: int | None = None):
         step = max(steps) if step is None else step
         if step not in steps:
             raise CheckpointError(f"no checkpoint of step {step} in {ckpt_dir} (have {sorted(steps)})")
-        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+        # Onto this process's first device, whatever mesh the run was saved from.
+        import jax
+
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        meta = mngr.item_metadata(step)["state"]
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     finally:
         mngr.close()
     return state["params"], step

@@ -20,14 +20,18 @@ from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.data import encode, make_dataset, read_jsonl
 from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids, init_drafter_params
 from dflash_jax.errors import DFlashError
+from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
 from dflash_jax.spec_decode import GenerationStats, Generator
-from dflash_jax.training import LossSpec, TrainState, default_gamma, init_train_state, make_optimizer, train_step
+from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
+                                 state_shardings, train_step)
+from infer.cli import add_distributed_flags
 from train.config import TrainConfigError, load_config
 
 CHECKPOINTS = "checkpoints"
 DRAFTER_CONFIG = "drafter_config.json"  # z-lab config of the drafter being trained
 METRICS = "metrics.jsonl"
-# Testing hook: kill this process (SIGKILL, no cleanup) right after that step.
+# Testing hook: kill this process (SIGKILL, no cleanup) right after that step, once the
+# checkpoint writes already begun have finished.
 FAIL_AT_STEP = int(os.environ.get("DFLASH_TRAIN_KILL_AT_STEP", "0") or 0)
 
 
@@ -128,19 +132,20 @@ def trim_metrics(path: Path, upto_step: int):
 class TauEvaluator:
     """Real speculative decoding on held-out prompts with the current drafter weights."""
 
-    def __init__(self, tcfg, tparams, dcfg: DrafterConfig, prompts, max_new: int, batch: int):
+    def __init__(self, tcfg, tparams, dcfg: DrafterConfig, prompts, max_new: int, batch: int, mesh=None):
         self.dcfg = dcfg.with_dtype(tcfg.dtype)
         self.prompts = prompts
         self.tcfg, self.tparams = tcfg, tparams
-        self.max_new, self.batch = max_new, batch
+        self.max_new, self.batch, self.mesh = max_new, batch, mesh
         self.gen = None
 
     def __call__(self, params) -> dict:
         cast = jax.tree.map(lambda p: p.astype(jnp.dtype(self.tcfg.dtype)), params)
         if self.gen is None:  # one Generator: later evaluations reuse its compilation
             self.gen = Generator(self.tcfg, self.tparams, self.dcfg, cast, batch_size=self.batch,
-                                 max_new_tokens=self.max_new, max_prompt_len=max(len(p) for p in self.prompts))
-        self.gen.dparams = cast
+                                 max_new_tokens=self.max_new, max_prompt_len=max(len(p) for p in self.prompts),
+                                 mesh=self.mesh)
+        self.gen.dparams = shard_params(cast, self.mesh)
         stats = GenerationStats(self.dcfg.block_size)
         for r in self.gen.generate(self.prompts):
             stats.add(r)
@@ -158,9 +163,15 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     out = Path(t["output_dir"])
     out.mkdir(parents=True, exist_ok=True)
     target_dir = Path(cfg["target"])
+    mesh = make_mesh(t["mesh"]) if (t["mesh"] or jax.device_count() > 1) else None
     tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"])
+    tparams = shard_params(tparams, mesh)
     tokenizer = load_tokenizer(target_dir)
     ensure_data(cfg, target_dir)
+    if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("data ready")
 
     records = read_jsonl(d["conversations"])
     holdout = min(d["eval_holdout"], len(records) - 1)
@@ -177,7 +188,10 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     check_pair(tcfg, dcfg)
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
-                    ce_chunk=t["ce_chunk"])
+                    ce_chunk=t["ce_chunk"], mesh=mesh)
+    if mesh is not None and t["global_batch"] % mesh.shape["data"]:
+        raise TrainConfigError(f"train.global_batch {t['global_batch']} is not divisible by the data axis "
+                               f"({mesh.shape['data']})")
     steps_per_epoch = len(train_records) // t["global_batch"]
     total = t["steps"] or t["epochs"] * steps_per_epoch
     epochs_needed = -(-total // steps_per_epoch)
@@ -190,11 +204,15 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     data_iter = iter(dataset.to_iter_dataset())
 
     state = init_train_state(init_params, tx)
+    if mesh is not None:
+        state = jax.device_put(state, state_shardings(state, mesh))
     mngr = checkpoint_manager(out, cfg)
     start = 0
     if mngr.latest_step() is not None:
         start = mngr.latest_step()
-        state, data_state = restore(mngr, start, jax.eval_shape(lambda: state))
+        # Restored straight into the layout (and onto the devices) each array will live on.
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        state, data_state = restore(mngr, start, abstract)
         data_iter.set_state(data_state)
         trim_metrics(out / METRICS, start)
         log(f"resumed from step {start} ({out / CHECKPOINTS})")
@@ -204,7 +222,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
         (out / "train_config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
 
     evaluator = TauEvaluator(tcfg, tparams, dcfg, eval_prompts(held, tokenizer, d["enable_thinking"]),
-                             t["eval_max_new_tokens"], t["eval_batch_size"]) if held else None
+                             t["eval_max_new_tokens"], t["eval_batch_size"], mesh) if held else None
     seed_key = jax.random.PRNGKey(t["seed"])
     metrics_file = open(out / METRICS, "a") if jax.process_index() == 0 else None
 
@@ -226,8 +244,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     try:
         for step in range(start, total):
             batch = next(data_iter)
-            state, metrics = train_step(state, tparams, jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]),
-                                        seed_key, spec=spec, tx=tx)
+            state, metrics = train_step(state, tparams, global_batch(batch["tokens"], mesh),
+                                        global_batch(batch["loss_mask"], mesh), seed_key, spec=spec, tx=tx)
             window_tokens += int(batch["tokens"].size) * jax.process_count()
             done = step + 1
             entry = None
@@ -249,7 +267,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
                     log(f"step {done}: eval tau {entry['eval_tau']:.3f}")
             if done % t["save_every"] == 0 or done == total:
                 save(mngr, done, state, data_iter.get_state())
-            if done == FAIL_AT_STEP:  # fault injection for the resume test: a real SIGKILL
+            if done == FAIL_AT_STEP:  # fault injection for the resume tests: a real SIGKILL,
+                mngr.wait_until_finished()  # once the checkpoints begun so far are on disk
                 os.kill(os.getpid(), signal.SIGKILL)
             bar.update(1)
     finally:
@@ -268,8 +287,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="YAML config (see configs/train/)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_distributed_flags(p)
     args = p.parse_args(argv)
     try:
+        init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
         cfg = load_config(args.config, args.overrides)
         summary = train(cfg, progress=not args.quiet)
     except DFlashError as e:

@@ -1,0 +1,81 @@
+"""Run in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=N (the
+device count must be fixed before jax is imported). Prints one JSON object."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def inference(meshes):
+    from dflash_jax import load_drafter, load_target
+    from dflash_jax.sharding import make_mesh
+    from dflash_jax.spec_decode import Generator
+    from fixtures import tiny
+
+    case = json.loads((tiny() / "greedy_cases.json").read_text())
+    prompts = case["prompts"]
+    out = {}
+    for spec in [None] + meshes:
+        mesh = make_mesh(spec) if spec else None
+        tc, tp = load_target(tiny() / "target", mesh=mesh)  # sharded loading straight onto the mesh
+        dc, dp = load_drafter(tiny() / "drafter", mesh=mesh)
+        gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh)
+        res = sorted(gen.generate(prompts), key=lambda r: r.index)
+        kernel = gen.tparams["model"]["layers_0"]["mlp"]["up_proj"]["kernel"]
+        out[spec or "single"] = {
+            "outputs": [p + r.output_ids for p, r in zip(prompts, res)],
+            "acceptance": [r.acceptance_lengths for r in res],
+            "up_proj_spec": str(kernel.sharding.spec) if mesh else None,
+            "devices": len(kernel.sharding.device_set),
+        }
+    out["expected"] = {"outputs": case["outputs"], "acceptance": case["acceptance_lengths"]}
+    return out
+
+
+def training(meshes):
+    import jax.numpy as jnp
+
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter import DrafterConfig, init_drafter_params
+    from dflash_jax.model import init_params
+    from dflash_jax.sharding import global_batch, make_mesh, shard_params
+    from dflash_jax.training import LossSpec, init_train_state, make_optimizer, state_shardings, train_step
+
+    target = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=8, qk_norm=True)
+    drafter = DrafterConfig(model=target.replace(num_hidden_layers=2, sliding_windows=(None, None)), block_size=4,
+                            mask_token_id=63, target_layer_ids=(0, 2), num_target_layers=3)
+    tparams = init_params(target, jax.random.PRNGKey(0))
+    dparams = init_drafter_params(drafter, jax.random.PRNGKey(1))
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, 63, (8, 32)).astype(np.int32)
+    mask = (np.arange(32)[None] >= 8).astype(np.int32).repeat(8, 0)
+    out = {}
+    for spec_text in [None] + meshes:
+        mesh = make_mesh(spec_text) if spec_text else None
+        spec = LossSpec(target=target, drafter=drafter, num_anchors=6, gamma=4.0, ce_chunk=32, mesh=mesh)
+        tx, _ = make_optimizer(1e-3, 10)
+        state = init_train_state(dparams, tx)
+        if mesh is not None:
+            state = jax.device_put(state, state_shardings(state, mesh))
+        tp = shard_params(tparams, mesh)
+        losses = []
+        for _ in range(3):
+            state, m = train_step(state, tp, global_batch(tokens, mesh), global_batch(mask, mesh),
+                                  jax.random.PRNGKey(0), spec=spec, tx=tx)
+            losses.append(float(m["loss"]))
+        flat = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)]
+        kernel = state.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+        out[spec_text or "single"] = {"losses": losses, "params": flat,
+                                      "up_proj_spec": str(kernel.sharding.spec) if mesh else None}
+    return out
+
+
+if __name__ == "__main__":
+    what, meshes = sys.argv[1], sys.argv[2:]
+    print(json.dumps({"devices": jax.device_count(), **{"inference": inference, "training": training}[what](meshes)}))
