@@ -56,13 +56,16 @@ def write_checkpoint(path: Path, layers: int, hidden: int, inter: int, vocab: in
     return (path / "model.safetensors").stat().st_size
 
 
-def peak_rss_of(code: str) -> tuple[float, float]:
+def peak_rss_of(code: str, devices: int = 1) -> tuple[float, float]:
     """(peak RSS in bytes, seconds) of `python -c code` in a fresh child process."""
+    import os
+
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", code + "\nimport resource,sys;"
          "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"],
-        capture_output=True, text=True)
+        capture_output=True, text=True, env=env)
     if proc.returncode:
         raise SystemExit(proc.stderr)
     kib = int(proc.stderr.rsplit("PEAK", 1)[1].split()[0])
@@ -76,6 +79,8 @@ def main():
     ap.add_argument("--intermediate", type=int, default=3072)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--workdir", default="/tmp/dflash-convert-mem")
+    ap.add_argument("--mesh", default="model=8", help="also load onto this mesh of CPU devices")
+    ap.add_argument("--devices", type=int, default=8, help="CPU devices for --mesh")
     args = ap.parse_args()
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -90,13 +95,20 @@ def main():
     conv, t_conv = peak_rss_of(
         f"from dflash_jax.convert import main; main(['--hf', {str(work / 'hf')!r}, '--out', {str(work / 'out')!r}, '--quiet'])")
     cload, t_cload = peak_rss_of(f"from dflash_jax import load_target; load_target({str(work / 'out')!r})")
+    on_mesh = (f"from dflash_jax import load_target; from dflash_jax.sharding import make_mesh; "
+               f"import jax; p = load_target(%r, mesh=make_mesh({args.mesh!r}))[1]; jax.block_until_ready(p)")
+    mload, t_mload = peak_rss_of(on_mesh % str(work / "hf"), args.devices)
+    mcload, t_mcload = peak_rss_of(on_mesh % str(work / "out"), args.devices)
+    base8, _ = peak_rss_of("import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()", args.devices)
     gb = 1e9
     print(f"checkpoint: {size / gb:.2f} GB float32 safetensors ({args.layers} layers)")
     print(f"bare `import jax` peak RSS: {base / gb:.2f} GB")
-    for name, rss, t in (("load HF dir", load, t_load), ("convert", conv, t_conv),
-                         ("load converted", cload, t_cload)):
-        print(f"{name:15s} peak RSS {rss / gb:.2f} GB = {rss / size:.2f} x checkpoint; "
-              f"above bare jax {(rss - base) / size:.2f} x; {t:.1f}s")
+    for name, rss, t, b in (("load HF dir", load, t_load, base), ("convert", conv, t_conv, base),
+                            ("load converted", cload, t_cload, base),
+                            (f"load HF dir, {args.devices} devices, {args.mesh}", mload, t_mload, base8),
+                            (f"load converted, {args.devices} devices, {args.mesh}", mcload, t_mcload, base8)):
+        print(f"{name:42s} peak RSS {rss / gb:.2f} GB = {rss / size:.2f} x checkpoint; "
+              f"above bare jax {(rss - b) / size:.2f} x; {t:.1f}s")
     shutil.rmtree(work, ignore_errors=True)
 
 
