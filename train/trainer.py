@@ -65,7 +65,9 @@ def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> Drafte
     d = cfg["drafter"]
     n = d["num_hidden_layers"]
     mask = d["mask_token_id"]
-    if mask is None:
+    if mask is None and tokenizer is not None and tokenizer.mask_token_id is not None:
+        mask = tokenizer.mask_token_id
+    if mask is None:  # the first id the tokenizer never produces, else the last id
         first_free = len(tokenizer) if tokenizer is not None else tcfg.vocab_size - 1
         mask = first_free if first_free < tcfg.vocab_size else tcfg.vocab_size - 1
     taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
