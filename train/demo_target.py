@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.demo_target", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="HF output directory (written at the end, atomically)")
     p.add_argument("--work", default=None, help="checkpoints and logs (default: OUT.work); rerun to resume")
-    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -1,0 +1,75 @@
+"""`python -m train.demo_prompts`: code-continuation prompts cut from Python source files.
+
+Used twice: prompts from the standard library (the demo target's own corpus) are what the
+demo target regenerates to train the demo drafter; prompts from another package's source
+(default numpy, which the target never saw) are the held-out benchmark prompts. Seeded:
+the same files give the same prompts.
+
+    python -m train.demo_prompts --out prompts.jsonl [--num 2000] [--source stdlib|PACKAGE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+
+def source_files(source: str) -> list[Path]:
+    if source == "stdlib":
+        from train.demo_target import stdlib_files
+
+        return stdlib_files()
+    spec = importlib.util.find_spec(source)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"error: package {source!r} is not installed (or is not a package)")
+    skip = {"tests", "test", "testing", "__pycache__"}
+    files = []
+    for root in spec.submodule_search_locations:
+        files += [f for f in Path(root).rglob("*.py") if not skip & set(f.relative_to(root).parts)]
+    return sorted(files)
+
+
+def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lines: int = 10,
+             max_chars: int = 400) -> list[str]:
+    """`num` snippets that start at a def/class line: the opening a model should continue."""
+    rng = random.Random(seed)
+    starts = []
+    for f in files:
+        try:
+            lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        starts += [(lines, i) for i, l in enumerate(lines) if l.lstrip().startswith(("def ", "class "))]
+    rng.shuffle(starts)
+    out, seen = [], set()
+    for lines, i in starts:
+        text = "".join(lines[i:i + rng.randint(min_lines, max_lines)])[:max_chars]
+        if text.strip() and text not in seen:
+            seen.add(text)
+            out.append(text)
+        if len(out) == num:
+            break
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.demo_prompts", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--num", type=int, default=2000)
+    p.add_argument("--source", default="stdlib", help="stdlib, or an installed package's name (e.g. numpy)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    texts = snippets(source_files(args.source), args.num, args.seed)
+    with open(args.out, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": f"{args.source}-{i}", "prompt": t}) + "\n")
+    print(f"wrote {len(texts)} prompts to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
