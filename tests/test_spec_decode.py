@@ -1,0 +1,535 @@
+"""The speculative decoding engine (SPEC section 1).
+
+- Greedy losslessness: speculative output equals plain greedy output (block size 1),
+  which equals a full-recompute reference; acceptance lengths equal a from-scratch
+  re-implementation of the cycle (fresh caches every cycle).
+- Stop tokens accepted inside a block cut the output right after them.
+- After warm-up nothing recompiles; a new prompt bucket compiles prefill only.
+- Sampling is lossless: the empirical distribution of the first tokens matches the exact
+  target distribution (independent numpy top-k/top-p), and the bound used would reject
+  the distributions of broken acceptance rules.
+- Seeded sampling is reproducible and independent of batch, row placement and block size.
+- Logit processing (temperature, top-k, top-p) against numpy.
+
+Models are tiny and random. A random drafter almost never matches a 128-token target, so
+most cases use targets with an 8- or 12-token vocabulary, where drafts match by chance
+often enough that multi-token acceptance is exercised (and asserted).
+Generators are built once per static shape and shared: compiling is the cost here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import DFlashError, ModelConfig, forward, init_cache
+from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
+from dflash_jax.model import init_params
+from dflash_jax.spec_decode import (
+    TRACE_COUNTS, EngineSpec, Generator, Sampling, bucket, draft_block, processed_logits, target_distribution,
+)
+
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_config(family: str, vocab: int, layers: int) -> ModelConfig:
+    return ModelConfig(
+        model_type=family, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family == "qwen3",
+    )
+
+
+def drafter_config(target: ModelConfig, layers: int, taps: tuple[int, ...], block_size: int = 8) -> DrafterConfig:
+    return DrafterConfig(
+        model=model_config("qwen3", target.vocab_size, layers), block_size=block_size,
+        mask_token_id=target.vocab_size - 1, target_layer_ids=taps, num_target_layers=target.num_hidden_layers,
+    )
+
+
+# name: (family, vocab, target layers, drafter layers, taps, seed)
+SETUPS = {
+    "qwen3-v8": ("qwen3", 8, 3, 2, (0, 2), 1),
+    "llama-v8": ("llama", 8, 2, 1, (1,), 2),
+    "qwen3-v128": ("qwen3", 128, 3, 2, (0, 2), 3),
+    "llama-v128": ("llama", 128, 2, 1, (1,), 4),
+}
+MAX_NEW = 24
+MAX_PROMPT = 40
+PROMPT_LENGTHS = (5, 40, 1, 17, 3, 13, 30, 2, 8, 21, 16, 33)
+
+
+@functools.cache
+def setup(name):
+    family, vocab, layers, dlayers, taps, seed = SETUPS[name]
+    target = model_config(family, vocab, layers)
+    drafter = drafter_config(target, dlayers, taps)
+    return (target, init_params(target, jax.random.PRNGKey(seed)),
+            drafter, init_drafter_params(drafter, jax.random.PRNGKey(seed + 100)))
+
+
+@functools.cache
+def prompts(name):
+    vocab, seed = SETUPS[name][1], SETUPS[name][5]
+    rs = np.random.RandomState(seed)
+    return tuple(tuple(rs.randint(0, vocab, n).tolist()) for n in PROMPT_LENGTHS)
+
+
+@functools.cache
+def engine(name, block_size, batch_size, *, max_new=MAX_NEW, stop=(), sampling=Sampling(), max_prompt=MAX_PROMPT):
+    target, tparams, drafter, dparams = setup(name)
+    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+                     block_size=block_size, batch_size=batch_size, max_new_tokens=max_new,
+                     max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop)
+
+
+def by_index(results):
+    out = {r.index: r for r in results}
+    return [out[i] for i in sorted(out)]
+
+
+@functools.cache
+def greedy(name, block_size, batch_size, stop=()):
+    """Results (in prompt order) of greedy decoding of the setup's prompts."""
+    return by_index(engine(name, block_size, batch_size, stop=stop).generate(list(prompts(name))))
+
+
+def check_lengths(results, block_size, max_new):
+    """Rows that finish by length hold exactly max_new tokens, and the cycle loop ran just
+    long enough: the reference keeps cycling while generated <= max_new."""
+    for r in results:
+        acc = r.acceptance_lengths
+        assert all(1 <= a <= block_size for a in acc), acc
+        if r.finish_reason == "length":
+            assert len(r.output_ids) == max_new
+            assert 1 + sum(acc) >= max_new + 1
+            assert 1 + sum(acc[:-1]) <= max_new  # the last cycle was still needed
+        else:  # the stop token came from the prefill (no cycle) or from the last cycle
+            assert r.finish_reason == "stop"
+            generated = 1 + sum(acc)
+            assert (not acc and len(r.output_ids) == 1) or 1 + sum(acc[:-1]) < len(r.output_ids) <= generated
+
+
+# --------------------------------------------------------------------------- numpy references
+
+
+def numpy_top_p(logits, p):
+    """Keep the smallest prefix of the descending probabilities whose mass reaches p.
+    logits [N, vocab] -> (keep [N, vocab], distance of the nearest prefix mass to p)."""
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1)
+    cum = np.cumsum(np.take_along_axis(probs, order, -1), -1)
+    n_keep = (cum < p).sum(-1) + 1  # the first prefix whose mass is >= p
+    keep = np.zeros(probs.shape, bool)
+    for row in range(probs.shape[0]):
+        keep[row, order[row, :n_keep[row]]] = True
+    return keep, np.abs(cum - p).min()
+
+
+def numpy_distribution(logits, sampling):
+    """What the target samples from, in float64: temperature, then top-k, then top-p over
+    the renormalised survivors. Returns (probabilities, top-p margin: the answer is only
+    unambiguous when no prefix mass is within rounding of p)."""
+    z = np.asarray(logits, np.float64) / sampling.temperature
+    shape = z.shape
+    z = z.reshape(-1, shape[-1])
+    if sampling.top_k:
+        kth = -np.sort(-z, -1)[:, sampling.top_k - 1:sampling.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    margin = np.inf
+    if sampling.top_p < 1:
+        keep, margin = numpy_top_p(z, sampling.top_p)
+        z = np.where(keep, z, -np.inf)
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    return (probs / probs.sum(-1, keepdims=True)).reshape(shape), margin
+
+
+# --------------------------------------------------------------------------- 1. greedy losslessness
+
+GREEDY_CASES = [
+    ("qwen3-v8", 2, 8), ("qwen3-v8", 4, 8), ("qwen3-v8", 8, 8), ("qwen3-v8", 4, 1), ("qwen3-v8", 4, 3),
+    ("llama-v8", 2, 8), ("llama-v8", 4, 8), ("llama-v8", 8, 8),
+    ("qwen3-v128", 4, 8), ("llama-v128", 8, 3),
+]
+
+
+@pytest.mark.parametrize("name,block_size,batch_size", GREEDY_CASES)
+def test_speculative_greedy_equals_plain_greedy(name, block_size, batch_size):
+    plain = greedy(name, 1, 8)
+    spec = greedy(name, block_size, batch_size)
+    assert [r.index for r in spec] == list(range(len(PROMPT_LENGTHS)))
+    for i, (s, p) in enumerate(zip(spec, plain)):
+        assert s.output_ids == p.output_ids, f"prompt {i} (length {PROMPT_LENGTHS[i]})"
+        assert s.finish_reason == p.finish_reason == "length"
+    check_lengths(spec, block_size, MAX_NEW)
+    check_lengths(plain, 1, MAX_NEW)
+    assert all(r.acceptance_lengths == [1] * MAX_NEW for r in plain)
+    if SETUPS[name][1] <= 16:
+        # The tiny vocabulary makes chance matches common: multi-token acceptance happened.
+        assert max(a for r in spec for a in r.acceptance_lengths) > 1
+
+
+def reference_greedy(params, config, prompt_list, max_new):
+    """Greedy decoding by re-running the whole sequence every step (a fresh cache each
+    time, no reuse). Right padding to one fixed width is harmless under the causal mask."""
+    width = max(len(p) for p in prompt_list) + max_new
+    seqs = [list(p) for p in prompt_list]
+    for _ in range(max_new):
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, :len(s)] = s
+        logits = np.asarray(forward(params, config, jnp.asarray(tokens), init_cache(config, len(seqs), width)).logits)
+        for i, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    return [s[len(p):] for s, p in zip(seqs, prompt_list)]
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_plain_greedy_equals_full_recompute_reference(name):
+    target, tparams, _, _ = setup(name)
+    ref = reference_greedy(tparams, target, prompts(name), MAX_NEW)
+    assert [r.output_ids for r in greedy(name, 1, 8)] == ref
+
+
+def reference_cycles(name, block_size, prompt_list, max_new):
+    """Greedy DFlash cycles recomputed from scratch each cycle (SPEC section 1): the drafter
+    context is the taps of every committed position from a fresh target pass, the block
+    [anchor, MASK...] sits at the anchor's position, and the verify pass reruns the whole
+    sequence. No cache survives a cycle, so a wrong incremental context or rollback in the
+    engine shows up as different drafts, hence different acceptance lengths.
+    Returns (outputs, acceptance lengths) per prompt."""
+    target, tparams, drafter, dparams = setup(name)
+    n = len(prompt_list)
+    width = max(map(len, prompt_list)) + max_new + 2 * block_size
+    spec = EngineSpec(target=target, drafter=drafter, block_size=block_size, sampling=Sampling(),
+                      max_new_tokens=max_new, cache_len=width)
+
+    def run_target(seqs):
+        tokens = np.zeros((n, width), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens[i, :len(seq)] = seq
+        out = forward(tparams, target, jnp.asarray(tokens), init_cache(target, n, width), taps=drafter.target_layer_ids)
+        return np.asarray(out.logits), out.tap_features
+
+    logits, _ = run_target(prompt_list)
+    seqs = [list(p) + [int(np.argmax(logits[i, len(p) - 1]))] for i, p in enumerate(prompt_list)]
+    acceptance = [[] for _ in range(n)]
+    while any(len(s) - len(p) <= max_new for s, p in zip(seqs, prompt_list)):
+        committed = np.array([len(s) - 1 for s in seqs])  # the last token is the anchor
+        _, taps = run_target(seqs)
+        context = extend_context(dparams, drafter, taps, init_context_cache(drafter, n, width), jnp.asarray(committed))
+        anchors = jnp.asarray([s[-1] for s in seqs], jnp.int32)
+        drafts = np.asarray(draft_block(tparams, dparams, spec, anchors, context))
+        logits, _ = run_target([s + d.tolist() for s, d in zip(seqs, drafts)])
+        for i, (s, p) in enumerate(zip(seqs, prompt_list)):
+            if len(s) - len(p) > max_new:
+                continue
+            y = [int(np.argmax(logits[i, committed[i] + j])) for j in range(block_size)]
+            a = 0
+            while a < block_size - 1 and drafts[i, a] == y[a]:
+                a += 1
+            s.extend(y[:a + 1])
+            acceptance[i].append(a + 1)
+    return [s[len(p):][:max_new] for s, p in zip(seqs, prompt_list)], acceptance
+
+
+@pytest.mark.parametrize("name,block_size", [("qwen3-v8", 4), ("llama-v8", 8)])
+def test_acceptance_lengths_equal_from_scratch_reference(name, block_size):
+    outputs, acceptance = reference_cycles(name, block_size, prompts(name), MAX_NEW)
+    spec = greedy(name, block_size, 8)
+    assert [r.output_ids for r in spec] == outputs
+    assert [r.acceptance_lengths for r in spec] == acceptance
+    assert max(map(max, acceptance)) > 1
+
+
+# --------------------------------------------------------------------------- 2. stop tokens
+
+
+def first_occurrences(outputs, token):
+    return [o.index(token) if token in o else None for o in outputs]
+
+
+def mid_block_positions(result):
+    """Output positions that a cycle committed but not as its last token (the anchor from
+    prefill is position 0; a cycle of acceptance a + 1 adds a + 1 tokens)."""
+    ends = set(np.cumsum([0] + result.acceptance_lengths).tolist())
+    return {j for j in range(len(result.output_ids)) if j not in ends}
+
+
+def test_stop_token_mid_block_cuts_after_first_occurrence():
+    name = "qwen3-v8"
+    rs = np.random.RandomState(1001)
+    prompt_list = [rs.randint(0, SETUPS[name][1], n).tolist() for n in rs.randint(1, MAX_PROMPT + 1, 32)]
+    plain_outputs = [r.output_ids for r in by_index(engine(name, 1, 8).generate(prompt_list))]
+    spec_8 = by_index(engine(name, 8, 8).generate(prompt_list))
+    assert [r.output_ids for r in spec_8] == plain_outputs
+
+    # The stop token: among those some rows never produce, the one that most often lands
+    # inside an accepted block of the block-8 run (so the tokens after it must be dropped).
+    def inside_blocks(token):
+        firsts = first_occurrences(plain_outputs, token)
+        return sum(f is not None and f in mid_block_positions(r) for f, r in zip(firsts, spec_8))
+
+    candidates = [t for t in range(SETUPS[name][1]) if first_occurrences(plain_outputs, t).count(None) >= 2]
+    stop = max(candidates, key=inside_blocks)
+    assert inside_blocks(stop) >= 3
+
+    expected = [(o[:o.index(stop) + 1], "stop") if stop in o else (o, "length") for o in plain_outputs]
+    assert sum(f is not None and f >= 1 for f in first_occurrences(plain_outputs, stop)) >= 3
+    runs = {b: by_index(engine(name, b, 4, stop=(stop,)).generate(prompt_list)) for b in (1, 4, 8)}
+    for b, results in runs.items():
+        for i, (r, (ids, reason)) in enumerate(zip(results, expected)):
+            assert (r.output_ids, r.finish_reason) == (ids, reason), f"block {b}, prompt {i}"
+        check_lengths(results, b, MAX_NEW)
+    # Stopped inside a block: more tokens were generated (1 + sum of acceptance) than kept.
+    assert sum(r.finish_reason == "stop" and 1 + sum(r.acceptance_lengths) > len(r.output_ids)
+               for r in runs[8]) >= 3
+
+
+# --------------------------------------------------------------------------- 3. compilation
+
+
+def test_no_recompilation_after_warmup():
+    name = "qwen3-v8"
+    vocab = SETUPS[name][1]
+    rs = np.random.RandomState(7)
+    ids = lambda n: rs.randint(0, vocab, n).tolist()
+    # max_new 13 is used by no other test, so this spec compiles here and nowhere else.
+    gen = engine(name, 4, 4, max_new=13)
+    list(gen.generate([ids(n) for n in (3, 9, 14, 5)]))
+    assert bucket(14) == bucket(3) == 16
+    warm = dict(TRACE_COUNTS)
+
+    # Same bucket: fewer rows than the batch, more rows than the batch, other lengths, seed
+    # and indices, and another stop-token set (stop ids are an array, not a static).
+    list(gen.generate([ids(n) for n in (1, 16, 7)], seed=3))
+    list(gen.generate([ids(n) for n in (2, 11, 16, 4, 6, 12)], indices=range(100, 106)))
+    stopping = engine(name, 4, 4, max_new=13, stop=(0, 1, 2, 3))
+    results = list(stopping.generate([ids(n) for n in (8, 15)]))
+    assert any(r.finish_reason == "stop" for r in results)
+    assert TRACE_COUNTS == warm
+
+    # A new bucket compiles prefill once, and the cycle loop not at all.
+    assert bucket(20) == bucket(31) == 32
+    list(gen.generate([ids(20)]))
+    list(gen.generate([ids(31), ids(4)]))
+    assert TRACE_COUNTS == {**warm, "prefill": warm["prefill"] + 1}
+
+
+# --------------------------------------------------------------------------- 4. sampling distribution
+
+V = 12
+SAMPLE_PROMPT = (3, 1, 4, 1, 5)
+N_SAMPLES = 4096
+SAMPLE_BATCH = 512
+SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5), Sampling(temperature=1.0, top_p=0.8)]
+
+
+@functools.cache
+def sampling_setup():
+    """A small-vocabulary target with its head scaled x2, so its distributions are peaked and
+    depend on the context (a broken rule then shifts them measurably), and a drafter whose
+    first draft the target samples about 35-45% of the time."""
+    target = model_config("qwen3", V, 2)
+    tparams = init_params(target, jax.random.PRNGKey(2))
+    tparams = {**tparams, "lm_head": {"kernel": 2.0 * tparams["lm_head"]["kernel"]}}
+    drafter = drafter_config(target, 1, (0, 1), block_size=4)
+    return target, tparams, drafter, init_drafter_params(drafter, jax.random.PRNGKey(52))
+
+
+@functools.cache
+def exact_logits():
+    """Target logits for every continuation (t1, t2) of the prompt: [V, V, P + 2, V]."""
+    target, tparams, _, _ = sampling_setup()
+    p = len(SAMPLE_PROMPT)
+    t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
+    tokens = np.concatenate([np.tile(SAMPLE_PROMPT, (V * V, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
+    out = forward(tparams, target, jnp.asarray(tokens, jnp.int32), init_cache(target, V * V, p + 2))
+    return np.asarray(out.logits).reshape(V, V, p + 2, V)
+
+
+def exact_distribution(logits, sampling):
+    """The target's sampling distribution from an independent numpy implementation, after
+    checking that the library's `target_distribution` agrees with it."""
+    probs, margin = numpy_distribution(logits, sampling)
+    assert margin > 1e-5
+    np.testing.assert_allclose(np.asarray(target_distribution(jnp.asarray(logits), sampling)), probs, atol=1e-5)
+    return probs
+
+
+def exact_joint(sampling):
+    """p(t1, t2, t3) of plain autoregressive sampling from the target, [V, V, V]."""
+    logits = exact_logits()
+    p = len(SAMPLE_PROMPT)
+    p1 = exact_distribution(logits[0, 0, p - 1], sampling)  # [t1]
+    p2 = exact_distribution(logits[:, 0, p], sampling)  # [t1, t2]
+    p3 = exact_distribution(logits[:, :, p + 1], sampling)  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@functools.cache
+def first_drafts():
+    """d_1 of the first cycle for each first token t1: the drafter's argmax, [V]."""
+    target, tparams, drafter, dparams = sampling_setup()
+    p = len(SAMPLE_PROMPT)
+    taps = forward(tparams, target, jnp.asarray([SAMPLE_PROMPT] * V, jnp.int32), init_cache(target, V, 32),
+                   taps=drafter.target_layer_ids).tap_features
+    context = extend_context(dparams, drafter, taps, init_context_cache(drafter, V, 32), jnp.full((V,), p))
+    spec = EngineSpec(target=target, drafter=drafter, block_size=4, sampling=Sampling(1.0), max_new_tokens=3,
+                      cache_len=32)
+    return np.asarray(draft_block(tparams, dparams, spec, jnp.arange(V, dtype=jnp.int32), context))[:, 0]
+
+
+def tv_bound(p, n, delta=1e-6):
+    """With probability >= 1 - delta, the empirical distribution of n iid samples of p is
+    within this total variation of p: E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / n) (Jensen),
+    and TV moves by at most 1/n when one sample changes, so McDiarmid adds
+    sqrt(ln(1/delta) / (2n)). Here (n = 4096, 144 cells, peaked p) it is about 0.1."""
+    return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+def tv(p, q):
+    return 0.5 * np.abs(p - q).sum()
+
+
+@functools.cache
+def speculative_samples(sampling):
+    """The first three tokens of N_SAMPLES rows (row ids key the random streams) and each
+    row's first acceptance length, from the block-4 engine. Three, not two: token 1 comes
+    from the prefill and token 2 is always y_0, the target's own sample in the first verify
+    pass, whatever was accepted; token 3 is the first one the acceptance rule decides."""
+    target, tparams, drafter, dparams = sampling_setup()
+    gen = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
+                    max_prompt_len=16, sampling=sampling)
+    results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
+    assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in results)
+    return np.array([r.output_ids for r in results]), np.array([r.acceptance_lengths[0] for r in results])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk5", "t1-topp0.8"])
+def test_speculative_sampling_matches_target_distribution(sampling):
+    exact = exact_joint(sampling)
+    tokens, first_acceptance = speculative_samples(sampling)
+    counts = np.zeros((V, V, V))
+    np.add.at(counts, tuple(tokens.T), 1)
+    empirical = counts / N_SAMPLES
+
+    # The drafts were accepted often, so the acceptance rule was really exercised.
+    assert np.mean(first_acceptance >= 2) > 0.2
+
+    # A token the target cannot sample (top-k / top-p) is never produced.
+    impossible = counts[exact == 0].sum()
+    assert impossible == 0, f"{impossible:.0f} samples of zero-probability sequences"
+    if sampling.top_k:
+        assert np.count_nonzero(exact.sum((1, 2))) == sampling.top_k
+    if sampling.top_p < 1:
+        assert np.count_nonzero(exact.sum((1, 2))) < V
+
+    # Token 2 is the first verify sample; token 3 depends on whether the draft was accepted.
+    exact_12, exact_23 = exact.sum(2), exact.sum(0)
+    bound_12, bound_23 = tv_bound(exact_12, N_SAMPLES), tv_bound(exact_23, N_SAMPLES)
+    for which, emp, ex, bound in (("(t1, t2)", empirical.sum(2), exact_12, bound_12),
+                                  ("(t2, t3)", empirical.sum(0), exact_23, bound_23)):
+        assert tv(emp, ex) < bound, f"{which}: TV {tv(emp, ex):.3f} to the target's distribution >= {bound:.3f}"
+
+    # Power: broken rules would fail these bounds (their samples would sit within their own
+    # bound of their distribution, and that is farther than both bounds from the exact one).
+    d1 = first_drafts()
+    logits, p = exact_logits(), len(SAMPLE_PROMPT)
+    p1 = exact.sum((1, 2))
+    p2_given_1 = exact.sum(2) / np.where(p1 > 0, p1, 1)[:, None]
+    # "Accept every draft": token 3 is sampled after [t1, d1(t1)] even when t2 != d1(t1).
+    p3_after_draft = exact_distribution(logits[np.arange(V), d1, p + 1], sampling)
+    accept_all_23 = (p1[:, None, None] * p2_given_1[:, :, None] * p3_after_draft[:, None, :]).sum(0)
+    assert tv(accept_all_23, exact_23) > bound_23 + tv_bound(accept_all_23, N_SAMPLES)
+    # "The draft is token 2": the drafter's argmax replaces the target's sample.
+    draft_is_token2 = p1[:, None] * np.eye(V)[d1]
+    assert tv(draft_is_token2, exact_12) > bound_12 + tv_bound(draft_is_token2, N_SAMPLES)
+
+
+# --------------------------------------------------------------------------- 5. reproducibility
+
+
+@functools.cache
+def sampling_engine(block_size, batch_size):
+    target, tparams, drafter, dparams = sampling_setup()
+    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+                     block_size=block_size, batch_size=batch_size, max_new_tokens=16, max_prompt_len=16,
+                     sampling=Sampling(temperature=1.0))
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    rs = np.random.RandomState(11)
+    prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
+    indices = [5, 0, 17, 3, 8, 2]
+    outputs = lambda gen, seed, ps=prompt_list, idx=indices: {
+        r.index: r.output_ids for r in gen.generate(ps, seed=seed, indices=idx)}
+    batch4 = sampling_engine(4, 4)
+    first = outputs(batch4, 7)
+    assert outputs(batch4, 7) == first
+    assert outputs(sampling_engine(4, 1), 7) == first  # a row's output does not depend on its batch
+    assert outputs(batch4, 7, prompt_list[::-1], indices[::-1]) == first  # nor on its place in it
+    assert outputs(batch4, 8) != first
+    assert len({tuple(o) for o in first.values()}) > 1
+    # The sample for position t uses the key of (row, t) whatever the block size, so
+    # speculative sampling reproduces plain sampling token for token.
+    assert outputs(sampling_engine(1, 4), 7) == first
+
+
+# --------------------------------------------------------------------------- 6. logit processing
+
+
+def random_logits(seed, shape=(64, 50)):
+    return np.random.RandomState(seed).normal(0, 3, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [1, 5, 17])
+def test_top_k_keeps_exactly_the_k_largest(k):
+    logits = random_logits(0)
+    out = np.asarray(processed_logits(jnp.asarray(logits), Sampling(temperature=0.5, top_k=k)))
+    kept = out > NEG
+    top = np.argsort(-logits, axis=-1)[:, :k]
+    expected = np.zeros_like(kept)
+    np.put_along_axis(expected, top, True, axis=-1)
+    np.testing.assert_array_equal(kept, expected)
+    np.testing.assert_allclose(out[kept], logits[kept] / 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p):
+    logits = random_logits(1)
+    temperature = 0.8
+    keep, margin = numpy_top_p(logits.astype(np.float64) / temperature, top_p)
+    assert margin > 1e-5
+    out = np.asarray(processed_logits(jnp.asarray(logits), Sampling(temperature=temperature, top_p=top_p)))
+    np.testing.assert_array_equal(out > NEG, keep)
+    np.testing.assert_allclose(out[keep], logits[keep] / temperature, rtol=1e-6)
+    if top_p == 0.1:
+        assert (keep.sum(-1) == 1).any()  # the argmax alone can be enough
+
+
+def test_top_k_then_top_p_and_target_distribution():
+    logits = random_logits(2)
+    sampling = Sampling(temperature=1.3, top_k=8, top_p=0.7)
+    expected, margin = numpy_distribution(logits, sampling)
+    assert margin > 1e-5
+    assert ((expected > 0).sum(-1) < 8).any()  # top-p cut into the top-k survivors
+    dist = np.asarray(target_distribution(jnp.asarray(logits), sampling))
+    np.testing.assert_array_equal(dist > 0, expected > 0)
+    np.testing.assert_allclose(dist, expected, atol=1e-6)
+    greedy_dist = np.asarray(target_distribution(jnp.asarray(logits), Sampling()))
+    np.testing.assert_array_equal(greedy_dist, np.eye(logits.shape[-1])[logits.argmax(-1)])
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)])
+def test_bad_sampling_is_refused(kw):
+    with pytest.raises(DFlashError):
+        Sampling(**kw)
