@@ -66,7 +66,7 @@ def processed_logits(logits, sampling: Sampling):
     """Temperature, top-k and top-p applied; removed tokens get -inf. [..., vocab] float32."""
     logits = logits.astype(jnp.float32) / sampling.temperature
     neg = jnp.finfo(jnp.float32).min
-    if sampling.top_k:
+    if 0 < sampling.top_k < logits.shape[-1]:  # k >= vocab keeps everything, as in HF
         kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, neg, logits)
     if sampling.top_p < 1.0:
@@ -395,7 +395,12 @@ class Generator:
                  progress=None) -> Iterator[Result]:
         """Yield a Result per prompt as rows finish. `indices` (default 0..n-1) name the rows
         and key their random streams. `progress(n_tokens)` is called after each sync."""
-        indices = list(range(len(prompts))) if indices is None else list(indices)
+        indices = list(range(len(prompts))) if indices is None else [int(i) for i in indices]
+        if len(indices) != len(prompts):
+            raise DFlashError(f"{len(indices)} indices for {len(prompts)} prompts")
+        bad = [i for i in indices if not 0 <= i < 2**32]
+        if bad:
+            raise DFlashError(f"row index {bad[0]} outside 0..2**32-1 (indices key the random streams)")
         for p in prompts:
             why = self.check_prompt(p)
             if why:

@@ -533,3 +533,13 @@ def test_top_k_then_top_p_and_target_distribution():
 def test_bad_sampling_is_refused(kw):
     with pytest.raises(DFlashError):
         Sampling(**kw)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_everything_and_bad_indices_are_refused():
+    logits = jnp.asarray(np.random.RandomState(0).randn(2, 12), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(processed_logits(logits, Sampling(1.0, top_k=50))), np.asarray(logits))
+    gen = engine("qwen3-v8", 1, 1)
+    with pytest.raises(DFlashError, match="row index -1 outside"):
+        list(gen.generate([[1, 2]], indices=[-1]))
+    with pytest.raises(DFlashError, match="2 indices for 1 prompts"):
+        list(gen.generate([[1, 2]], indices=[0, 1]))
