@@ -357,6 +357,10 @@ class Generator:
             return f"token id {bad[0]} outside the vocabulary (size {self.spec.target.vocab_size})"
         return None
 
+    def prefill(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], seed: int = 0) -> DecodeState:
+        """The DecodeState after prefill of up to batch_size prompts (for benchmarks and tools)."""
+        return self._prefill(prompts, indices, seed)
+
     def _prefill(self, prompts, indices, seed):
         n = len(prompts)
         bucket_len = min(bucket(max(len(p) for p in prompts)), self.max_prompt_len)
