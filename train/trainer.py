@@ -216,7 +216,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         state, data_state = restore(mngr, start, abstract)
         data_iter.set_state(data_state)
-        trim_metrics(out / METRICS, start)
+        if jax.process_index() == 0:
+            trim_metrics(out / METRICS, start)
         log(f"resumed from step {start} ({out / CHECKPOINTS})")
     if jax.process_index() == 0:
         (out / DRAFTER_CONFIG).write_text(json.dumps(
