@@ -274,7 +274,7 @@ def main(argv=None):
         total = max(1, sum(hist.values()))
         print(f"batch {r['batch_size']}: acceptance length histogram (length: cycles)  "
               + "  ".join(f"{k}: {v}" for k, v in hist.items()))
-        print(f"         share of cycles  " + "  ".join(f"{k}: {v / total:.0%}" for k, v in hist.items()))
+        print("         share of cycles  " + "  ".join(f"{k}: {v / total:.0%}" for k, v in hist.items()))
         print(f"         outputs identical to the baseline: {r['rows_matching_baseline']}/{num_prompts} rows")
     by_batch = {r["batch_size"]: r["outputs"] for r in rows if r["method"] == "dflash"}
     first = batch_sizes[0]

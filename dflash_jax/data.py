@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import grain
 import numpy as np
@@ -119,7 +118,3 @@ def make_dataset(records: list[dict], tokenizer, *, seq_len: int, global_batch: 
         lambda i: stream[(i // local) * global_batch + process_index * local + i % local])
     mine = mine.map(lambda r: fit(*encode(r, tokenizer, thinking=thinking), seq_len, pad_id))
     return mine.batch(local, drop_remainder=True)
-
-
-def steps_per_epoch(num_records: int, global_batch: int) -> int:
-    return num_records // global_batch

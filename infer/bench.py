@@ -947,7 +947,7 @@ def run(args) -> int:
     timed_compiles = {(r["batch_size"], r["block_size"]): r["compiles_timed"] for r in result["baseline"] + result["dflash"]}
     leaks = {k: v for k, v in timed_compiles.items() if v.get("prefill") or v.get("run_cycles")}
     lossy = [(r["batch_size"], r["block_size"]) for r in result["dflash"] if not r["lossless"]]
-    print(f"\ngreedy losslessness (DFlash tokens == baseline tokens): "
+    print("\ngreedy losslessness (DFlash tokens == baseline tokens): "
           + ("every configuration" if not lossy else f"FAILS for (batch, block) {lossy}"))
     print("recompilations of prefill/run_cycles during timed runs: "
           + ("none" if not leaks else ", ".join(f"(batch, block) {k}: {v}" for k, v in leaks.items())))

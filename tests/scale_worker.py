@@ -38,7 +38,6 @@ def inference(meshes):
 
 
 def training(meshes):
-    import jax.numpy as jnp
 
     from dflash_jax.config import ModelConfig
     from dflash_jax.drafter import DrafterConfig, init_drafter_params

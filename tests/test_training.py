@@ -15,7 +15,7 @@ from dflash_jax import load_drafter, load_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
     init_drafter_params
-from dflash_jax.model import forward, init_cache, init_params
+from dflash_jax.model import init_params
 from dflash_jax.spec_decode import Generator
 from dflash_jax.training import block_layout, default_gamma, drafter_loss, LossSpec, sample_anchors
 from train.config import TrainConfigError, load_config

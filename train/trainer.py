@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.data import encode, make_dataset, read_jsonl
