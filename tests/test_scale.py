@@ -71,7 +71,7 @@ def free_port():
 
 def train_processes(tmp_path, name, n, devices_each, *overrides, kill_at=None):
     base = [sys.executable, "-m", "train", "--config", str(REPO / "configs/train/tiny.yaml"), "--quiet",
-            f"target={REPO / 'dflash_jax/demo/target'}", f"train.output_dir={tmp_path / name}", *overrides]
+            f"target={REPO / 'dflash_jax/demo/tiny/target'}", f"train.output_dir={tmp_path / name}", *overrides]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}", "JAX_PLATFORMS": "cpu"}
     if kill_at:
         env["DFLASH_TRAIN_KILL_AT_STEP"] = str(kill_at)
@@ -88,7 +88,7 @@ def train_processes(tmp_path, name, n, devices_each, *overrides, kill_at=None):
 def conversations(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mh")
     conv = tmp / "conv.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "train.generate_data", "--target", str(REPO / "dflash_jax/demo/target"),
+    proc = subprocess.run([sys.executable, "-m", "train.generate_data", "--target", str(REPO / "dflash_jax/demo/tiny/target"),
                            "--input", str(REPO / "configs/train/tiny_prompts.jsonl"), "--output", str(conv),
                            "--max-new-tokens", "32", "--quiet"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -22,7 +22,7 @@ from train.config import TrainConfigError, load_config
 from train.export import export, restore_params
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_TARGET = REPO / "dflash_jax" / "demo" / "target"
+TINY_TARGET = REPO / "dflash_jax" / "demo" / "tiny" / "target"
 
 TARGET = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)
@@ -164,7 +164,7 @@ def write_prompts(path, n, seed):
 
 def train_cli(tmp_path, name, *overrides, env=None):
     cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs" / "train" / "tiny.yaml"), "--quiet",
-           f"target={DEMO_TARGET}", f"train.output_dir={tmp_path / name}", *overrides]
+           f"target={TINY_TARGET}", f"train.output_dir={tmp_path / name}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
 
 
@@ -184,7 +184,7 @@ def test_regenerated_data_is_the_targets_own_output(trained):
     tmp, _ = trained
     convs = [json.loads(l) for l in (tmp / "conv.jsonl").read_text().splitlines()]
     assert len(convs) == 240 and all(c["response_ids"] and c["prompt_ids"] for c in convs)
-    tc, tp = load_target(DEMO_TARGET)
+    tc, tp = load_target(TINY_TARGET)
     plain = Generator(tc, tp, max_new_tokens=64, max_prompt_len=32, stop_token_ids=[2], batch_size=4)
     for c, r in zip(convs[:4], plain.generate([c["prompt_ids"] for c in convs[:4]])):
         assert r.output_ids == c["response_ids"]
@@ -211,7 +211,7 @@ def test_export_round_trip_gives_identical_drafts(trained, tmp_path):
     dcfg, dparams = load_drafter(out)
     params, step = restore_params(run)
     jax.tree.map(np.testing.assert_array_equal, dparams, jax.tree.map(np.asarray, params))
-    tc, tp = load_target(DEMO_TARGET)
+    tc, tp = load_target(TINY_TARGET)
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     via_export = [r.acceptance_lengths for r in Generator(tc, tp, dcfg, dparams, batch_size=2, max_new_tokens=24,
                                                           max_prompt_len=16).generate(prompts)]
