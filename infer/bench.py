@@ -18,12 +18,14 @@ exactly --max-new-tokens tokens.
    (median).
 4. Time split of one cycle: separately jitted pieces on a state from prefill, each run n times
    in a lax.fori_loop on the device (as the engine's cycles run in a while_loop; no per-call
-   dispatch), median of interleaved rounds: draft (spec_decode.draft_block), verify (model.forward of the block with taps + the greedy pick),
-   the full `cycle` (accept/commit = cycle - draft - verify), one autoregressive step (forward
-   of 1 token, no taps) and the baseline's whole cycle. cost_ratio = cycle / AR step,
-   speedup_check = tau / cost_ratio (next to the measured speedup), the overhead beyond
-   draft + verify as a fraction of the cycle, and the host overhead per cycle = (generate wall
-   time - prefill time) / loop cycles - device cycle time.
+   dispatch), median of interleaved rounds: draft (the drafter's work in a cycle: the verified
+   block's taps join its context, drafter.extend_context, then spec_decode.draft_block), verify
+   (model.forward of the block with taps + the greedy pick), the full `cycle` (accept/commit =
+   cycle - draft - verify), one autoregressive step (forward of 1 token, no taps) and the
+   baseline's whole cycle. cost_ratio = cycle / AR step, speedup_check = tau / cost_ratio (next
+   to the measured speedup), the overhead beyond draft + verify as a fraction of the cycle, and
+   the host overhead per cycle = (generate wall time - prefill time) / loop cycles - device
+   cycle time.
 5. The same target under Hugging Face transformers `generate` (PyTorch, CPU), same prompts,
    left-padded batches (--no-transformers skips it; HF target directories only).
 6. --published-shapes: a Qwen3-8B-shaped target and a 5-layer block-16 drafter with random
@@ -237,17 +239,25 @@ def _jitted_pieces():
     import jax
     import jax.numpy as jnp
 
+    from dflash_jax.drafter import extend_context
     from dflash_jax.model import forward
     from dflash_jax.spec_decode import cycle, draft_block
 
-    @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("anchor",))
-    def draft(tparams, dparams, spec, anchor, context_cache, n):
-        """n draft passes; every draft of one pass feeds the next pass's anchor."""
-        def body(_, a):
-            drafts = draft_block(tparams, dparams, spec, a, context_cache)
-            return drafts.sum(axis=1) % spec.target.vocab_size
+    @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("anchor", "context_cache"))
+    def draft(tparams, dparams, spec, anchor, context_cache, tap_features, n):
+        """n passes of the drafter as a cycle runs it: the verified block's taps join its context
+        (extend_context: fc + each layer's context K/V, a block's worth), then the block is
+        denoised (draft_block). Every pass's drafts feed the next pass's anchor."""
+        lengths = context_cache.lengths
+        accepted = jnp.ones_like(lengths)
 
-        return jax.lax.fori_loop(0, n, body, anchor)
+        def body(_, carry):
+            a, ctx = carry
+            ctx = extend_context(dparams, spec.drafter, tap_features, ctx, accepted)
+            drafts = draft_block(tparams, dparams, spec, a, ctx)
+            return drafts.sum(axis=1) % spec.target.vocab_size, ctx.replace(lengths=lengths)
+
+        return jax.lax.fori_loop(0, n, body, (anchor, context_cache))
 
     @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("block", "cache"))
     def verify(tparams, spec, block, cache, n):
@@ -275,7 +285,11 @@ def _jitted_pieces():
 
         return jax.lax.fori_loop(0, n, body, state)
 
-    return draft, verify, cycles, jax.jit(draft_block, static_argnames=("spec",))
+    @functools.partial(jax.jit, static_argnames=("spec",))
+    def taps_once(tparams, spec, block, cache):
+        return forward(tparams, spec.target, block, cache, taps=spec.taps, return_logits=False).tap_features
+
+    return draft, verify, cycles, jax.jit(draft_block, static_argnames=("spec",)), taps_once
 
 
 _PIECES = None
@@ -333,17 +347,18 @@ def piece_calls(tparams, dparams, spec, state, stop_ids) -> dict:
     anchor alone for block size 1, i.e. one autoregressive step) and the whole cycle."""
     import jax.numpy as jnp
 
-    draft, verify, cycles, draft_once = pieces()
+    draft, verify, cycles, draft_once, taps_once = pieces()
     calls, carry = {}, {}
     if spec.uses_drafter:
         drafts = draft_once(tparams, dparams, spec, state.anchor, state.context_cache)
         block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
-        carry["anchor"] = _copy(state.anchor)
+        taps = taps_once(tparams, spec, block, state.target_cache)
+        carry["draft"] = (_copy(state.anchor), _copy(state.context_cache))
 
         def draft_call(n):
-            carry["anchor"] = draft(tparams, dparams, spec, carry["anchor"], state.context_cache, n)
+            carry["draft"] = draft(tparams, dparams, spec, *carry["draft"], taps, n)
 
-        calls["draft"] = (draft_call, lambda: carry["anchor"])
+        calls["draft"] = (draft_call, lambda: carry["draft"])
     else:
         block = jnp.array(state.anchor[:, None], copy=True)
     carry["verify"] = (block, _copy(state.target_cache))
