@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m infer",
         description="Batch generation with DFlash speculative decoding. With no --target/--drafter, "
-        "runs the bundled demo pair on its built-in prompts.",
+        "runs the bundled demo pair (a small code model trained on the Python standard library and "
+        "its DFlash drafter) on its built-in prompts, with --compare-baseline.",
     )
     p.add_argument("--target", "--model", dest="target", metavar="DIR",
                    help="target model: Hugging Face directory or one written by dflash_jax.convert")
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="results, appended as rows finish; ids already there are skipped (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate per row (default 256; 40 for the demo pair)")
+                   help="tokens to generate per row (default 256; 128 for the demo pair)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -242,7 +243,9 @@ def run(args, make_record=None) -> int:
     if input_path is None:
         raise InputError("--input is required when --target is given")
     if args.max_new_tokens is None:
-        args.max_new_tokens = 40 if demo else 256
+        args.max_new_tokens = 128 if demo else 256
+    if demo and args.input is None and args.block_size != 1:
+        args.compare_baseline = True  # the demo shows the speedup
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                         ("--sync-every", args.sync_every)):
         if value < 1:
@@ -284,6 +287,7 @@ def run(args, make_record=None) -> int:
     stats = GenerationStats(gen.spec.block_size)
     writer = Writer(out_path, enabled=jax.process_index() == 0)
     errors = 0
+    sample = None  # the demo shows one completion as text
     try:
         say(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}) ...")
         t0 = time.perf_counter()
@@ -318,6 +322,8 @@ def run(args, make_record=None) -> int:
                     r.turn_ids.append(encode(r, tokenizer, conversations[r.id], args.enable_thinking))
                     next_pending.append(r)
                     continue
+                if demo and r.kind == "prompt" and "text" in record and (sample is None or r.position < sample[0]):
+                    sample = (r.position, r.value, record["text"])  # the first prompt's
                 if r.turn_records:
                     record["turns"] = r.turn_records + [dict(record)]
                 if make_record is not None:
@@ -339,6 +345,8 @@ def run(args, make_record=None) -> int:
     if jax.process_index() != 0:
         return 0
     print_summary(summary, lambda *a: print(*a, file=sys.stderr))
+    if sample is not None and not args.quiet:
+        print(f"\none completion (prompt, then >>> and the generated text):\n{sample[1]}>>>{sample[2]}", file=sys.stderr)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

@@ -14,11 +14,14 @@ NUM_PROMPTS = 3
 FAST_SPLIT = ["--split-rounds", "2", "--split-min-time", "0.002"]
 
 
+TINY = Path(__file__).resolve().parents[1] / "dflash_jax" / "demo" / "tiny"
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """One run on the bundled demo pair: block 4, batches 1 and 2 (3 prompts: a partial batch)."""
+    """One run on the tiny random pair: block 4, batches 1 and 2 (3 prompts: a partial batch)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    argv = ["--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW), "--block-sizes", "4",
+    argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW), "--block-sizes", "4",
             "--batch-sizes", "1,2", "--repeats", "1", "--torch-threads", "1", "--json", str(out), *FAST_SPLIT]
     assert bench.main(argv) == 0
     return json.loads(out.read_text())
@@ -27,12 +30,12 @@ def demo_run(tmp_path_factory):
 def test_environment_pair_and_prompts(demo_run):
     env = demo_run["env"]
     assert env["backend"] and env["devices"] and env["jax_version"]
-    assert demo_run["pair"]["demo"] and not demo_run["pair"]["tokenizer"]
+    assert not demo_run["pair"]["demo"] and not demo_run["pair"]["tokenizer"]
     p = demo_run["prompts"]
-    assert p["package"] == "numpy" and p["kind"] == "random_token_ids"  # no tokenizer in the demo pair
+    assert p["package"] == "numpy" and p["kind"] == "random_token_ids"  # no tokenizer in the tiny pair
     assert len(p["input_ids"]) == NUM_PROMPTS == len(p["snippets"])
     assert [len(x) for x in p["input_ids"]] == p["lengths"]
-    assert 511 not in {t for ids in p["input_ids"] for t in ids}  # the demo drafter's mask token
+    assert 511 not in {t for ids in p["input_ids"] for t in ids}  # the tiny drafter's mask token
     assert demo_run["settings"]["block_sizes"] == [4] and demo_run["settings"]["batch_sizes"] == [1, 2]
     # matplotlib is in the test extra: the PNG must be drawn.
     assert demo_run["plot"] is not None and Path(demo_run["plot"]).is_file()
@@ -174,29 +177,20 @@ def test_acceptance_figures_by_hand():
     assert bench.loop_cycles([[1, 3], [4, 2, 1], [2]], 2) == 3 + 1
 
 
-def test_a_target_with_a_tokenizer_gets_text_prompts(tmp_path):
-    """With a tokenizer the snippets are tokenised as raw text (a byte-level tokenizer here)."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def test_the_bundled_pair_gets_text_prompts(tmp_path):
+    """The default pair has a tokenizer: the held-out snippets are tokenised as raw text."""
+    from transformers import AutoTokenizer
 
     from infer.cli import DEMO_DIR
 
-    target = tmp_path / "target"
-    shutil.copytree(DEMO_DIR / "target", target)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.save_pretrained(target)
     out = tmp_path / "bench.json"
-    assert bench.main(["--target", str(target), "--drafter", str(DEMO_DIR / "drafter"), "--num-prompts", "2",
-                       "--max-new-tokens", "6", "--block-sizes", "4", "--batch-sizes", "1", "--repeats", "1",
-                       "--max-prompt-tokens", "40", "--no-split", "--no-transformers", "--json", str(out)]) == 0
+    assert bench.main(["--num-prompts", "2", "--max-new-tokens", "6", "--block-sizes", "4", "--batch-sizes", "1",
+                       "--repeats", "1", "--max-prompt-tokens", "40", "--no-split", "--no-transformers",
+                       "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     p = res["prompts"]
-    assert res["pair"]["tokenizer"] and p["kind"] == "text"
-    assert p["input_ids"] == [fast(s["text"])["input_ids"][:40] for s in p["snippets"]]
+    assert res["pair"]["demo"] and res["pair"]["tokenizer"] and p["kind"] == "text"
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    assert p["input_ids"] == [tok(s["text"])["input_ids"][:40] for s in p["snippets"]]
     assert res["dflash"][0]["lossless"] and "time_split" not in res["dflash"][0]
     assert res["transformers"] == {"skipped": "--no-transformers"}

@@ -17,7 +17,7 @@ from dflash_jax.drafter import DrafterConfig, init_drafter_params
 from dflash_jax import load_target
 from dflash_jax.spec_decode import Generator
 from fixtures import tiny
-from infer.cli import main
+from infer.cli import DEMO_DIR, main
 from tiny import make_model, save_model
 
 FIELDS = ["id", "output_ids", "acceptance_lengths", "num_output_tokens", "finish_reason"]
@@ -32,19 +32,25 @@ def write_jsonl(path, rows):
     return path
 
 
-# ----------------------------------------------------------------------------- demo pair
+# ----------------------------------------------------------------------------- the reference pair
 
 
-def test_demo_run_reproduces_the_reference(tmp_path, capsys):
+def tiny_pair(max_new_tokens=40):
+    """The parity fixture's pair on its greedy cases' prompts (also shipped as dflash_jax/demo/tiny)."""
+    return ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
+            "--input", str(DEMO_DIR / "tiny" / "prompts.jsonl"), "--max-new-tokens", str(max_new_tokens)]
+
+
+def test_tiny_pair_reproduces_the_reference(tmp_path, capsys):
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
-    assert main(["--output", str(out), "--summary-json", str(summary)]) == 0
+    assert main(tiny_pair() + ["--output", str(out), "--summary-json", str(summary)]) == 0
     err = capsys.readouterr().err
-    assert "bundled demo pair" in err and "tau" in err and "tokens/s" in err
+    assert "tau" in err and "tokens/s" in err and "bundled demo pair" not in err
     records = read_jsonl(out)
     cases = json.loads((tiny() / "greedy_cases.json").read_text())
     assert sorted(r["id"] for r in records) == [f"demo-{i}" for i in range(8)]
     for r in records:
-        assert list(r) == FIELDS  # no tokenizer in the demo pair: no text
+        assert list(r) == FIELDS  # no tokenizer in the tiny pair: no text
         i = int(r["id"].split("-")[1])
         assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
         assert r["acceptance_lengths"] == cases["acceptance_lengths"][i]
@@ -58,13 +64,13 @@ def test_demo_run_reproduces_the_reference(tmp_path, capsys):
 
 def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path):
     full = tmp_path / "full.jsonl"
-    assert main(["--output", str(full), "--quiet"]) == 0
+    assert main(tiny_pair() + ["--output", str(full), "--quiet"]) == 0
     by_id = {r["id"]: r for r in read_jsonl(full)}
 
     partial = tmp_path / "partial.jsonl"
     kept = [dict(by_id["demo-3"], output_ids=[-7]), by_id["demo-5"]]  # a marker proves no rerun
     partial.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"id": "demo-1", "output_')
-    assert main(["--output", str(partial), "--quiet"]) == 0
+    assert main(tiny_pair() + ["--output", str(partial), "--quiet"]) == 0
     records = read_jsonl(partial)  # every line parses: the torn line is gone
     assert sorted(r["id"] for r in records) == sorted(by_id)
     got = {r["id"]: r for r in records}
@@ -73,26 +79,14 @@ def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path):
         if i != "demo-3":
             assert got[i] == by_id[i]
     # Nothing left to do: a third run adds nothing.
-    assert main(["--output", str(partial), "--quiet"]) == 0
+    assert main(tiny_pair() + ["--output", str(partial), "--quiet"]) == 0
     assert len(read_jsonl(partial)) == 8
-
-
-def test_block_size_one_is_the_baseline_with_the_same_tokens(tmp_path, capsys):
-    spec, base = tmp_path / "spec.jsonl", tmp_path / "base.jsonl"
-    assert main(["--output", str(spec), "--quiet"]) == 0
-    summary = tmp_path / "s.json"
-    assert main(["--output", str(base), "--block-size", "1", "--summary-json", str(summary), "--quiet"]) == 0
-    s, b = {r["id"]: r for r in read_jsonl(spec)}, {r["id"]: r for r in read_jsonl(base)}
-    for i in s:
-        assert s[i]["output_ids"] == b[i]["output_ids"]
-        assert set(b[i]["acceptance_lengths"]) == {1}
-    assert json.loads(summary.read_text())["tau"] == 1.0
 
 
 def test_compare_baseline_reports_speedup(tmp_path):
     summary = tmp_path / "s.json"
-    assert main(["--output", str(tmp_path / "o.jsonl"), "--compare-baseline", "--summary-json", str(summary),
-                 "--quiet", "--max-new-tokens", "16"]) == 0
+    assert main(tiny_pair(16) + ["--output", str(tmp_path / "o.jsonl"), "--compare-baseline",
+                                 "--summary-json", str(summary), "--quiet"]) == 0
     s = json.loads(summary.read_text())
     assert s["baseline"]["block_size"] == 1 and s["baseline"]["tau"] == 1.0
     assert s["baseline"]["output_tokens"] == s["output_tokens"] == 8 * 16

@@ -5,7 +5,7 @@ running Python's standard library (tests excluded) - a corpus every machine has 
 byte-level BPE tokenizer trained on the same files and a ChatML chat template, saved as a
 Hugging Face checkpoint that `transformers` loads as `Qwen3ForCausalLM`.
 
-    python -m train.demo_target --out runs/demo-target [--steps 900] [--minutes 60]
+    python -m train.demo_target --out dflash_jax/demo/target --force   # the bundled target, about an hour
 
 The model is our own Flax decoder (`dflash_jax.model`); the weights are written with the
 same name table the loader reads, so the result is an ordinary HF directory.
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.demo_target", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="HF output directory (written at the end, atomically)")
     p.add_argument("--work", default=None, help="checkpoints and logs (default: OUT.work); rerun to resume")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=2000, help="2000 (the bundled target): about an hour on 2 cores")
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
