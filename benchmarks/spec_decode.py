@@ -11,7 +11,7 @@ so every row generates exactly --max-new-tokens tokens. Prints figures; asserts 
 Pairs: --target DIR --drafter DIR (HF or converted directories); with neither, the tiny
 fixture pair at ../shared/fixtures/tiny-qwen3-dflash (relative to the repo root) when it
 exists; --random builds a random tiny Qwen3 target and random drafter in memory (tiny
-random pairs until a trained demo pair exists; their tau is close to 1).
+random pairs; their tau is close to 1: `python -m infer.bench` measures the trained bundled pair).
 
     python benchmarks/spec_decode.py                      # fixture pair
     python benchmarks/spec_decode.py --random [--hidden 128 --layers 6 --vocab 1024]

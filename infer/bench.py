@@ -788,12 +788,20 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def shown(path: Path) -> str:
+    """A path as results files record it: relative to the working directory when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def env_info() -> dict:
     import jax
 
     info = dict(jax_version=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
                 device_kind=jax.devices()[0].device_kind, python=platform.python_version(), cpus=os.cpu_count(),
-                argv=sys.argv)
+                argv=["python -m infer.bench", *sys.argv[1:]])  # no path of this machine
     print(f"jax {info['jax_version']}, backend {info['backend']}, devices {jax.devices()}, "
           f"{info['cpus']} CPUs, python {info['python']}")
     return info
@@ -875,7 +883,7 @@ def run(args) -> int:
           f"runs after warm-up; block sizes {block_sizes}, batch sizes {batch_sizes}\n")
 
     result.update(
-        pair=dict(name=name, target_dir=str(target_dir), drafter_dir=str(drafter_dir), demo=demo,
+        pair=dict(name=name, target_dir=shown(target_dir), drafter_dir=shown(drafter_dir), demo=demo,
                   tokenizer=tokenizer is not None, target_converted=is_converted(target_dir),
                   target=dataclasses.asdict(tcfg),
                   drafter=dict(layers=d.num_hidden_layers, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
