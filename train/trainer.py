@@ -238,7 +238,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
         entry = {"step": 0, **evaluator(state.params)}
         record(entry)
         history.append(entry)
-        log(f"step 0: eval tau {entry['eval_tau']:.3f} (untrained drafter)")
+        log(f"step 0: eval tau {entry['eval_tau']:.3f} (the initial drafter)")
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step",
                disable=not progress or jax.process_index() != 0, file=sys.stderr)
