@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.model import (
-    MLP, KVCache, RMSNorm, apply_rope, attention_scores, jnp_dtype, rope_angles, write_rows,
+    MLP, KVCache, RMSNorm, apply_rope, attention_weights, jnp_dtype, rope_angles, write_rows,
 )
 
 
@@ -151,18 +151,15 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
         q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
+        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
         if block_mask is None:
             block_mask = jnp.ones((b, t, t), bool)  # the block is non-causal
+        mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)
         q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
-        # One softmax over [context ; block] keys, scored in two parts: concatenating the keys and
-        # values instead would copy the whole context cache in every layer of every cycle.
-        scores = jnp.concatenate([attention_scores(q, ctx_k.astype(k.dtype), ctx_mask),
-                                  attention_scores(q, k, block_mask)], axis=-1)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        s = ctx_k.shape[1]
-        out = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :s], ctx_v.astype(v.dtype))
-               + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v))
-        return self.o_proj(out.reshape(b, t, -1))
+        probs = attention_weights(q, keys, mask).astype(values.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, -1)
+        return self.o_proj(out)
 
 
 class DraftLayer(nn.Module):

@@ -100,31 +100,16 @@ def write_rows(cache_layer, new, offsets):
     return jax.vmap(one)(cache_layer, new, offsets)
 
 
-def write_layer_rows(cache, layer: int, new, offsets):
-    """Write new [batch, T, ...] into layer `layer` of a stacked cache [layers, batch, max_len, ...]
-    at per-row offsets. One update of the stacked buffer, which XLA does in place: slicing the
-    layer out and stacking the layers back would copy the whole cache every step."""
-
-    b, t = new.shape[:2]
-    rows = jnp.arange(b)[:, None]
-    cols = offsets[:, None] + jnp.arange(t)[None, :]
-    return cache.at[layer, rows, cols].set(new.astype(cache.dtype), mode="promise_in_bounds")
-
-
-def attention_scores(q, k, mask):
-    """Grouped-query attention scores, float32, masked entries at the float32 minimum.
+def attention_weights(q, k, mask):
+    """Grouped-query attention probabilities, float32.
 
     q [batch, T, kv_heads, groups, head_dim]; k [batch, S, kv_heads, head_dim];
     mask [batch, T, S] bool -> [batch, kv_heads, groups, T, S].
     """
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (q.shape[-1] ** -0.5)
-    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-
-
-def attention_weights(q, k, mask):
-    """Grouped-query attention probabilities [batch, kv_heads, groups, T, S], float32."""
-    return jax.nn.softmax(attention_scores(q, k, mask), axis=-1)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
 
 
 class Attention(nn.Module):
@@ -132,9 +117,7 @@ class Attention(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_all, v_all, layer: int, offsets, query_pos):
-        """k_all, v_all: the stacked cache [layers, batch, max_len, kv_heads, head_dim]; this
-        layer's keys and values go into entry `layer`. Returns (output, k_all, v_all)."""
+    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
         c = self.config
         dtype = jnp_dtype(c.dtype)
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -150,9 +133,8 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_all = write_layer_rows(k_all, layer, k, offsets)
-        v_all = write_layer_rows(v_all, layer, v, offsets)
-        k_cache, v_cache = k_all[layer], v_all[layer]
+        k_cache = write_rows(k_cache, k, offsets)
+        v_cache = write_rows(v_cache, v, offsets)
 
         key_pos = jnp.arange(k_cache.shape[1])
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
@@ -161,7 +143,7 @@ class Attention(nn.Module):
         q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
         probs = attention_weights(q, k_cache, mask).astype(v_cache.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1)
-        return dense(c.hidden_size, "o_proj", c.o_bias)(out), k_all, v_all
+        return dense(c.hidden_size, "o_proj", c.o_bias)(out), k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -181,16 +163,15 @@ class DecoderLayer(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_all, v_all, layer: int, offsets, query_pos):
+    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
         c = self.config
         dtype = jnp_dtype(c.dtype)
-        h, k_all, v_all = Attention(c, self.window, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, k_all, v_all, layer, offsets,
-            query_pos
+        h, k_cache, v_cache = Attention(c, self.window, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, k_cache, v_cache, offsets, query_pos
         )
         x = x + h
         x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
-        return x, k_all, v_all
+        return x, k_cache, v_cache
 
 
 class Decoder(nn.Module):
@@ -213,9 +194,11 @@ class Decoder(nn.Module):
         query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
         cos, sin = rope_angles(self.config, query_pos)
         x = self.embed_tokens(tokens)
-        k, v, tapped = cache.k, cache.v, {}
+        ks, vs, tapped = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, k, v, i, offsets, query_pos)
+            x, k_i, v_i = layer(x, cos, sin, cache.k[i], cache.v[i], offsets, query_pos)
+            ks.append(k_i)
+            vs.append(v_i)
             if i in taps:
                 tapped[i] = x
         x = self.norm(x)
@@ -224,7 +207,7 @@ class Decoder(nn.Module):
             # HF's hidden_states[L] is taken after the final norm; DFlash drafters were
             # trained on exactly hidden_states[l + 1], so the last tap follows HF.
             tapped[last] = x
-        return x, k, v, tapped
+        return x, jnp.stack(ks), jnp.stack(vs), tapped
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
