@@ -245,52 +245,48 @@ def _jitted_pieces():
     from dflash_jax.model import forward
     from dflash_jax.spec_decode import cycle, draft_block
 
+    def drafter_pass(tparams, dparams, spec, anchor, ctx, taps):
+        """The drafter's work in a cycle: the verified block's taps join its context
+        (extend_context: fc + each layer's context K/V, a block's worth), then the block is
+        denoised (draft_block). Returns (drafts, context), the context's lengths rewound."""
+        new_ctx = extend_context(dparams, spec.drafter, taps, ctx, jnp.ones_like(ctx.lengths))
+        return draft_block(tparams, dparams, spec, anchor, new_ctx), new_ctx.replace(lengths=ctx.lengths)
+
+    def target_pass(tparams, spec, block, cache):
+        """The verify: the target on the block (with the drafter's taps, if any) and the greedy pick.
+        Returns (y, tap features, cache), the cache's lengths rewound."""
+        out = forward(tparams, spec.target, block, cache, taps=spec.taps)
+        return (jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.tap_features,
+                out.cache.replace(lengths=cache.lengths))
+
     @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("anchor", "context_cache"))
     def draft(tparams, dparams, spec, anchor, context_cache, tap_features, n):
-        """n passes of the drafter as a cycle runs it: the verified block's taps join its context
-        (extend_context: fc + each layer's context K/V, a block's worth), then the block is
-        denoised (draft_block). Every pass's drafts feed the next pass's anchor."""
-        lengths = context_cache.lengths
-        accepted = jnp.ones_like(lengths)
-
+        """n drafter passes; every pass's drafts feed the next pass's anchor."""
         def body(_, carry):
-            a, ctx = carry
-            ctx = extend_context(dparams, spec.drafter, tap_features, ctx, accepted)
-            drafts = draft_block(tparams, dparams, spec, a, ctx)
-            return drafts.sum(axis=1) % spec.target.vocab_size, ctx.replace(lengths=lengths)
+            drafts, ctx = drafter_pass(tparams, dparams, spec, *carry, tap_features)
+            return drafts.sum(axis=1) % spec.target.vocab_size, ctx
 
         return jax.lax.fori_loop(0, n, body, (anchor, context_cache))
 
     @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("block", "cache"))
     def verify(tparams, spec, block, cache, n):
-        """n verify passes: the target on the block (with the drafter's taps, if any) and the greedy
-        pick y, which is the next pass's block."""
-        lengths = cache.lengths
-
+        """n verify passes; each pass's greedy pick y is the next pass's block."""
         def body(_, carry):
-            blk, c = carry
-            out = forward(tparams, spec.target, blk, c, taps=spec.taps)
-            y = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-            return y, out.cache.replace(lengths=lengths)
+            y, _taps, c = target_pass(tparams, spec, *carry)
+            return y, c
 
         return jax.lax.fori_loop(0, n, body, (block, cache))
 
     @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("anchor", "context_cache", "cache"))
     def passes(tparams, dparams, spec, anchor, context_cache, cache, tap_features, n):
-        """n pairs of the two model passes back to back, as a cycle runs them (the draft piece,
-        then the verify piece on [anchor, drafts]) with none of the accept/commit logic: what a
-        cycle costs beyond this is the engine's own work. Each verify's taps feed the next draft."""
-        ctx_lengths, lengths = context_cache.lengths, cache.lengths
-        accepted = jnp.ones_like(lengths)
-
+        """n pairs of the two model passes back to back, as a cycle runs them (the drafter pass,
+        then the verify of [anchor, drafts]) with none of the accept/commit logic: what a cycle
+        costs beyond this is the engine's own work. Each verify's taps feed the next draft."""
         def body(_, carry):
             a, ctx, c, taps = carry
-            ctx = extend_context(dparams, spec.drafter, taps, ctx, accepted)
-            drafts = draft_block(tparams, dparams, spec, a, ctx)
-            out = forward(tparams, spec.target, jnp.concatenate([a[:, None], drafts], axis=1), c, taps=spec.taps)
-            y = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-            return (y[:, -1], ctx.replace(lengths=ctx_lengths), out.cache.replace(lengths=lengths),
-                    out.tap_features)
+            drafts, ctx = drafter_pass(tparams, dparams, spec, a, ctx, taps)
+            y, taps, c = target_pass(tparams, spec, jnp.concatenate([a[:, None], drafts], axis=1), c)
+            return y[:, -1], ctx, c, taps
 
         return jax.lax.fori_loop(0, n, body, (anchor, context_cache, cache, tap_features))
 
@@ -412,6 +408,16 @@ def time_pieces(tparams, dparams, spec, state, base_spec, base_state, stop_ids, 
         calls.update(piece_calls(tparams, dparams, spec, state, stop_ids))
     calls.update({f"ar_{k}": v for k, v in piece_calls(tparams, None, base_spec, base_state, stop_ids).items()})
     return time_calls(calls, rounds, min_round_s)
+
+
+def split_figures(sec: dict) -> dict:
+    """Seconds of the timed pieces (time_pieces' draft, verify, passes, cycle) -> the time split:
+    accept/commit = cycle - passes, its share of the cycle, the same against draft + verify timed
+    apart, and passes_interference_s (what running the two passes together adds)."""
+    cyc, dr, ve, both = sec["cycle"], sec["draft"], sec["verify"], sec["passes"]
+    return dict(draft_s=dr, verify_s=ve, passes_s=both, cycle_s=cyc, accept_commit_s=cyc - both,
+                overhead_beyond_passes_fraction=(cyc - both) / cyc, passes_interference_s=both - dr - ve,
+                overhead_beyond_draft_verify_fraction=(cyc - dr - ve) / cyc)
 
 
 def time_prefill(gen, prompts, seed: int, rounds: int) -> float:
@@ -615,10 +621,8 @@ def run_published_shapes(args) -> dict:
             layers=d.num_hidden_layers, block_size=b, taps=list(drafter.target_layer_ids),
             mask_token_id=drafter.mask_token_id),
         target_params=count(tparams), drafter_params=count(dparams),
-        ar_step_s=ar_step, verify_s=split["verify"]["seconds"], draft_s=split["draft"]["seconds"],
-        passes_s=split["passes"]["seconds"], cycle_s=cyc, baseline_cycle_s=split["ar_cycle"]["seconds"],
-        accept_commit_s=cyc - split["passes"]["seconds"],
-        overhead_beyond_draft_verify_fraction=(cyc - split["draft"]["seconds"] - split["verify"]["seconds"]) / cyc,
+        ar_step_s=ar_step, baseline_cycle_s=split["ar_cycle"]["seconds"],
+        **split_figures({k: v["seconds"] for k, v in split.items()}),
         cost_ratio=ratio, paper_tau=args.paper_tau, projected_speedup=args.paper_tau / ratio,
         projected_speedup_vs_baseline_cycle=args.paper_tau / (cyc / split["ar_cycle"]["seconds"]),
         iterations={k: v["iterations"] for k, v in split.items()},
@@ -962,15 +966,10 @@ def run(args) -> int:
                                         base_state, gen.stop_ids, rounds=args.split_rounds,
                                         min_round_s=args.split_min_time)
                     sec = {k: v["seconds"] for k, v in split.items()}
-                    cyc, dr, ve, ar_step, ar_cycle = sec["cycle"], sec["draft"], sec["verify"], sec["ar_verify"], sec["ar_cycle"]
-                    both = sec["passes"]
+                    cyc, ar_step, ar_cycle = sec["cycle"], sec["ar_verify"], sec["ar_cycle"]
                     prefill_s = time_prefill(gen, prompts, args.seed, args.split_rounds)
                     r["time_split"] = dict(
-                        draft_s=dr, verify_s=ve, passes_s=both, cycle_s=cyc, accept_commit_s=cyc - both,
-                        overhead_beyond_passes_fraction=(cyc - both) / cyc,
-                        passes_interference_s=both - dr - ve,
-                        overhead_beyond_draft_verify_fraction=(cyc - dr - ve) / cyc,
-                        ar_step_s=ar_step, baseline_cycle_s=ar_cycle,
+                        **split_figures(sec), ar_step_s=ar_step, baseline_cycle_s=ar_cycle,
                         cost_ratio=cyc / ar_step, speedup_check=r["tau"] / (cyc / ar_step),
                         cost_ratio_vs_baseline_cycle=cyc / ar_cycle,
                         speedup_check_vs_baseline_cycle=r["tau"] / (cyc / ar_cycle),
