@@ -35,18 +35,26 @@ def default_gamma(block_size: int) -> float:
 # --------------------------------------------------------------------------- anchors and layout
 
 
-def sample_anchors(key, loss_mask, num_anchors: int):
+def sample_anchors(key, loss_mask, num_anchors: int, weights=None):
     """Anchors [batch, N] (ascending) and their validity [batch, N].
 
-    Uniform without replacement among positions i with loss_mask[i] and loss_mask[i+1];
-    a sequence with fewer eligible positions than N gets invalid (masked) extra anchors.
+    Without replacement among positions i with loss_mask[i] and loss_mask[i+1]: uniformly,
+    or with probability proportional to weights [batch, S] (> 0) when given (Efraimidis-Spirakis:
+    the top N of log(u) / w). A sequence with fewer eligible positions than N gets invalid
+    (masked) extra anchors.
     """
     b, s = loss_mask.shape
     mask = loss_mask.astype(bool)
     eligible = mask & jnp.concatenate([mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
-    scores = jnp.where(eligible, jax.random.uniform(key, (b, s)), -1.0)
-    values, idx = jax.lax.top_k(scores, num_anchors)
-    valid = values >= 0
+    if weights is None:
+        scores = jnp.where(eligible, jax.random.uniform(key, (b, s)), -1.0)
+        values, idx = jax.lax.top_k(scores, num_anchors)
+        valid = values >= 0
+    else:
+        u = jax.random.uniform(key, (b, s), minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+        scores = jnp.where(eligible, jnp.log(u) / weights.astype(jnp.float32), -jnp.inf)
+        values, idx = jax.lax.top_k(scores, num_anchors)
+        valid = values > -jnp.inf
     # Ascending positions (invalid ones last) keep blocks in sequence order.
     order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)
     return jnp.take_along_axis(idx, order, 1).astype(jnp.int32), jnp.take_along_axis(valid, order, 1)
@@ -121,6 +129,10 @@ class LossSpec:
     num_anchors: int
     gamma: float
     ce_chunk: int = 1024
+    # 0: anchors uniform (the paper's recipe). h > 0: anchor a drawn with weight
+    # 1 + h * (1 - p_target(x_a | x_<a)), favouring the positions where decoding cycles start
+    # (right after a token the drafter failed to predict).
+    anchor_hardness: float = 0.0
     mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
 
 
@@ -131,16 +143,37 @@ def target_features(tparams, target: ModelConfig, tokens, taps):
     return jax.lax.stop_gradient(out.tap_features)
 
 
+def position_difficulty(final_hidden, head_fn, tokens, chunk: int):
+    """[batch, S]: 1 - p_target(x_a | x_<a) at each position a (0 at a = 0), from the target's
+    final hidden states [batch, S, hidden] and its head, `chunk` rows at a time."""
+    b, s, width = final_hidden.shape
+    ce, _ = chunked_cross_entropy(final_hidden[:, :-1].reshape(b * (s - 1), width), head_fn,
+                                  tokens[:, 1:].reshape(-1), chunk)
+    return jnp.pad(1.0 - jnp.exp(-ce.reshape(b, s - 1)), ((0, 0), (1, 0)))
+
+
 def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     """Weighted cross-entropy of all blocks of a batch. tokens, loss_mask [batch, S].
     Returns (loss, metrics) with per-slot accuracy and the tau estimate."""
     d = spec.drafter
     bsz = d.block_size
-    features = target_features(tparams, spec.target, tokens, d.target_layer_ids)
-    anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors)
+    target_model = CausalLM(spec.target)
+    head = lambda h: target_model.apply({"params": tparams}, h.astype(jnp.dtype(spec.target.dtype)),
+                                        method=CausalLM.logits)
+    anchor_weights = None
+    if spec.anchor_hardness > 0:
+        # The last layer's tap is the target's final (normed) hidden state: its next-token
+        # probabilities give each position's difficulty.
+        last = spec.target.num_hidden_layers - 1
+        features = target_features(tparams, spec.target, tokens, tuple(d.target_layer_ids) + (last,))
+        width = spec.target.hidden_size
+        features, final = features[..., :-width], features[..., -width:]
+        anchor_weights = 1.0 + spec.anchor_hardness * position_difficulty(final, head, tokens, spec.ce_chunk)
+    else:
+        features = target_features(tparams, spec.target, tokens, d.target_layer_ids)
+    anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors, anchor_weights)
     lay = block_layout(tokens, loss_mask, anchors, valid, block_size=bsz, mask_token_id=d.mask_token_id,
                        gamma=spec.gamma)
-    target_model = CausalLM(spec.target)
     embeds = jax.lax.stop_gradient(target_model.apply({"params": tparams}, lay.tokens, method=CausalLM.embed))
     compute = jax.tree.map(lambda p: p.astype(embeds.dtype) if d.model.dtype == "bfloat16" else p, dparams)
     hidden = DFlashDrafter(d).apply(
@@ -150,7 +183,6 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     )
     b, n = anchors.shape
     hidden = hidden.reshape(b, n, bsz, -1)[:, :, 1:]  # slot 0 carries no loss
-    head = lambda h: target_model.apply({"params": tparams}, h.astype(embeds.dtype), method=CausalLM.logits)
     ce, correct = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head,
                                         lay.targets[:, :, 1:].reshape(-1), spec.ce_chunk)
     weights = lay.weights[:, :, 1:]

@@ -1,5 +1,6 @@
 """Drafter training: anchors, the attention layout, loss weights, end to end, resume, export."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, exten
     init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.spec_decode import Generator
-from dflash_jax.training import block_layout, default_gamma, drafter_loss, LossSpec, sample_anchors
+from dflash_jax.model import CausalLM, forward, init_cache
+from dflash_jax.training import block_layout, default_gamma, drafter_loss, LossSpec, position_difficulty, \
+    sample_anchors, target_features
 from train.config import TrainConfigError, load_config
 from train.export import export, restore_params
 
@@ -54,6 +57,35 @@ def test_anchors_are_eligible_distinct_sorted_and_redrawn():
         counts[np.asarray(a)[0][np.asarray(v)[0]]] += 1
     picked = counts[10:29]
     assert counts.sum() == 800 and picked.min() > 20 and picked.max() < 70  # expected 42 each
+
+
+def test_weighted_anchors_favour_heavy_positions_and_stay_eligible():
+    mask = np.zeros((2, 40), np.int32)
+    mask[0, :] = 1  # eligible 0..38
+    mask[1, [5, 6, 30, 31]] = 1  # eligible 5 and 30 only
+    weights = np.ones((2, 40), np.float32)
+    weights[0, 10:15] = 20.0
+    heavy = 0
+    for k in range(100):
+        a, v = map(np.asarray, sample_anchors(jax.random.PRNGKey(k), jnp.asarray(mask), 4, jnp.asarray(weights)))
+        assert v.sum(1).tolist() == [4, 2] and sorted(a[1][v[1]].tolist()) == [5, 30]
+        assert len(set(a[0].tolist())) == 4 and (np.diff(a[0]) > 0).all() and a[0].max() <= 38
+        heavy += int(((a[0] >= 10) & (a[0] < 15)).sum())
+    # Uniform draws would put 5/39 of the 400 anchors (about 51) on positions 10..14.
+    assert heavy > 200
+
+
+def test_position_difficulty_is_one_minus_the_target_probability(models):
+    tparams, _ = models
+    tokens = jnp.asarray(np.random.RandomState(2).randint(0, 64, (2, 10)), jnp.int32)
+    final = target_features(tparams, TARGET, tokens, (TARGET.num_hidden_layers - 1,))
+    head = lambda h: CausalLM(TARGET).apply({"params": tparams}, h, method=CausalLM.logits)
+    got = np.asarray(position_difficulty(final, head, tokens, chunk=4))
+    logits = forward(tparams, TARGET, tokens, init_cache(TARGET, 2, 10)).logits
+    p = np.asarray(jax.nn.softmax(logits[:, :-1], -1))
+    want = 1 - np.take_along_axis(p, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+    assert (got[:, 0] == 0).all()
+    np.testing.assert_allclose(got[:, 1:], want, atol=1e-5)
 
 
 def test_loss_weights_decay_and_vanish_where_there_is_no_loss():
@@ -128,6 +160,11 @@ def test_block_loss_ignores_tokens_it_must_not_see(models):
     ref = loss(tokens)
     assert loss(tokens.at[:, 12:].set(1)) == pytest.approx(ref, abs=1e-6)
     assert abs(loss(tokens.at[:, 5].set((tokens[0, 5] + 1) % 60)) - ref) > 1e-4
+    # Hard-anchor sampling changes which anchors are drawn, never what a block sees: with one
+    # eligible anchor the loss is the same (the difficulty tap is split off the drafter's features).
+    hard = dataclasses.replace(spec, anchor_hardness=3.0)
+    assert float(drafter_loss(dparams, tparams, hard, tokens, mask, jax.random.PRNGKey(0))[0]) == \
+        pytest.approx(ref, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- config
@@ -144,7 +181,9 @@ def test_config_overrides_and_unknown_keys(tmp_path):
         load_config(None, ["data.conversations=x", "train.output_dir=o"])
     with pytest.raises(TrainConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    for shipped in ("tiny", "qwen3-8b"):
+    with pytest.raises(TrainConfigError, match="anchor_hardness must be a number >= 0"):
+        load_config(path, ["train.anchor_hardness=-1"])
+    for shipped in ("tiny", "qwen3-8b", "demo", "demo-stage2", "demo-stage3"):
         load_config(REPO / "configs" / "train" / f"{shipped}.yaml")
     paper = load_config(REPO / "configs" / "train" / "qwen3-8b.yaml")
     assert paper["drafter"]["num_hidden_layers"] == 5 and paper["drafter"]["block_size"] == 16
