@@ -133,6 +133,10 @@ class LossSpec:
     # 1 + h * (1 - p_target(x_a | x_<a)), favouring the positions where decoding cycles start
     # (right after a token the drafter failed to predict).
     anchor_hardness: float = 0.0
+    # 0: off. m > 0: of 4N candidate anchors (drawn as above), keep N with weight
+    # 1 + m * (1 - p_drafter(x_{a+1} | block at a)), favouring those where the drafter itself misses
+    # its first slot (one extra drafter pass over 4N two-slot blocks, no gradient).
+    anchor_miss: float = 0.0
     mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
 
 
@@ -152,6 +156,35 @@ def position_difficulty(final_hidden, head_fn, tokens, chunk: int):
     return jnp.pad(1.0 - jnp.exp(-ce.reshape(b, s - 1)), ((0, 0), (1, 0)))
 
 
+def drafter_miss(dparams, drafter: DrafterConfig, embed_fn, head_fn, features, tokens, anchors, chunk: int):
+    """[batch, N]: 1 - p_drafter(x_{a+1} | [x_a, MASK] at a, context before a) at anchors a [batch, N]
+    (0 where a + 1 is past the end): the drafter's first-slot miss, one pass over N two-slot blocks."""
+    b, n = anchors.shape
+    lay = block_layout(tokens, jnp.ones(tokens.shape, bool), anchors, jnp.ones((b, n), bool), block_size=2,
+                       mask_token_id=drafter.mask_token_id, gamma=1.0)
+    hidden = DFlashDrafter(drafter).apply(
+        {"params": jax.lax.stop_gradient(dparams)}, embed_fn(lay.tokens), lay.positions, features, lay.ctx_mask,
+        jnp.broadcast_to(lay.block_mask, (b,) + lay.block_mask.shape), method=DFlashDrafter.train_hidden)
+    first = hidden.reshape(b, n, 2, -1)[:, :, 1]
+    ce, _ = chunked_cross_entropy(first.reshape(b * n, -1), head_fn, lay.targets[:, :, 1].reshape(-1), chunk)
+    return jnp.where(lay.weights[:, :, 1] > 0, 1.0 - jnp.exp(-ce.reshape(b, n)), 0.0)
+
+
+def miss_tilted_anchors(key, loss_mask, num_anchors: int, weights, miss_fn, tilt: float):
+    """Anchors drawn in two stages: 4N candidates by `weights` (None: uniform), then the N of them
+    with the top log(u) / (1 + tilt * miss), where miss_fn(candidates) is the drafter's first-slot miss."""
+    k_cand, k_pick = jax.random.split(key)
+    num_cand = min(4 * num_anchors, loss_mask.shape[1])
+    cand, cand_valid = sample_anchors(k_cand, loss_mask, num_cand, weights)
+    w = 1.0 + tilt * miss_fn(cand)
+    u = jax.random.uniform(k_pick, cand.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    values, pick = jax.lax.top_k(jnp.where(cand_valid, jnp.log(u) / w, -jnp.inf), num_anchors)
+    valid = values > -jnp.inf
+    idx = jnp.take_along_axis(cand, pick, 1)
+    order = jnp.argsort(jnp.where(valid, idx, loss_mask.shape[1] + idx), axis=1)
+    return jnp.take_along_axis(idx, order, 1), jnp.take_along_axis(valid, order, 1)
+
+
 def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     """Weighted cross-entropy of all blocks of a batch. tokens, loss_mask [batch, S].
     Returns (loss, metrics) with per-slot accuracy and the tau estimate."""
@@ -160,6 +193,9 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     target_model = CausalLM(spec.target)
     head = lambda h: target_model.apply({"params": tparams}, h.astype(jnp.dtype(spec.target.dtype)),
                                         method=CausalLM.logits)
+    embed = lambda ids: jax.lax.stop_gradient(target_model.apply({"params": tparams}, ids, method=CausalLM.embed))
+    edtype = jax.eval_shape(embed, tokens[:, :1]).dtype
+    compute = jax.tree.map(lambda p: p.astype(edtype) if d.model.dtype == "bfloat16" else p, dparams)
     anchor_weights = None
     if spec.anchor_hardness > 0:
         # The last layer's tap is the target's final (normed) hidden state: its next-token
@@ -171,13 +207,16 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
         anchor_weights = 1.0 + spec.anchor_hardness * position_difficulty(final, head, tokens, spec.ce_chunk)
     else:
         features = target_features(tparams, spec.target, tokens, d.target_layer_ids)
-    anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors, anchor_weights)
+    if spec.anchor_miss > 0:
+        miss_fn = lambda cand: drafter_miss(compute, d, embed, head, features, tokens, cand, spec.ce_chunk)
+        anchors, valid = miss_tilted_anchors(key, loss_mask, spec.num_anchors, anchor_weights, miss_fn,
+                                             spec.anchor_miss)
+    else:
+        anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors, anchor_weights)
     lay = block_layout(tokens, loss_mask, anchors, valid, block_size=bsz, mask_token_id=d.mask_token_id,
                        gamma=spec.gamma)
-    embeds = jax.lax.stop_gradient(target_model.apply({"params": tparams}, lay.tokens, method=CausalLM.embed))
-    compute = jax.tree.map(lambda p: p.astype(embeds.dtype) if d.model.dtype == "bfloat16" else p, dparams)
     hidden = DFlashDrafter(d).apply(
-        {"params": compute}, embeds, lay.positions, features, lay.ctx_mask,
+        {"params": compute}, embed(lay.tokens), lay.positions, features, lay.ctx_mask,
         jnp.broadcast_to(lay.block_mask, lay.ctx_mask.shape[:1] + lay.block_mask.shape),
         method=DFlashDrafter.train_hidden,
     )

@@ -19,8 +19,8 @@ from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, exten
 from dflash_jax.model import init_params
 from dflash_jax.spec_decode import Generator
 from dflash_jax.model import CausalLM, forward, init_cache
-from dflash_jax.training import block_layout, default_gamma, drafter_loss, LossSpec, position_difficulty, \
-    sample_anchors, target_features
+from dflash_jax.training import block_layout, default_gamma, drafter_loss, drafter_miss, LossSpec, \
+    miss_tilted_anchors, position_difficulty, sample_anchors, target_features
 from train.config import TrainConfigError, load_config
 from train.export import export, restore_params
 
@@ -73,6 +73,27 @@ def test_weighted_anchors_favour_heavy_positions_and_stay_eligible():
         heavy += int(((a[0] >= 10) & (a[0] < 15)).sum())
     # Uniform draws would put 5/39 of the 400 anchors (about 51) on positions 10..14.
     assert heavy > 200
+
+
+def test_miss_tilted_anchors_favour_drafter_misses_and_stay_eligible():
+    mask = np.zeros((2, 40), np.int32)
+    mask[0, :] = 1  # eligible 0..38
+    mask[1, [5, 6, 30, 31]] = 1  # eligible 5 and 30 only
+    seen = []
+
+    def miss_fn(cand):  # the drafter "misses" only at positions 20..24
+        seen.append(cand)
+        return ((cand >= 20) & (cand < 25)).astype(jnp.float32)
+
+    missed = 0
+    for k in range(100):
+        a, v = map(np.asarray, miss_tilted_anchors(jax.random.PRNGKey(k), jnp.asarray(mask), 4, None, miss_fn, 20.0))
+        assert seen[-1].shape == (2, 16)  # 4N candidates go through the drafter
+        assert v.sum(1).tolist() == [4, 2] and sorted(a[1][v[1]].tolist()) == [5, 30]
+        assert len(set(a[0].tolist())) == 4 and (np.diff(a[0]) > 0).all() and a[0].max() <= 38
+        missed += int(((a[0] >= 20) & (a[0] < 25)).sum())
+    # Uniform draws would put 5/39 of the 400 anchors (about 51) on positions 20..24.
+    assert missed > 150
 
 
 def test_position_difficulty_is_one_minus_the_target_probability(models):
@@ -148,6 +169,28 @@ def test_a_block_sees_only_context_before_its_anchor_and_itself(models):
         np.testing.assert_allclose(np.asarray(decode[0]), np.asarray(ref[j]), atol=1e-5)
 
 
+def test_drafter_miss_is_the_decoding_first_slot_miss(models):
+    """drafter_miss at anchor a equals 1 - p(x_{a+1}) from the decoding path's draft of the
+    block [x_a, MASK] after context 0..a-1: S blocks at once, none seeing another."""
+    tparams, dparams = models
+    s = 12
+    tokens = jnp.asarray(np.random.RandomState(3).randint(0, 63, (2, s)), jnp.int32)
+    features = target_features(tparams, TARGET, tokens, DRAFTER.target_layer_ids)
+    lm = CausalLM(TARGET)
+    head = lambda h: lm.apply({"params": tparams}, h, method=CausalLM.logits)
+    embed = lambda ids: lm.apply({"params": tparams}, ids, method=CausalLM.embed)
+    every = jnp.broadcast_to(jnp.arange(s), (2, s))
+    got = np.asarray(drafter_miss(dparams, DRAFTER, embed, head, features, tokens, every, chunk=5))
+    assert (got[:, -1] == 0).all() and got[:, :-1].std() > 1e-3
+    for row in range(2):
+        for a in (1, 4, 10):
+            ctx = extend_context(dparams, DRAFTER, features[row:row + 1, :a], init_context_cache(DRAFTER, 1, 16),
+                                 jnp.array([a]))
+            block = jnp.asarray([[int(tokens[row, a]), DRAFTER.mask_token_id]])
+            p = jax.nn.softmax(head(draft_hidden(dparams, DRAFTER, embed(block), ctx))[0, 1])
+            assert got[row, a] == pytest.approx(1 - float(p[int(tokens[row, a + 1])]), abs=1e-5)
+
+
 def test_block_loss_ignores_tokens_it_must_not_see(models):
     """End to end through the loss: with one anchor, changing tokens after the block's last
     slot leaves the loss unchanged; changing a token before the anchor changes it."""
@@ -162,9 +205,10 @@ def test_block_loss_ignores_tokens_it_must_not_see(models):
     assert abs(loss(tokens.at[:, 5].set((tokens[0, 5] + 1) % 60)) - ref) > 1e-4
     # Hard-anchor sampling changes which anchors are drawn, never what a block sees: with one
     # eligible anchor the loss is the same (the difficulty tap is split off the drafter's features).
-    hard = dataclasses.replace(spec, anchor_hardness=3.0)
-    assert float(drafter_loss(dparams, tparams, hard, tokens, mask, jax.random.PRNGKey(0))[0]) == \
-        pytest.approx(ref, abs=1e-6)
+    for tilt in (dict(anchor_hardness=3.0), dict(anchor_miss=3.0), dict(anchor_hardness=1.0, anchor_miss=2.0)):
+        tilted = dataclasses.replace(spec, **tilt)
+        assert float(drafter_loss(dparams, tparams, tilted, tokens, mask, jax.random.PRNGKey(0))[0]) == \
+            pytest.approx(ref, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- config
@@ -183,7 +227,9 @@ def test_config_overrides_and_unknown_keys(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(TrainConfigError, match="anchor_hardness must be a number >= 0"):
         load_config(path, ["train.anchor_hardness=-1"])
-    for shipped in ("tiny", "qwen3-8b", "demo", "demo-stage2", "demo-stage3"):
+    with pytest.raises(TrainConfigError, match="anchor_miss must be a number >= 0"):
+        load_config(path, ["train.anchor_miss=-0.5"])
+    for shipped in ("tiny", "qwen3-8b", "demo", "demo-stage2", "demo-stage3", "demo-stage4"):
         load_config(REPO / "configs" / "train" / f"{shipped}.yaml")
     paper = load_config(REPO / "configs" / "train" / "qwen3-8b.yaml")
     assert paper["drafter"]["num_hidden_layers"] == 5 and paper["drafter"]["block_size"] == 16

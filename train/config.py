@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
         "num_anchors": 512,
         "gamma": None,  # default: 7 (B=16), 5 (B=10), 4 (B=8)
         "anchor_hardness": 0.0,  # > 0: favour anchors after tokens the target found hard
+        "anchor_miss": 0.0,  # > 0: favour anchors where the drafter misses its first slot
         "compute_dtype": "bfloat16",
         "ce_chunk": 2048,
         "log_every": 10,
@@ -126,8 +127,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
-    if not isinstance(t["anchor_hardness"], (int, float)) or t["anchor_hardness"] < 0:
-        raise TrainConfigError(f"train.anchor_hardness must be a number >= 0, got {t['anchor_hardness']!r}")
+    for key in ("anchor_hardness", "anchor_miss"):
+        if not isinstance(t[key], (int, float)) or isinstance(t[key], bool) or t[key] < 0:
+            raise TrainConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
     if config["drafter"]["block_size"] < 2:
         raise TrainConfigError("drafter.block_size must be >= 2")
     return config

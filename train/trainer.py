@@ -189,7 +189,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     check_pair(tcfg, dcfg)
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
-                    ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]), mesh=mesh)
+                    ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]),
+                    anchor_miss=float(t["anchor_miss"]), mesh=mesh)
     if mesh is not None and t["global_batch"] % mesh.shape["data"]:
         raise TrainConfigError(f"train.global_batch {t['global_batch']} is not divisible by the data axis "
                                f"({mesh.shape['data']})")
