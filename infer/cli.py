@@ -259,6 +259,12 @@ def run(args, make_record=None) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     if demo:
         say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
+    if skip and not todo:
+        # Nothing left: say so even with --quiet (a resumed job's log should show why it did nothing),
+        # and load no model.
+        if jax.process_index() == 0:
+            print(f"{out_path}: all {len(rows)} rows already done, nothing to generate", file=sys.stderr)
+        return 0
     if skip:
         say(f"{out_path}: {len(rows) - len(todo)} of {len(rows)} rows already done, skipping them")
 

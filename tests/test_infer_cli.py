@@ -62,7 +62,7 @@ def test_tiny_pair_reproduces_the_reference(tmp_path, capsys):
     assert sum(s["acceptance_histogram"].values()) == len(all_acc)
 
 
-def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path):
+def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path, capsys):
     full = tmp_path / "full.jsonl"
     assert main(tiny_pair() + ["--output", str(full), "--quiet"]) == 0
     by_id = {r["id"]: r for r in read_jsonl(full)}
@@ -78,9 +78,12 @@ def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path):
     for i in by_id:
         if i != "demo-3":
             assert got[i] == by_id[i]
-    # Nothing left to do: a third run adds nothing.
+    # Nothing left to do: a third run adds nothing, and says so even with --quiet (no empty summary).
+    capsys.readouterr()
     assert main(tiny_pair() + ["--output", str(partial), "--quiet"]) == 0
     assert len(read_jsonl(partial)) == 8
+    err = capsys.readouterr().err
+    assert "all 8 rows already done, nothing to generate" in err and "tau" not in err
 
 
 def test_compare_baseline_reports_speedup(tmp_path):
