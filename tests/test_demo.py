@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_jax import forward, init_cache, load_drafter, load_target
 from dflash_jax.drafter import check_pair
 from infer.cli import DEMO_DIR, main
+from train import demo_prompts
 
-# The bundled pair measures 4.08 on these prompts (README); an untrained drafter gives 1.0.
+# An untrained drafter gives 1.0 on the demo prompts.
 DEMO_MIN_TAU = 3.5  # measured 4.65 with the bundled pair
 MAX_BUNDLE_MB = 40
 
@@ -84,3 +85,29 @@ def test_demo_is_lossless_against_plain_decoding(demo_run):
     for r in records:
         assert r["output_ids"] == b[r["id"]]["output_ids"] and r["text"] == b[r["id"]]["text"]
         assert set(b[r["id"]]["acceptance_lengths"]) == {1}
+
+
+def test_demo_prompts_start_at_defs_or_at_any_code_line(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("import os\n\n# a comment\ndef f(x):\n    y = x + 1\n    return y\n\n"
+                   "class C:\n    def g(self):\n        return os.sep\n")
+    defs = demo_prompts.snippets([src], num=50, seed=0)
+    lines = demo_prompts.snippets([src], num=50, seed=0, starts="lines")
+    assert {t.splitlines()[0].split("(")[0].split(":")[0].strip() for t in defs} == {"def f", "class C", "def g"}
+    firsts = {t.splitlines()[0] for t in lines}
+    assert len(lines) == len(set(lines)) > len(defs)
+    assert "import os" in firsts and "    y = x + 1" in firsts
+    assert not any(f.strip() == "" or f.lstrip().startswith("#") for f in firsts)
+    assert lines == demo_prompts.snippets([src], num=50, seed=0, starts="lines")  # seeded
+
+
+def test_demo_prompts_cli_keeps_ids_unique_across_modes(tmp_path, monkeypatch):
+    src = tmp_path / "mod.py"
+    src.write_text("def f(x):\n    return x\n\ndef g(y):\n    return y\n")
+    monkeypatch.setattr(demo_prompts, "source_files", lambda source: [src])
+    ids = []
+    for mode in ("defs", "lines"):
+        out = tmp_path / f"{mode}.jsonl"
+        assert demo_prompts.main(["--out", str(out), "--num", "10", "--starts", mode]) == 0
+        ids += [r["id"] for r in read_jsonl(out)]
+    assert len(ids) == len(set(ids)) and "stdlib-0" in ids and "stdlib-lines-0" in ids

@@ -5,7 +5,10 @@ demo target regenerates to train the demo drafter; prompts from another package'
 (default numpy, which the target never saw) are the held-out benchmark prompts. Seeded:
 the same files give the same prompts.
 
-    python -m train.demo_prompts --out prompts.jsonl [--num 2000] [--source stdlib|PACKAGE]
+    python -m train.demo_prompts --out prompts.jsonl [--num 2000] [--source stdlib|PACKAGE] [--starts lines]
+
+Snippets start at a def/class line by default; `--starts lines` starts them at any code line
+(not blank, not a comment), which gives far more distinct prompts from the same files.
 """
 
 from __future__ import annotations
@@ -33,20 +36,28 @@ def source_files(source: str) -> list[Path]:
     return sorted(files)
 
 
+STARTS = {
+    "defs": lambda line: line.lstrip().startswith(("def ", "class ")),
+    "lines": lambda line: bool(line.strip()) and not line.lstrip().startswith("#"),
+}
+
+
 def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lines: int = 10,
-             max_chars: int = 400) -> list[str]:
-    """`num` snippets that start at a def/class line: the opening a model should continue."""
+             max_chars: int = 400, starts: str = "defs") -> list[str]:
+    """`num` distinct snippets (fewer if the files run out) starting at a def/class line
+    (starts="defs") or at any code line (starts="lines"): openings a model should continue."""
+    is_start = STARTS[starts]
     rng = random.Random(seed)
-    starts = []
+    found = []
     for f in files:
         try:
             lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
         except (UnicodeDecodeError, OSError):
             continue
-        starts += [(lines, i) for i, l in enumerate(lines) if l.lstrip().startswith(("def ", "class "))]
-    rng.shuffle(starts)
+        found += [(lines, i) for i, l in enumerate(lines) if is_start(l)]
+    rng.shuffle(found)
     out, seen = [], set()
-    for lines, i in starts:
+    for lines, i in found:
         text = "".join(lines[i:i + rng.randint(min_lines, max_lines)])[:max_chars]
         if text.strip() and text not in seen:
             seen.add(text)
@@ -62,11 +73,15 @@ def main(argv=None) -> int:
     p.add_argument("--num", type=int, default=2000)
     p.add_argument("--source", default="stdlib", help="stdlib, or an installed package's name (e.g. numpy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--starts", choices=sorted(STARTS), default="defs",
+                   help="where snippets start: a def/class line (default) or any code line")
     args = p.parse_args(argv)
-    texts = snippets(source_files(args.source), args.num, args.seed)
+    texts = snippets(source_files(args.source), args.num, args.seed, starts=args.starts)
+    # ids stay unique when files of both kinds are concatenated (and "defs" keeps its old ids)
+    prefix = args.source if args.starts == "defs" else f"{args.source}-{args.starts}"
     with open(args.out, "w", encoding="utf-8") as f:
         for i, t in enumerate(texts):
-            f.write(json.dumps({"id": f"{args.source}-{i}", "prompt": t}) + "\n")
+            f.write(json.dumps({"id": f"{prefix}-{i}", "prompt": t}) + "\n")
     print(f"wrote {len(texts)} prompts to {args.out}", file=sys.stderr)
     return 0
 
