@@ -51,13 +51,24 @@ def sample_anchors(key, loss_mask, num_anchors: int, weights=None):
         values, idx = jax.lax.top_k(scores, num_anchors)
         valid = values >= 0
     else:
-        u = jax.random.uniform(key, (b, s), minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-        scores = jnp.where(eligible, jnp.log(u) / weights.astype(jnp.float32), -jnp.inf)
-        values, idx = jax.lax.top_k(scores, num_anchors)
-        valid = values > -jnp.inf
-    # Ascending positions (invalid ones last) keep blocks in sequence order.
-    order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)
-    return jnp.take_along_axis(idx, order, 1).astype(jnp.int32), jnp.take_along_axis(valid, order, 1)
+        idx, valid = weighted_pick(key, eligible, weights, num_anchors)
+    idx, valid = ascending(idx, valid, s)
+    return idx.astype(jnp.int32), valid
+
+
+def weighted_pick(key, eligible, weights, num: int):
+    """Efraimidis-Spirakis: `num` indices into the last axis of `eligible` [batch, M], drawn without
+    replacement with probability proportional to weights [batch, M] (> 0): the top of log(u) / w.
+    Returns (indices, valid); a row with fewer eligible entries than num gets invalid extras."""
+    u = jax.random.uniform(key, eligible.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    values, idx = jax.lax.top_k(jnp.where(eligible, jnp.log(u) / weights.astype(jnp.float32), -jnp.inf), num)
+    return idx, values > -jnp.inf
+
+
+def ascending(positions, valid, bound: int):
+    """Sort positions [batch, N] ascending, invalid ones last (blocks stay in sequence order)."""
+    order = jnp.argsort(jnp.where(valid, positions, bound + positions), axis=1)
+    return jnp.take_along_axis(positions, order, 1), jnp.take_along_axis(valid, order, 1)
 
 
 @struct.dataclass
@@ -176,13 +187,8 @@ def miss_tilted_anchors(key, loss_mask, num_anchors: int, weights, miss_fn, tilt
     k_cand, k_pick = jax.random.split(key)
     num_cand = min(4 * num_anchors, loss_mask.shape[1])
     cand, cand_valid = sample_anchors(k_cand, loss_mask, num_cand, weights)
-    w = 1.0 + tilt * miss_fn(cand)
-    u = jax.random.uniform(k_pick, cand.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-    values, pick = jax.lax.top_k(jnp.where(cand_valid, jnp.log(u) / w, -jnp.inf), num_anchors)
-    valid = values > -jnp.inf
-    idx = jnp.take_along_axis(cand, pick, 1)
-    order = jnp.argsort(jnp.where(valid, idx, loss_mask.shape[1] + idx), axis=1)
-    return jnp.take_along_axis(idx, order, 1), jnp.take_along_axis(valid, order, 1)
+    pick, valid = weighted_pick(k_pick, cand_valid, 1.0 + tilt * miss_fn(cand), num_anchors)
+    return ascending(jnp.take_along_axis(cand, pick, 1), valid, loss_mask.shape[1])
 
 
 def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
