@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass enable_thinking=True to the chat template (Qwen3); off by default")
     p.add_argument("--max-prompt-len", type=int, default=None,
                    help="longest prompt in tokens (default: the longest in the input, rounded up)")
+    p.add_argument("--bucket-cache", action=argparse.BooleanOptionalAction, default=False,
+                   help="size the KV cache per prompt-length bucket (powers of two) instead of by the longest "
+                        "prompt: each bucket's rows run together, shortest first, at one compilation per "
+                        "bucket; much faster when most prompts are far shorter than the longest")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
@@ -231,7 +235,7 @@ def run(args, make_record=None) -> int:
     import jax
 
     from dflash_jax.checkpoint import load_drafter, load_target
-    from dflash_jax.sharding import make_mesh
+    from dflash_jax.sharding import make_mesh, shard_params
     from dflash_jax.spec_decode import Generator, GenerationStats, Sampling, bucket, timed
 
     if args.target is None and args.drafter is not None:
@@ -283,29 +287,52 @@ def run(args, make_record=None) -> int:
         elif r.kind == "messages":
             conversations[r.id] = list(r.value)
         r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
-    longest = max((prompt_budget(r, tokenizer, args) for r in todo), default=1)
-    max_prompt = args.max_prompt_len or min(bucket(longest), tcfg.max_position_embeddings)
+    budgets = [prompt_budget(r, tokenizer, args) for r in todo]
+    max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+    # One engine per KV-cache size: just max_prompt, or (--bucket-cache) every bucket a row needs.
+    sizes = sorted({min(bucket(n), max_prompt) for r, b in zip(todo, budgets) for n in (len(r.turn_ids[0]), b)}
+                   | {max_prompt}) if args.bucket_cache else [max_prompt]
+
+    def size_for(prompt):  # the smallest cache that holds this prompt (the largest reports it too long)
+        return next((n for n in sizes if len(prompt) <= n), sizes[-1])
 
     mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
-    gen = Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
-                    max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
-                    stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh)
-    stats = GenerationStats(gen.spec.block_size)
+    tparams = shard_params(tparams, mesh)  # once, shared by the engines
+    dparams = shard_params(dparams, mesh) if dparams is not None else None
+    gens = {n: Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling,
+                         stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh) for n in sizes}
+    block_size = gens[max_prompt].spec.block_size
+
+    def by_bucket(runnable, turn):  # each engine's rows together, smallest cache first
+        for n, gen in gens.items():
+            group = [r for r in runnable if size_for(r.turn_ids[turn]) == n]
+            if group:
+                yield from gen.generate([r.turn_ids[turn] for r in group], seed=args.seed,
+                                        indices=[r.position for r in group])
+
+    stats = GenerationStats(block_size)
     writer = Writer(out_path, enabled=jax.process_index() == 0)
     errors = 0
     sample = None  # the demo shows one completion as text
     try:
-        say(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}) ...")
+        caches = f", prompt buckets {', '.join(map(str, sizes))}" if args.bucket_cache else ""
+        say(f"compiling (block size {block_size}, batch {args.batch_size}{caches}) ...")
         t0 = time.perf_counter()
-        gen.warmup([len(r.turn_ids[0]) for r in todo] or [1])
+        for n, gen in gens.items():
+            lengths = [len(r.turn_ids[0]) for r in todo if size_for(r.turn_ids[0]) == n]
+            if lengths or len(gens) == 1:  # a bucket only later turns need compiles when first used
+                gen.warmup(lengths or [1])
         say(f"compiled in {time.perf_counter() - t0:.1f}s")
-        bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet or None, file=sys.stderr)
+        # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
+        bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet, file=sys.stderr,
+                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
         pending = todo
         turn = 0
         while pending:
             runnable, next_pending = [], []
             for r in pending:
-                why = gen.check_prompt(r.turn_ids[turn])
+                why = gens[size_for(r.turn_ids[turn])].check_prompt(r.turn_ids[turn])
                 if why:
                     writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
                     say(f"warning: id {r.id!r} (line {r.line}): {why}")
@@ -314,8 +341,7 @@ def run(args, make_record=None) -> int:
                 else:
                     runnable.append(r)
             by_position = {r.position: r for r in runnable}
-            results = gen.generate([r.turn_ids[turn] for r in runnable], seed=args.seed,
-                                   indices=[r.position for r in runnable])
+            results = by_bucket(runnable, turn)
             for res in timed(results, stats):
                 r = by_position[res.index]
                 record = result_record(res, tokenizer)
@@ -336,8 +362,8 @@ def run(args, make_record=None) -> int:
                     writer.write(make_record(r, record, conversations.get(r.id)))
                 else:
                     writer.write({"id": r.id, **record})
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}")
+                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}", refresh=False)
+                bar.update(1)  # redraws at most every mininterval
             pending, turn = next_pending, turn + 1
         bar.close()
     finally:

@@ -234,3 +234,28 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
     assert main(["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
                  "--output", str(out), "--max-new-tokens", "5", "--quiet"]) == 0
     assert read_jsonl(out)[-1]["id"] == "long" and read_jsonl(out)[-1]["num_output_tokens"] == 5
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_bucket_cache_gives_the_same_rows_at_smaller_caches(sampled, tmp_path, capsys):
+    """--bucket-cache runs each prompt-length bucket with a cache sized for it; every row's output
+    and acceptance must equal the single-cache run's, and a too-long prompt is still a row error."""
+    rng = np.random.default_rng(0)
+    vocab = json.loads((tiny() / "target" / "config.json").read_text())["vocab_size"]
+    lengths = [5, 30, 3, 90, 12, 33, 7, 70, 200]
+    rows = [{"id": f"r{i}", "input_ids": rng.integers(1, vocab, n).tolist()} for i, n in enumerate(lengths)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
+              "--max-new-tokens", "24", "--batch-size", "2", "--max-prompt-len", "128"]
+    if sampled:
+        common += ["--temperature", "0.8", "--top-k", "20", "--seed", "3"]
+    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
+    assert main(common + ["--output", str(one), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(common + ["--output", str(many), "--bucket-cache"]) == 0
+    assert "prompt buckets 16, 32, 64, 128" in capsys.readouterr().err
+    a, b = {r["id"]: r for r in read_jsonl(one)}, {r["id"]: r for r in read_jsonl(many)}
+    assert a == b and len(a) == len(rows)
+    assert b["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
+    ids = [r["id"] for r in read_jsonl(many)]  # the error first, then buckets 16, 32, 64, 128 in turn
+    assert ids[0] == "r8" and set(ids[1:5]) == {"r0", "r2", "r4", "r6"} and ids[5:7] == ["r1", "r5"]

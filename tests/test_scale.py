@@ -90,8 +90,12 @@ def conversations(tmp_path_factory):
     conv = tmp / "conv.jsonl"
     proc = subprocess.run([sys.executable, "-m", "train.generate_data", "--target", str(REPO / "dflash_jax/demo/tiny/target"),
                            "--input", str(REPO / "configs/train/tiny_prompts.jsonl"), "--output", str(conv),
-                           "--max-new-tokens", "32", "--quiet"], capture_output=True, text=True, cwd=REPO)
+                           "--max-new-tokens", "32"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    n = len((REPO / "configs/train/tiny_prompts.jsonl").read_text().splitlines())
+    # Progress reaches logs, redrawn every few seconds rather than once per row.
+    assert "rows: 100%" in proc.stderr and f"{n}/{n}" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("rows:") < n // 4, proc.stderr.count("rows:")
     return conv
 
 
