@@ -111,3 +111,22 @@ def test_demo_prompts_cli_keeps_ids_unique_across_modes(tmp_path, monkeypatch):
         assert demo_prompts.main(["--out", str(out), "--num", "10", "--starts", mode]) == 0
         ids += [r["id"] for r in read_jsonl(out)]
     assert len(ids) == len(set(ids)) and "stdlib-0" in ids and "stdlib-lines-0" in ids
+
+
+def test_demo_prompts_exclude_earlier_sets_and_name_ids(tmp_path, monkeypatch):
+    src = tmp_path / "mod.py"
+    src.write_text("".join(f"def f{i}(x):\n    y = x * {i}\n    z = y + {i}\n    return z\n\n" for i in range(12)))
+    monkeypatch.setattr(demo_prompts, "source_files", lambda source: [src])
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    everything = demo_prompts.snippets([src], num=1000, seed=5, starts="lines")
+    assert demo_prompts.main(["--out", str(first), "--num", "6", "--starts", "lines", "--seed", "5"]) == 0
+    assert demo_prompts.main(["--out", str(second), "--num", "6", "--starts", "lines", "--seed", "5",
+                              "--exclude", str(first), "--id-prefix", "more"]) == 0
+    a, b = read_jsonl(first), read_jsonl(second)
+    assert [r["prompt"] for r in a] == everything[:6]
+    assert [r["prompt"] for r in b] == everything[6:12]  # the same draw, the excluded ones skipped
+    assert [r["id"] for r in b] == [f"more-{i}" for i in range(6)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{oops\n')
+    with pytest.raises(SystemExit, match="bad.jsonl line 2: not valid JSON"):
+        demo_prompts.main(["--out", str(second), "--exclude", str(bad)])

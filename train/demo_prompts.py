@@ -6,6 +6,7 @@ demo target regenerates to train the demo drafter; prompts from another package'
 the same files give the same prompts.
 
     python -m train.demo_prompts --out prompts.jsonl [--num 2000] [--source stdlib|PACKAGE] [--starts lines]
+        [--exclude EARLIER.jsonl ...] [--id-prefix PREFIX]
 
 Snippets start at a def/class line by default; `--starts lines` starts them at any code line
 (not blank, not a comment), which gives far more distinct prompts from the same files.
@@ -43,9 +44,10 @@ STARTS = {
 
 
 def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lines: int = 10,
-             max_chars: int = 400, starts: str = "defs") -> list[str]:
+             max_chars: int = 400, starts: str = "defs", exclude: frozenset = frozenset()) -> list[str]:
     """`num` distinct snippets (fewer if the files run out) starting at a def/class line
-    (starts="defs") or at any code line (starts="lines"): openings a model should continue."""
+    (starts="defs") or at any code line (starts="lines"): openings a model should continue.
+    Snippets in `exclude` are skipped; the rest come in the same order as without it."""
     is_start = STARTS[starts]
     rng = random.Random(seed)
     found = []
@@ -56,7 +58,7 @@ def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lin
             continue
         found += [(lines, i) for i, l in enumerate(lines) if is_start(l)]
     rng.shuffle(found)
-    out, seen = [], set()
+    out, seen = [], set(exclude)
     for lines, i in found:
         text = "".join(lines[i:i + rng.randint(min_lines, max_lines)])[:max_chars]
         if text.strip() and text not in seen:
@@ -64,6 +66,23 @@ def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lin
             out.append(text)
         if len(out) == num:
             break
+    return out
+
+
+def prompts_in(path: str) -> list[str]:
+    """The "prompt" of every line of a prompts or conversations JSONL file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read --exclude file {path}: {e.strerror}")
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:
+            raise SystemExit(f"error: {path} line {n}: not valid JSON")
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            out.append(row["prompt"])
     return out
 
 
@@ -75,10 +94,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--starts", choices=sorted(STARTS), default="defs",
                    help="where snippets start: a def/class line (default) or any code line")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="FILE.jsonl",
+                   help="skip snippets that are the prompt of a line in these files (earlier prompt sets)")
+    p.add_argument("--id-prefix", default=None,
+                   help="ids are PREFIX-0, PREFIX-1, ... (default: SOURCE, or SOURCE-lines with --starts lines)")
     args = p.parse_args(argv)
-    texts = snippets(source_files(args.source), args.num, args.seed, starts=args.starts)
+    texts = snippets(source_files(args.source), args.num, args.seed, starts=args.starts,
+                     exclude=frozenset(t for path in args.exclude for t in prompts_in(path)))
     # ids stay unique when files of both kinds are concatenated (and "defs" keeps its old ids)
-    prefix = args.source if args.starts == "defs" else f"{args.source}-{args.starts}"
+    prefix = args.id_prefix or (args.source if args.starts == "defs" else f"{args.source}-{args.starts}")
     with open(args.out, "w", encoding="utf-8") as f:
         for i, t in enumerate(texts):
             f.write(json.dumps({"id": f"{prefix}-{i}", "prompt": t}) + "\n")
