@@ -289,40 +289,28 @@ def run(args, make_record=None) -> int:
         r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
     budgets = [prompt_budget(r, tokenizer, args) for r in todo]
     max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
-    # One engine per KV-cache size: just max_prompt, or (--bucket-cache) every bucket a row needs.
-    sizes = sorted({min(bucket(n), max_prompt) for r, b in zip(todo, budgets) for n in (len(r.turn_ids[0]), b)}
-                   | {max_prompt}) if args.bucket_cache else [max_prompt]
-
-    def size_for(prompt):  # the smallest cache that holds this prompt (the largest reports it too long)
-        return next((n for n in sizes if len(prompt) <= n), sizes[-1])
+    sizes = {max_prompt}
+    if args.bucket_cache:  # every bucket a row's first or longest turn needs
+        sizes |= {min(bucket(n), max_prompt) for r, b in zip(todo, budgets) for n in (len(r.turn_ids[0]), b)}
 
     mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
     tparams = shard_params(tparams, mesh)  # once, shared by the engines
     dparams = shard_params(dparams, mesh) if dparams is not None else None
-    gens = {n: Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
-                         max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling,
-                         stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh) for n in sizes}
-    block_size = gens[max_prompt].spec.block_size
-
-    def by_bucket(runnable, turn):  # each engine's rows together, smallest cache first
-        for n, gen in gens.items():
-            group = [r for r in runnable if size_for(r.turn_ids[turn]) == n]
-            if group:
-                yield from gen.generate([r.turn_ids[turn] for r in group], seed=args.seed,
-                                        indices=[r.position for r in group])
-
+    engine = lambda block_size: lambda n: Generator(  # noqa: E731
+        tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling, stop_token_ids=stops,
+        sync_every=args.sync_every, mesh=mesh)
+    gens = Engines(sizes, engine(args.block_size))
+    block_size = gens.block_size
     stats = GenerationStats(block_size)
     writer = Writer(out_path, enabled=jax.process_index() == 0)
     errors = 0
     sample = None  # the demo shows one completion as text
     try:
-        caches = f", prompt buckets {', '.join(map(str, sizes))}" if args.bucket_cache else ""
+        caches = f", prompt buckets {', '.join(map(str, gens.sizes))}" if args.bucket_cache else ""
         say(f"compiling (block size {block_size}, batch {args.batch_size}{caches}) ...")
         t0 = time.perf_counter()
-        for n, gen in gens.items():
-            lengths = [len(r.turn_ids[0]) for r in todo if size_for(r.turn_ids[0]) == n]
-            if lengths or len(gens) == 1:  # a bucket only later turns need compiles when first used
-                gen.warmup(lengths or [1])
+        gens.warmup([r.turn_ids[0] for r in todo])
         say(f"compiled in {time.perf_counter() - t0:.1f}s")
         # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
         bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet, file=sys.stderr,
@@ -332,7 +320,7 @@ def run(args, make_record=None) -> int:
         while pending:
             runnable, next_pending = [], []
             for r in pending:
-                why = gens[size_for(r.turn_ids[turn])].check_prompt(r.turn_ids[turn])
+                why = gens.for_prompt(r.turn_ids[turn]).check_prompt(r.turn_ids[turn])
                 if why:
                     writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
                     say(f"warning: id {r.id!r} (line {r.line}): {why}")
@@ -341,7 +329,7 @@ def run(args, make_record=None) -> int:
                 else:
                     runnable.append(r)
             by_position = {r.position: r for r in runnable}
-            results = by_bucket(runnable, turn)
+            results = gens.generate([r.turn_ids[turn] for r in runnable], [r.position for r in runnable], args.seed)
             for res in timed(results, stats):
                 r = by_position[res.index]
                 record = result_record(res, tokenizer)
@@ -371,7 +359,7 @@ def run(args, make_record=None) -> int:
 
     summary = {"rows": len(todo), "errors": errors, **stats.summary()}
     if args.compare_baseline:
-        summary["baseline"] = baseline_summary(args, tcfg, tparams, todo, max_prompt, sampling, stops, mesh)
+        summary["baseline"] = baseline_summary(Engines(sizes, engine(1)), todo, args.seed)
         base = summary["baseline"]["tokens_per_second"]
         summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
     if jax.process_index() != 0:
@@ -393,17 +381,41 @@ def result_record(res, tokenizer) -> dict:
     return record
 
 
-def baseline_summary(args, tcfg, tparams, rows, max_prompt, sampling, stops, mesh=None) -> dict:
-    """Plain decoding of the same first-turn prompts through the same engine, timed."""
-    from dflash_jax.spec_decode import Generator, GenerationStats, timed
+class Engines:
+    """One Generator per KV-cache size (just the longest prompt's, or one per prompt bucket with
+    --bucket-cache); each prompt runs on the smallest cache that holds it."""
 
-    gen = Generator(tcfg, tparams, block_size=1, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                    max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stops, sync_every=args.sync_every,
-                    mesh=mesh)
-    prompts = [r.turn_ids[0] for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
-    gen.warmup([len(p) for p in prompts] or [1])
+    def __init__(self, sizes, make):
+        self.sizes = sorted(sizes)
+        self.gens = [make(n) for n in self.sizes]
+        self.block_size = self.gens[0].spec.block_size
+
+    def for_prompt(self, prompt):  # the largest engine also reports a prompt too long for any
+        return next((g for n, g in zip(self.sizes, self.gens) if len(prompt) <= n), self.gens[-1])
+
+    def warmup(self, prompts):
+        """Compile each engine for its prompts' buckets (an engine only later turns need compiles on first use)."""
+        for gen in self.gens:
+            lengths = [len(p) for p in prompts if self.for_prompt(p) is gen]
+            if lengths or len(self.gens) == 1:
+                gen.warmup(lengths or [1])
+
+    def generate(self, prompts, indices, seed):
+        """Generator.generate over every engine in turn, smallest cache first."""
+        for gen in self.gens:
+            mine = [i for i, p in enumerate(prompts) if self.for_prompt(p) is gen]
+            if mine:
+                yield from gen.generate([prompts[i] for i in mine], seed=seed, indices=[indices[i] for i in mine])
+
+
+def baseline_summary(gens: Engines, rows, seed: int) -> dict:
+    """Plain decoding of the same first-turn prompts through the same engines, timed."""
+    from dflash_jax.spec_decode import GenerationStats, timed
+
+    prompts = [r.turn_ids[0] for r in rows if gens.for_prompt(r.turn_ids[0]).check_prompt(r.turn_ids[0]) is None]
+    gens.warmup(prompts)
     stats = GenerationStats(1)
-    for _ in timed(gen.generate(prompts, seed=args.seed), stats):
+    for _ in timed(gens.generate(prompts, list(range(len(prompts))), seed), stats):
         pass
     return stats.summary()
 

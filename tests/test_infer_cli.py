@@ -252,8 +252,12 @@ def test_bucket_cache_gives_the_same_rows_at_smaller_caches(sampled, tmp_path, c
     one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
     assert main(common + ["--output", str(one), "--quiet"]) == 0
     capsys.readouterr()
-    assert main(common + ["--output", str(many), "--bucket-cache"]) == 0
+    summary = tmp_path / "s.json"
+    assert main(common + ["--output", str(many), "--bucket-cache", "--compare-baseline",
+                          "--summary-json", str(summary)]) == 0
     assert "prompt buckets 16, 32, 64, 128" in capsys.readouterr().err
+    s = json.loads(summary.read_text())  # the baseline runs bucketed too, on the 8 prompts that fit
+    assert s["baseline"]["output_tokens"] == s["output_tokens"] == 8 * 24 and s["errors"] == 1
     a, b = {r["id"]: r for r in read_jsonl(one)}, {r["id"]: r for r in read_jsonl(many)}
     assert a == b and len(a) == len(rows)
     assert b["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
