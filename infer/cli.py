@@ -296,10 +296,12 @@ def run(args, make_record=None) -> int:
     mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
     tparams = shard_params(tparams, mesh)  # once, shared by the engines
     dparams = shard_params(dparams, mesh) if dparams is not None else None
-    engine = lambda block_size: lambda n: Generator(  # noqa: E731
-        tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling, stop_token_ids=stops,
-        sync_every=args.sync_every, mesh=mesh)
+
+    def engine(block_size):  # the Generator of one cache size, given its max_prompt_len
+        return lambda n: Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
+                                   max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling,
+                                   stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh)
+
     gens = Engines(sizes, engine(args.block_size))
     block_size = gens.block_size
     stats = GenerationStats(block_size)
