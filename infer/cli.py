@@ -322,7 +322,7 @@ def run(args, make_record=None) -> int:
         while pending:
             runnable, next_pending = [], []
             for r in pending:
-                why = gens.for_prompt(r.turn_ids[turn]).check_prompt(r.turn_ids[turn])
+                why = gens.check_prompt(r.turn_ids[turn])
                 if why:
                     writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
                     say(f"warning: id {r.id!r} (line {r.line}): {why}")
@@ -395,17 +395,25 @@ class Engines:
     def for_prompt(self, prompt):  # the largest engine also reports a prompt too long for any
         return next((g for n, g in zip(self.sizes, self.gens) if len(prompt) <= n), self.gens[-1])
 
+    def check_prompt(self, prompt) -> str | None:
+        return self.for_prompt(prompt).check_prompt(prompt)
+
+    def groups(self, prompts):
+        """(engine, positions in prompts) for every engine, smallest cache first."""
+        mine = {id(g): [] for g in self.gens}
+        for i, p in enumerate(prompts):
+            mine[id(self.for_prompt(p))].append(i)
+        return [(g, mine[id(g)]) for g in self.gens]
+
     def warmup(self, prompts):
         """Compile each engine for its prompts' buckets (an engine only later turns need compiles on first use)."""
-        for gen in self.gens:
-            lengths = [len(p) for p in prompts if self.for_prompt(p) is gen]
-            if lengths or len(self.gens) == 1:
-                gen.warmup(lengths or [1])
+        for gen, mine in self.groups(prompts):
+            if mine or len(self.gens) == 1:
+                gen.warmup([len(prompts[i]) for i in mine] or [1])
 
     def generate(self, prompts, indices, seed):
         """Generator.generate over every engine in turn, smallest cache first."""
-        for gen in self.gens:
-            mine = [i for i, p in enumerate(prompts) if self.for_prompt(p) is gen]
+        for gen, mine in self.groups(prompts):
             if mine:
                 yield from gen.generate([prompts[i] for i in mine], seed=seed, indices=[indices[i] for i in mine])
 
@@ -414,7 +422,7 @@ def baseline_summary(gens: Engines, rows, seed: int) -> dict:
     """Plain decoding of the same first-turn prompts through the same engines, timed."""
     from dflash_jax.spec_decode import GenerationStats, timed
 
-    prompts = [r.turn_ids[0] for r in rows if gens.for_prompt(r.turn_ids[0]).check_prompt(r.turn_ids[0]) is None]
+    prompts = [r.turn_ids[0] for r in rows if gens.check_prompt(r.turn_ids[0]) is None]
     gens.warmup(prompts)
     stats = GenerationStats(1)
     for _ in timed(gens.generate(prompts, list(range(len(prompts))), seed), stats):
