@@ -31,7 +31,8 @@ from dflash_jax import DFlashError, ModelConfig, forward, init_cache
 from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.spec_decode import (
-    TRACE_COUNTS, EngineSpec, Generator, Sampling, bucket, draft_block, processed_logits, target_distribution,
+    TRACE_COUNTS, EngineSpec, Generator, Sampling, bucket, draft_block, greedy_pick, processed_logits,
+    target_distribution,
 )
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -199,14 +200,16 @@ def test_plain_greedy_equals_full_recompute_reference(name):
     assert [r.output_ids for r in greedy(name, 1, 8)] == ref
 
 
-def reference_cycles(name, block_size, prompt_list, max_new):
+def reference_cycles(name, block_size, prompt_list, max_new, num_drafts=None):
     """Greedy DFlash cycles recomputed from scratch each cycle (SPEC section 1): the drafter
     context is the taps of every committed position from a fresh target pass, the block
     [anchor, MASK...] sits at the anchor's position, and the verify pass reruns the whole
     sequence. No cache survives a cycle, so a wrong incremental context or rollback in the
     engine shows up as different drafts, hence different acceptance lengths.
+    num_drafts K: the whole block is drafted, only its first K drafts are verified.
     Returns (outputs, acceptance lengths) per prompt."""
     target, tparams, drafter, dparams = setup(name)
+    k = block_size - 1 if num_drafts is None else num_drafts
     n = len(prompt_list)
     width = max(map(len, prompt_list)) + max_new + 2 * block_size
     spec = EngineSpec(target=target, drafter=drafter, block_size=block_size, sampling=Sampling(),
@@ -227,14 +230,14 @@ def reference_cycles(name, block_size, prompt_list, max_new):
         _, taps = run_target(seqs)
         context = extend_context(dparams, drafter, taps, init_context_cache(drafter, n, width), jnp.asarray(committed))
         anchors = jnp.asarray([s[-1] for s in seqs], jnp.int32)
-        drafts = np.asarray(draft_block(tparams, dparams, spec, anchors, context))
+        drafts = np.asarray(draft_block(tparams, dparams, spec, anchors, context))[:, :k]
         logits, _ = run_target([s + d.tolist() for s, d in zip(seqs, drafts)])
         for i, (s, p) in enumerate(zip(seqs, prompt_list)):
             if len(s) - len(p) > max_new:
                 continue
-            y = [int(np.argmax(logits[i, committed[i] + j])) for j in range(block_size)]
+            y = [int(np.argmax(logits[i, committed[i] + j])) for j in range(k + 1)]
             a = 0
-            while a < block_size - 1 and drafts[i, a] == y[a]:
+            while a < k and drafts[i, a] == y[a]:
                 a += 1
             s.extend(y[:a + 1])
             acceptance[i].append(a + 1)
@@ -248,6 +251,64 @@ def test_acceptance_lengths_equal_from_scratch_reference(name, block_size):
     assert [r.output_ids for r in spec] == outputs
     assert [r.acceptance_lengths for r in spec] == acceptance
     assert max(map(max, acceptance)) > 1
+
+
+@functools.cache
+def engine_k(name, block_size, batch_size, num_drafts):
+    target, tparams, drafter, dparams = setup(name)
+    return Generator(target, tparams, drafter, dparams, block_size=block_size, batch_size=batch_size,
+                     max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT, draft_tokens=num_drafts)
+
+
+@pytest.mark.parametrize("name,num_drafts", [("qwen3-v8", 1), ("qwen3-v8", 3), ("llama-v8", 5)])
+def test_verifying_fewer_drafts_is_lossless_and_matches_the_reference(name, num_drafts):
+    """Block 8 drafted whole, K drafts verified: the output is still the target's greedy
+    output, no cycle accepts more than K + 1, and every acceptance length equals the
+    from-scratch reference that drafts the whole block and compares only its first K."""
+    spec = by_index(engine_k(name, 8, 8, num_drafts).generate(list(prompts(name))))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in greedy(name, 1, 8)]
+    check_lengths(spec, num_drafts + 1, MAX_NEW)
+    outputs, acceptance = reference_cycles(name, 8, prompts(name), MAX_NEW, num_drafts)
+    assert [r.acceptance_lengths for r in spec] == acceptance
+    assert max(map(max, acceptance)) >= min(num_drafts + 1, 3)  # multi-token acceptance happened
+
+
+def test_k_drafts_are_the_whole_blocks_first_k_and_k_b_minus_1_is_the_default():
+    name = "qwen3-v8"
+    target, tparams, drafter, dparams = setup(name)
+    spec = engine(name, 8, 2).spec
+    state = engine(name, 8, 2).prefill([list(prompts(name)[0]), list(prompts(name)[3])], [0, 1])
+    whole = np.asarray(draft_block(tparams, dparams, spec, state.anchor, state.context_cache))
+    assert whole.shape == (2, 7)
+    for k in (1, 4, 7):
+        spec_k = engine_k(name, 8, 2, k).spec
+        assert (spec_k.num_drafts, spec_k.verify_len) == (k, k + 1)
+        got = np.asarray(draft_block(tparams, dparams, spec_k, state.anchor, state.context_cache))
+        np.testing.assert_array_equal(got, whole[:, :k])
+    default = greedy(name, 8, 8)
+    full_k = by_index(engine_k(name, 8, 8, 7).generate(list(prompts(name))))
+    assert [r.acceptance_lengths for r in full_k] == [r.acceptance_lengths for r in default]
+
+
+@pytest.mark.parametrize("block_size,num_drafts,message", [
+    (8, 0, "draft tokens must be in 1..7 for block size 8, got 0"),
+    (8, 8, "draft tokens must be in 1..7 for block size 8, got 8"),
+    (1, 3, "draft tokens need a drafter"),
+])
+def test_bad_draft_tokens_are_refused(block_size, num_drafts, message):
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    with pytest.raises(DFlashError, match=message):
+        Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+                  block_size=block_size, draft_tokens=num_drafts, max_new_tokens=4, max_prompt_len=8)
+
+
+@pytest.mark.parametrize("shape,levels", [((3, 5, 50), 4), ((7, 4096), 1000), ((2, 9), 1)])
+def test_greedy_pick_is_argmax_with_first_index_on_ties(shape, levels):
+    """Few distinct values make ties common (levels 1: every entry ties, index 0 wins)."""
+    logits = np.random.RandomState(levels).randint(0, levels, shape).astype(np.float32) / 7
+    got = np.asarray(greedy_pick(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
 # --------------------------------------------------------------------------- 2. stop tokens
@@ -480,8 +541,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     assert outputs(batch4, 8) != first
     assert len({tuple(o) for o in first.values()}) > 1
     # The sample for position t uses the key of (row, t) whatever the block size, so
-    # speculative sampling reproduces plain sampling token for token.
+    # speculative sampling reproduces plain sampling token for token, and so does a run
+    # verifying fewer drafts per cycle.
     assert outputs(sampling_engine(1, 4), 7) == first
+    target, tparams, drafter, dparams = sampling_setup()
+    fewer = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+                      max_prompt_len=16, sampling=Sampling(temperature=1.0), draft_tokens=1)
+    assert outputs(fewer, 7) == first
 
 
 # --------------------------------------------------------------------------- 6. logit processing
