@@ -172,7 +172,8 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def acceptance_figures(acceptance_lengths: list[list[int]], block_size: int) -> dict:
-    """tau, histogram (lengths 1..B), per-slot rate P(a >= k) = share of cycles with length > k."""
+    """tau, histogram (lengths 1..L, L the longest possible: the block size, or K + 1 with K
+    drafts verified), per-slot rate P(a >= k) = share of cycles with length > k."""
     flat = [a for row in acceptance_lengths for a in row]
     n = len(flat)
     hist = {k: 0 for k in range(1, block_size + 1)}
@@ -181,6 +182,13 @@ def acceptance_figures(acceptance_lengths: list[list[int]], block_size: int) -> 
     per_slot = [sum(1 for a in flat if a > k) / n if n else 0.0 for k in range(1, block_size)]
     return dict(tau=sum(flat) / n if n else 0.0, cycles=n, acceptance_histogram={str(k): v for k, v in hist.items()},
                 per_slot_acceptance=per_slot)
+
+
+def config_label(r: dict) -> str:
+    """A row's block size, with the drafts verified per cycle when fewer than the block's:
+    "16", or "16:7" (block 16, 7 drafts verified)."""
+    b, k = r["block_size"], r.get("draft_tokens")
+    return str(b) if not k or k == b - 1 else f"{b}:{k}"
 
 
 def loop_cycles(acceptance_lengths: list[list[int]], batch_size: int) -> int:
@@ -219,7 +227,7 @@ def bench_generator(gen, prompts, repeats: int, seed: int) -> dict:
     tokens = runs[-1].tokens
     acc = [r.acceptance_lengths for r in ordered]
     return dict(
-        batch_size=gen.batch_size, block_size=gen.spec.block_size,
+        batch_size=gen.batch_size, block_size=gen.spec.block_size, draft_tokens=gen.spec.num_drafts,
         tokens_per_second=tokens / seconds if seconds else 0.0,
         tokens_per_second_runs=[s.tokens_per_second for s in runs],
         seconds=seconds, seconds_runs=[s.seconds for s in runs], output_tokens=tokens,
@@ -647,7 +655,8 @@ def run_published_shapes(args) -> dict:
 
 def write_plot(result: dict, path: Path) -> str | None:
     """tokens/s per block size and batch (DFlash vs baseline vs transformers) and tau per block
-    size. Returns why it was skipped, or None."""
+    size; rows verifying K < B - 1 drafts are a second series at K + 1 tokens verified. Returns
+    why it was skipped, or None."""
     try:
         import matplotlib
 
@@ -658,7 +667,7 @@ def write_plot(result: dict, path: Path) -> str | None:
     rows = result.get("dflash") or []
     if not rows:
         return "nothing to plot"
-    blocks = sorted({r["block_size"] for r in rows})
+    blocks = sorted({r["draft_tokens"] + 1 if "draft_tokens" in r else r["block_size"] for r in rows})
     batches = sorted({r["batch_size"] for r in rows})
     hf = {r["batch_size"]: r["tokens_per_second"] for r in (result.get("transformers") or {}).get("rows", [])}
     base = {r["batch_size"]: r["tokens_per_second"] for r in result.get("baseline", [])}
@@ -666,8 +675,16 @@ def write_plot(result: dict, path: Path) -> str | None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, batch in enumerate(batches):
         c = colors[i % len(colors)]
-        pts = sorted((r["block_size"], r["tokens_per_second"], r["tau"]) for r in rows if r["batch_size"] == batch)
+        mine = [r for r in rows if r["batch_size"] == batch]
+        whole = [r for r in mine if config_label(r) == str(r["block_size"])]
+        pts = sorted((r["block_size"], r["tokens_per_second"], r["tau"]) for r in whole)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"DFlash, batch {batch}")
+        cut = sorted((r["draft_tokens"] + 1, r["tokens_per_second"], r["tau"], r["block_size"])
+                     for r in mine if r not in whole)
+        if cut:
+            label = f"DFlash block {cut[0][3]}, K drafts verified, batch {batch}"
+            ax1.plot([p[0] for p in cut], [p[1] for p in cut], "s--", color=c, mfc="none", label=label)
+            ax2.plot([p[0] for p in cut], [p[2] for p in cut], "s--", color=c, mfc="none", label=label)
         if batch in base:
             ax1.axhline(base[batch], color=c, ls="--", lw=1, label=f"baseline (JAX AR), batch {batch}")
         if batch in hf:
@@ -676,7 +693,7 @@ def write_plot(result: dict, path: Path) -> str | None:
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(blocks, [str(b) for b in blocks])
-        ax.set_xlabel("block size")
+        ax.set_xlabel("tokens verified per cycle (block size B, or K + 1)")
         ax.grid(alpha=0.3)
     ax1.set_ylabel("output tokens/s")
     ax1.set_yscale("log")
@@ -718,7 +735,7 @@ def print_tables(result: dict):
                 continue
             runs = r["tokens_per_second_runs"]
             same = f"{r['rows_matching_baseline']}/{len(r['outputs'])}"
-            print(f"{batch:>5}  {'dflash':12}  {r['block_size']:>5}  {r['tokens_per_second']:>9.1f}  "
+            print(f"{batch:>5}  {'dflash':12}  {config_label(r):>5}  {r['tokens_per_second']:>9.1f}  "
                   f"{f'{min(runs):.1f}..{max(runs):.1f}':>17}  {r['speedup']:>6.2f}x  {r['tau']:>5.2f}  "
                   f"{r['cycles']:>6}  {r['loop_cycles']:>8}  {same:>11}  {fmt_compiles(r['compiles_timed']):>14}")
         if batch in hf:
@@ -729,7 +746,8 @@ def print_tables(result: dict):
                   f"{f'{min(runs):.1f}..{max(runs):.1f}':>17}  "
                   f"{h['tokens_per_second'] / b['tokens_per_second']:>6.2f}x  {'-':>5}  {'-':>6}  {'-':>8}  "
                   f"{same:>11}  {'-':>14}")
-    print("speedup: against the baseline (this engine, no drafter) at the same batch size; compiles: prefill "
+    print("block B:K = the drafter denoises blocks of B, the target verifies only the first K drafts of each; "
+          "speedup: against the baseline (this engine, no drafter) at the same batch size; compiles: prefill "
           "traces / run_cycles traces / all XLA compiles during the timed runs (should be 0/0/0); "
           "== baseline: rows whose tokens equal the baseline's")
 
@@ -738,7 +756,7 @@ def print_tables(result: dict):
     for r in result["dflash"]:
         hist = r["acceptance_histogram"]
         total = max(1, sum(hist.values()))
-        print(f"  batch {r['batch_size']} block {r['block_size']:>2}: tau {r['tau']:.3f} over {r['cycles']} cycles")
+        print(f"  batch {r['batch_size']} block {config_label(r):>4}: tau {r['tau']:.3f} over {r['cycles']} cycles")
         print("    histogram  " + "  ".join(f"{k}:{v}({v / total:.0%})" for k, v in hist.items()))
         print("    per slot   " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r["per_slot_acceptance"], 1)))
 
@@ -762,7 +780,7 @@ def print_tables(result: dict):
                 if r["batch_size"] != batch:
                     continue
                 s = r["time_split"]
-                print(f"{batch:>5}  {r['block_size']:>5}  {fmt_ms(s['draft_s']):>8}  {fmt_ms(s['verify_s']):>8}  "
+                print(f"{batch:>5}  {config_label(r):>5}  {fmt_ms(s['draft_s']):>8}  {fmt_ms(s['verify_s']):>8}  "
                       f"{fmt_ms(s['passes_s']):>8}  {fmt_ms(s['accept_commit_s']):>10}  {fmt_ms(s['cycle_s']):>8}  "
                       f"{s['overhead_beyond_passes_fraction']:>10.1%}  "
                       f"{s['overhead_beyond_draft_verify_fraction']:>10.1%}  {fmt_ms(s['ar_step_s']):>8}  "
@@ -795,6 +813,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lines", type=int, default=6, help="lines per snippet")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
     p.add_argument("--block-sizes", default="4,8,16", help="comma-separated DFlash block sizes")
+    p.add_argument("--draft-tokens", default="3,7", metavar="K,...",
+                   help="also run the drafter's own block size verifying only its first K drafts per cycle "
+                        "(Generator draft_tokens), for each K; '' for none")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration (median)")
@@ -881,6 +902,7 @@ def run(args) -> int:
     from infer.cli import DEMO_DIR, load_tokenizer
 
     block_sizes = [b for b in int_list(args.block_sizes, "--block-sizes") if b > 1]
+    draft_tokens = int_list(args.draft_tokens, "--draft-tokens") if args.draft_tokens.strip() else []
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     hf_batches = int_list(args.hf_batch_sizes, "--hf-batch-sizes") if args.hf_batch_sizes else batch_sizes
     if (args.target is None) != (args.drafter is None):
@@ -898,6 +920,14 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     d = dcfg.model
+    bad = [k for k in draft_tokens if not 1 <= k <= dcfg.block_size - 1]
+    if bad:
+        raise SystemExit(f"error: --draft-tokens {bad[0]} is outside 1..{dcfg.block_size - 1} (the drafter's "
+                         f"block size is {dcfg.block_size})")
+    # (block size, drafts verified per cycle): every block size with its whole block, then the
+    # drafter's own block size with fewer drafts verified
+    configs = [(b, None) for b in block_sizes] + [(dcfg.block_size, k) for k in draft_tokens
+                                                   if k != dcfg.block_size - 1 or dcfg.block_size not in block_sizes]
     name = "bundled demo pair" if demo else f"{target_dir.name} + {drafter_dir.name}"
     print(f"pair: {name} ({target_dir} + {drafter_dir}; loaded in {load_seconds:.1f}s)")
     print(f"  target: {tcfg.model_type}, vocab {tcfg.vocab_size}, hidden {tcfg.hidden_size}, "
@@ -918,7 +948,9 @@ def run(args) -> int:
           + f"; {min(lens)}..{max(lens)} tokens (mean {statistics.mean(lens):.1f})")
     print(f"  first: {snippets[0]['file']}:{snippets[0]['line']}: {snippets[0]['text'].splitlines()[0]!r}")
     print(f"greedy, {args.max_new_tokens} new tokens per row (stop tokens ignored), median of {args.repeats} timed "
-          f"runs after warm-up; block sizes {block_sizes}, batch sizes {batch_sizes}\n")
+          f"runs after warm-up; block sizes {block_sizes}"
+          + (f", block {dcfg.block_size} verifying {draft_tokens} drafts" if draft_tokens else "")
+          + f", batch sizes {batch_sizes}\n")
 
     result.update(
         pair=dict(name=name, target_dir=shown(target_dir), drafter_dir=shown(drafter_dir), demo=demo,
@@ -928,7 +960,7 @@ def run(args) -> int:
                                taps=list(dcfg.target_layer_ids), dtype=d.dtype)),
         prompts=dict(package=args.heldout_package, package_version=pkg_version, kind=kind, lines=args.prompt_lines,
                      lengths=lens, snippets=snippets, input_ids=prompts),
-        settings=dict(block_sizes=block_sizes, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens,
+        settings=dict(block_sizes=block_sizes, draft_tokens=draft_tokens, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens,
                       repeats=args.repeats, seed=args.seed, sync_every=args.sync_every, greedy=True,
                       stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens),
         baseline=[], dflash=[],
@@ -953,10 +985,11 @@ def run(args) -> int:
                     host_overhead_per_cycle_s=(base["seconds"] - prefill_s) / base["loop_cycles"]
                     - ar["ar_cycle"]["seconds"])
             result["baseline"].append(base)
-            for b in block_sizes:
-                gen = Generator(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, **common)
+            for b, k in configs:
+                gen = Generator(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, draft_tokens=k,
+                                **common)
                 r = bench_generator(gen, prompts, args.repeats, args.seed)
-                r.update(acceptance_figures(r["acceptance_lengths"], b))
+                r.update(acceptance_figures(r["acceptance_lengths"], gen.spec.verify_len))
                 r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
                 r["rows_matching_baseline"] = sum(x == y for x, y in zip(r["outputs"], base["outputs"]))
                 r["lossless"] = r["rows_matching_baseline"] == len(prompts)
@@ -979,7 +1012,8 @@ def run(args) -> int:
                         iterations={k: v["iterations"] for k, v in split.items()},
                     )
                 result["dflash"].append(r)
-                print(f"batch {batch} block {b}: dflash {r['tokens_per_second']:.1f} tok/s ({r['speedup']:.2f}x), "
+                print(f"batch {batch} block {config_label(r)}: dflash {r['tokens_per_second']:.1f} tok/s "
+                      f"({r['speedup']:.2f}x), "
                       f"tau {r['tau']:.2f}, lossless {r['rows_matching_baseline']}/{len(prompts)}", flush=True)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1003,9 +1037,10 @@ def run(args) -> int:
 
     print()
     print_tables(result)
-    timed_compiles = {(r["batch_size"], r["block_size"]): r["compiles_timed"] for r in result["baseline"] + result["dflash"]}
+    timed_compiles = {(r["batch_size"], config_label(r)): r["compiles_timed"]
+                      for r in result["baseline"] + result["dflash"]}
     leaks = {k: v for k, v in timed_compiles.items() if v.get("prefill") or v.get("run_cycles")}
-    lossy = [(r["batch_size"], r["block_size"]) for r in result["dflash"] if not r["lossless"]]
+    lossy = [(r["batch_size"], config_label(r)) for r in result["dflash"] if not r["lossless"]]
     print("\ngreedy losslessness (DFlash tokens == baseline tokens): "
           + ("every configuration" if not lossy else f"FAILS for (batch, block) {lossy}"))
     print("recompilations of prefill/run_cycles during timed runs: "

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=None,
                    help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
+                        "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
+                        "where verify tokens cost compute (CPUs, large batches)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="parameter dtype (default: the checkpoint's)")
@@ -212,7 +216,12 @@ class Writer:
     """Appends JSON lines, flushed one by one. In a multi-process run only process 0 writes."""
 
     def __init__(self, path: Path | None, enabled: bool = True):
-        self.file = None if not enabled else open(path, "a", encoding="utf-8") if path else sys.stdout
+        self.file = None
+        if enabled and path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # --output may name a new directory
+            self.file = open(path, "a", encoding="utf-8")
+        elif enabled:
+            self.file = sys.stdout
 
     def write(self, record: dict):
         if self.file is not None:
@@ -254,6 +263,8 @@ def run(args, make_record=None) -> int:
                         ("--sync-every", args.sync_every)):
         if value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.draft_tokens is not None and (drafter_dir is None or args.block_size == 1):
+        raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
 
     rows = read_rows(input_path)
@@ -298,9 +309,11 @@ def run(args, make_record=None) -> int:
     dparams = shard_params(dparams, mesh) if dparams is not None else None
 
     def engine(block_size):  # the Generator of one cache size, given its max_prompt_len
+        drafts = args.draft_tokens if block_size != 1 else None
         return lambda n: Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
                                    max_new_tokens=args.max_new_tokens, max_prompt_len=n, sampling=sampling,
-                                   stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh)
+                                   stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh,
+                                   draft_tokens=drafts)
 
     gens = Engines(sizes, engine(args.block_size))
     block_size = gens.block_size
@@ -310,7 +323,8 @@ def run(args, make_record=None) -> int:
     sample = None  # the demo shows one completion as text
     try:
         caches = f", prompt buckets {', '.join(map(str, gens.sizes))}" if args.bucket_cache else ""
-        say(f"compiling (block size {block_size}, batch {args.batch_size}{caches}) ...")
+        drafts = f", {gens.gens[0].spec.num_drafts} drafts verified" if args.draft_tokens else ""
+        say(f"compiling (block size {block_size}{drafts}, batch {args.batch_size}{caches}) ...")
         t0 = time.perf_counter()
         gens.warmup([r.turn_ids[0] for r in todo])
         say(f"compiled in {time.perf_counter() - t0:.1f}s")
@@ -359,7 +373,8 @@ def run(args, make_record=None) -> int:
     finally:
         writer.close()
 
-    summary = {"rows": len(todo), "errors": errors, **stats.summary()}
+    summary = {"rows": len(todo), "errors": errors, **stats.summary(),
+               "draft_tokens": gens.gens[0].spec.num_drafts}
     if args.compare_baseline:
         summary["baseline"] = baseline_summary(Engines(sizes, engine(1)), todo, args.seed)
         base = summary["baseline"]["tokens_per_second"]
@@ -434,7 +449,9 @@ def print_summary(s: dict, say):
     say("")
     say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
         f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
-    say(f"block size {s['block_size']}: tau {s['tau']:.3f} over {s['cycles']} cycles")
+    drafts = s.get("draft_tokens")
+    verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
+    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} over {s['cycles']} cycles")
     hist = s["acceptance_histogram"]
     if hist:
         total = sum(hist.values())

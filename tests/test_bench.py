@@ -20,10 +20,11 @@ TINY = Path(__file__).resolve().parents[1] / "dflash_jax" / "demo" / "tiny"
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """One run on the tiny random pair: block 4, batches 1 and 2 (3 prompts: a partial batch)."""
+    """One run on the tiny random pair: block 4, and the drafter's block 8 verifying 2 drafts per
+    cycle; batches 1 and 2 (3 prompts: a partial batch)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW), "--block-sizes", "4",
-            "--batch-sizes", "1,2", "--repeats", "1", "--torch-threads", "1", "--json", str(out), *FAST_SPLIT]
+            "--draft-tokens", "2", "--batch-sizes", "1,2", "--repeats", "1", "--torch-threads", "1", "--json", str(out), *FAST_SPLIT]
     assert bench.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -38,6 +39,7 @@ def test_environment_pair_and_prompts(demo_run):
     assert [len(x) for x in p["input_ids"]] == p["lengths"]
     assert 511 not in {t for ids in p["input_ids"] for t in ids}  # the tiny drafter's mask token
     assert demo_run["settings"]["block_sizes"] == [4] and demo_run["settings"]["batch_sizes"] == [1, 2]
+    assert demo_run["settings"]["draft_tokens"] == [2]
     # matplotlib is in the test extra: the PNG must be drawn.
     assert demo_run["plot"] is not None and Path(demo_run["plot"]).is_file()
     assert Path(demo_run["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -45,7 +47,10 @@ def test_environment_pair_and_prompts(demo_run):
 
 def test_dflash_is_lossless_and_every_row_has_max_new_tokens(demo_run):
     base = {r["batch_size"]: r for r in demo_run["baseline"]}
-    assert sorted(base) == [1, 2] and len(demo_run["dflash"]) == 2
+    assert sorted(base) == [1, 2] and len(demo_run["dflash"]) == 4
+    assert [(r["batch_size"], r["block_size"], r["draft_tokens"]) for r in demo_run["dflash"]] == [
+        (1, 4, 3), (1, 8, 2), (2, 4, 3), (2, 8, 2)]
+    assert [bench.config_label(r) for r in demo_run["dflash"][:2]] == ["4", "8:2"]
     assert base[1]["outputs"] == base[2]["outputs"]  # greedy rows do not depend on their batch
     for r in demo_run["dflash"]:
         assert r["outputs"] == base[r["batch_size"]]["outputs"]
@@ -57,7 +62,7 @@ def test_dflash_is_lossless_and_every_row_has_max_new_tokens(demo_run):
 
 def test_acceptance_figures_are_consistent(demo_run):
     for r in demo_run["dflash"]:
-        b = r["block_size"]
+        b = r["draft_tokens"] + 1  # the longest acceptance: the block, or K + 1 drafts verified
         flat = [a for row in r["acceptance_lengths"] for a in row]
         assert all(1 <= a <= b for a in flat)
         assert r["cycles"] == len(flat) > 0
@@ -173,6 +178,12 @@ def test_prompt_ids_without_tokenizer_are_seeded_and_avoid_the_mask():
     assert [len(x) for x in ids] == [10, 64, 4]
     assert all(0 <= t < 15 for x in ids for t in x)
     assert ids == bench.prompt_ids(snippets, None, 16, [15], max_tokens=64, seed=1)[0]
+
+
+def test_draft_tokens_outside_the_drafters_block_are_refused(capsys):
+    argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--draft-tokens", "3,8"]
+    with pytest.raises(SystemExit, match=r"--draft-tokens 8 is outside 1\.\.7 \(the drafter's block size is 8\)"):
+        bench.main(argv)
 
 
 def test_acceptance_figures_by_hand():

@@ -96,6 +96,31 @@ def test_compare_baseline_reports_speedup(tmp_path):
     assert s["speedup"] == pytest.approx(s["tokens_per_second"] / s["baseline"]["tokens_per_second"], rel=1e-2)
 
 
+def test_draft_tokens_verify_fewer_drafts_with_the_same_rows(tmp_path, capsys):
+    """--draft-tokens 2 on the reference pair (block 8): the same tokens as the reference, no
+    cycle longer than 3, the summary says so; a K outside 1..7 is a one-line error; the output
+    directory is created."""
+    out, summary = tmp_path / "new" / "out.jsonl", tmp_path / "s.json"
+    assert main(tiny_pair() + ["--output", str(out), "--summary-json", str(summary), "--draft-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "block size 8 (2 drafts verified per cycle): tau" in err
+    cases = json.loads((tiny() / "greedy_cases.json").read_text())
+    records = read_jsonl(out)
+    for r in records:
+        i = int(r["id"].split("-")[1])
+        assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
+        assert max(r["acceptance_lengths"]) <= 3
+    assert max(a for r in records for a in r["acceptance_lengths"]) == 3
+    s = json.loads(summary.read_text())
+    assert s["draft_tokens"] == 2 and s["block_size"] == 8 and sorted(s["acceptance_histogram"]) == ["1", "2", "3"]
+    code = main(tiny_pair() + ["--output", str(tmp_path / "o2.jsonl"), "--draft-tokens", "8", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "draft tokens must be in 1..7 for block size 8, got 8" in err and err.count("\n") == 1, err
+    code = main(tiny_pair() + ["--block-size", "1", "--draft-tokens", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--draft-tokens needs a drafter" in err and err.count("\n") == 1, err
+
+
 def test_stop_tokens_come_from_the_generation_config(tmp_path):
     target = tmp_path / "target"
     shutil.copytree(tiny() / "target", target)
