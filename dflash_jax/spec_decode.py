@@ -312,8 +312,12 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles) -> DecodeState:
-    """Up to max_cycles cycles, on device, stopping early once every row is done."""
+def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles):
+    """Up to max_cycles cycles, on device, stopping early once every row is done.
+
+    Returns (state, progress): progress [2, batch] int32 is (done, num_generated), a fresh
+    array apart from the state, so the host can read it while the next call, which takes
+    the state donated, already runs."""
     TRACE_COUNTS["run_cycles"] += 1
 
     def cond(carry):
@@ -324,7 +328,8 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
         i, s = carry
         return i + 1, cycle(tparams, dparams, spec, s, stop_ids)
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    return state, jnp.stack([state.done.astype(jnp.int32), state.num_generated])
 
 
 # --------------------------------------------------------------------------- host side
@@ -421,7 +426,11 @@ class Generator:
         """Compile prefill for the buckets of these lengths and the cycle loop."""
         for n in sorted({min(bucket(n), self.max_prompt_len) for n in prompt_lengths}):
             state = self._prefill([[0] * n], [0], 0)
-            jax.block_until_ready(run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids, 1))
+            jax.block_until_ready(self._run(state, 1))
+
+    def _run(self, state, cycles=None):
+        return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
+                          self.sync_every if cycles is None else cycles)
 
     def _finish(self, index, output, num_generated, acceptance, num_cycles) -> Result:
         tokens = output[:num_generated].tolist()
@@ -456,9 +465,16 @@ class Generator:
             reported = np.zeros(self.batch_size, bool)
             reported[len(chunk):] = True
             last_counts = np.ones(self.batch_size, np.int64)
+            state, info = self._run(state)
             while True:
-                state = run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids, self.sync_every)
-                done, num_generated = to_host(state.done), to_host(state.num_generated)
+                # The next cycles are queued before this sync's figures are read, so the device
+                # never waits on the host. Finished rows are frozen (later cycles skip them), so
+                # their tokens are read from the newer state; once all are done the queued call
+                # runs no cycle.
+                state, next_info = self._run(state)
+                info = to_host(info)
+                done, num_generated = info[0].astype(bool), info[1]
+                info = next_info
                 if progress is not None:
                     counts = np.minimum(num_generated, self.spec.max_new_tokens)
                     progress(int((counts - np.minimum(last_counts, self.spec.max_new_tokens))[:len(chunk)].sum()))
