@@ -813,7 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lines", type=int, default=6, help="lines per snippet")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
     p.add_argument("--block-sizes", default="4,8,16", help="comma-separated DFlash block sizes")
-    p.add_argument("--draft-tokens", default="3,7", metavar="K,...",
+    p.add_argument("--draft-tokens", default="3,5,7", metavar="K,...",
                    help="also run the drafter's own block size verifying only its first K drafts per cycle "
                         "(Generator draft_tokens), for each K; '' for none")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
