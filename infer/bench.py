@@ -667,7 +667,7 @@ def write_plot(result: dict, path: Path) -> str | None:
     rows = result.get("dflash") or []
     if not rows:
         return "nothing to plot"
-    blocks = sorted({r["draft_tokens"] + 1 if "draft_tokens" in r else r["block_size"] for r in rows})
+    blocks = sorted({r["draft_tokens"] + 1 for r in rows})  # tokens verified per cycle
     batches = sorted({r["batch_size"] for r in rows})
     hf = {r["batch_size"]: r["tokens_per_second"] for r in (result.get("transformers") or {}).get("rows", [])}
     base = {r["batch_size"]: r["tokens_per_second"] for r in result.get("baseline", [])}
@@ -676,7 +676,7 @@ def write_plot(result: dict, path: Path) -> str | None:
     for i, batch in enumerate(batches):
         c = colors[i % len(colors)]
         mine = [r for r in rows if r["batch_size"] == batch]
-        whole = [r for r in mine if config_label(r) == str(r["block_size"])]
+        whole = [r for r in mine if r["draft_tokens"] == r["block_size"] - 1]
         pts = sorted((r["block_size"], r["tokens_per_second"], r["tau"]) for r in whole)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"DFlash, batch {batch}")
         cut = sorted((r["draft_tokens"] + 1, r["tokens_per_second"], r["tau"], r["block_size"])

@@ -323,7 +323,7 @@ def run(args, make_record=None) -> int:
     sample = None  # the demo shows one completion as text
     try:
         caches = f", prompt buckets {', '.join(map(str, gens.sizes))}" if args.bucket_cache else ""
-        drafts = f", {gens.gens[0].spec.num_drafts} drafts verified" if args.draft_tokens else ""
+        drafts = f", {gens.num_drafts} drafts verified" if args.draft_tokens else ""
         say(f"compiling (block size {block_size}{drafts}, batch {args.batch_size}{caches}) ...")
         t0 = time.perf_counter()
         gens.warmup([r.turn_ids[0] for r in todo])
@@ -374,7 +374,7 @@ def run(args, make_record=None) -> int:
         writer.close()
 
     summary = {"rows": len(todo), "errors": errors, **stats.summary(),
-               "draft_tokens": gens.gens[0].spec.num_drafts}
+               "draft_tokens": gens.num_drafts}
     if args.compare_baseline:
         summary["baseline"] = baseline_summary(Engines(sizes, engine(1)), todo, args.seed)
         base = summary["baseline"]["tokens_per_second"]
@@ -406,6 +406,7 @@ class Engines:
         self.sizes = sorted(sizes)
         self.gens = [make(n) for n in self.sizes]
         self.block_size = self.gens[0].spec.block_size
+        self.num_drafts = self.gens[0].spec.num_drafts
 
     def for_prompt(self, prompt):  # the largest engine also reports a prompt too long for any
         return next((g for n, g in zip(self.sizes, self.gens) if len(prompt) <= n), self.gens[-1])
