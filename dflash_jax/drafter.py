@@ -20,9 +20,8 @@ import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, read_config_json
 from dflash_jax.errors import ConfigError
-from dflash_jax.model import (
-    MLP, KVCache, RMSNorm, apply_rope, attention_weights, jnp_dtype, rope_angles, write_rows,
-)
+from dflash_jax.attention import PAGE_SIZE, attend, cache_length, dense_attention, write_kv
+from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,23 +142,33 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask=None):
-        """x [batch, block, hidden]; ctx_k/v [batch, S, kv_heads, head_dim]; ctx_mask [batch, block, S];
-        block_mask [batch, block, block] (default: all true, one non-causal block)."""
+    def queries(self, x, cos, sin):
         c = self.config
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)), cos, sin)
+        return q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
+
+    def __call__(self, x, cos, sin, positions, context: KVCache, layer: int):
+        """Decoding: x [batch, block, hidden] at positions [batch, block]; the context K/V are
+        layer `layer` of the drafter's context cache, read over the pages the rows have used."""
+        b, t, _ = x.shape
+        k, v = self.kv(x, cos, sin)
+        block = (k, v, jnp.ones((b, t, t), bool))  # the block is non-causal and never cached
+        kv_limit = jnp.broadcast_to(context.lengths[:, None], (b, t))
+        out = attend(self.queries(x, cos, sin), positions, context.k, context.v, layer, kv_limit,
+                     window=self.window, chunk=block, page_size=context.page_size)
+        return self.o_proj(out.astype(x.dtype))
+
+    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask):
+        """Training, every block of a sequence at once: x [batch, N*B, hidden]; ctx_k/v
+        [batch, S, kv_heads, head_dim]; ctx_mask [batch, N*B, S]; block_mask [batch, N*B, N*B]."""
+        b, t, _ = x.shape
         k, v = self.kv(x, cos, sin)
         keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
-        if block_mask is None:
-            block_mask = jnp.ones((b, t, t), bool)  # the block is non-causal
         mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)
-        q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
-        probs = attention_weights(q, keys, mask).astype(values.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, -1)
-        return self.o_proj(out)
+        out = dense_attention(self.queries(x, cos, sin), keys, values, mask)
+        return self.o_proj(out.astype(x.dtype))
 
 
 class DraftLayer(nn.Module):
@@ -177,8 +186,12 @@ class DraftLayer(nn.Module):
     def context_kv(self, ctx, cos, sin):
         return self.self_attn.kv(ctx, cos, sin)
 
-    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
+    def __call__(self, x, cos, sin, positions, context: KVCache, layer: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, context, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask):
+        x = x + self.self_attn.train_pass(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -207,22 +220,18 @@ class DFlashDrafter(nn.Module):
         kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
         return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
 
-    def __call__(self, block_embeds, positions, ctx_k, ctx_v, ctx_lengths, ctx_positions):
+    def __call__(self, block_embeds, positions, context: KVCache):
         """Drafter output after its final norm, [batch, block, hidden].
 
-        block_embeds [batch, block, hidden] (target embeddings of [anchor, MASK...]);
-        positions [batch, block]; ctx_k/v [layers, batch, S, kv, hd] with ctx_lengths [batch]
-        valid entries at ctx_positions [S] (entry j holds position j).
+        block_embeds [batch, block, hidden] (target embeddings of [anchor, MASK...]) at
+        positions [batch, block]; context: the context cache (k/v [layers, batch, S, kv, hd],
+        context.lengths[b] valid entries, entry j holding position j).
         """
         c = self.config.model
         cos, sin = rope_angles(c, positions)
-        valid = ctx_positions[None, None, :] < ctx_lengths[:, None, None]  # [batch, 1, S]
         x = block_embeds.astype(jnp_dtype(c.dtype))
         for i, layer in enumerate(self.layers):
-            mask = jnp.broadcast_to(valid, (x.shape[0], x.shape[1], ctx_positions.shape[0]))
-            if layer.window is not None:
-                mask &= ctx_positions[None, None, :] > positions[:, :, None] - layer.window
-            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+            x = layer(x, cos, sin, positions, context, i)
         return self.norm(x)
 
     def train_hidden(self, block_embeds, block_positions, features, ctx_mask, block_mask):
@@ -242,14 +251,14 @@ class DFlashDrafter(nn.Module):
             mask = ctx_mask
             if layer.window is not None:
                 mask &= jnp.arange(s)[None, None, :] > block_positions[:, :, None] - layer.window
-            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask, block_mask)
+            x = layer.train_pass(x, cos, sin, ctx_k[i], ctx_v[i], mask, block_mask)
         return self.norm(x)
 
     def _init_all(self, features, block_embeds):
         b, t = features.shape[:2]
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
         k, v = self.context_kv(features, pos)
-        return self(block_embeds, pos, k, v, jnp.full((b,), t), jnp.arange(t))
+        return self(block_embeds, pos, KVCache(k=k, v=v, lengths=jnp.full((b,), t, jnp.int32)))
 
 
 # --------------------------------------------------------------------------- functions
@@ -268,23 +277,30 @@ def abstract_drafter_params(config: DrafterConfig):
     return jax.eval_shape(lambda: init_drafter_params(config))
 
 
-def init_context_cache(config: DrafterConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def init_context_cache(config: DrafterConfig, batch: int, max_len: int, dtype=None,
+                       page_size: int = PAGE_SIZE) -> KVCache:
+    """An empty context cache for at least max_len positions per row (whole pages)."""
     c = config.model
     dtype = dtype or jnp_dtype(c.dtype)
-    shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+    shape = (c.num_hidden_layers, batch, cache_length(max_len, page_size), c.num_key_value_heads, c.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
+                   page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_tokens) -> KVCache:
-    """Commit tap features [batch, T, n*hidden] of positions lengths..lengths+T-1: their
-    K/V go into the context cache; each row's length advances by num_tokens [batch]."""
+def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_tokens, rows=None) -> KVCache:
+    """Commit tap features [n, T, n_taps*hidden] of positions lengths..lengths+T-1: their
+    K/V go into the context cache (in place under jit); each row's length advances by
+    num_tokens [n]. rows [n]: the cache rows the features belong to (default 0..n-1; rows
+    out of range are padding and write nothing)."""
     t = features.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    lengths = cache.lengths if rows is None else row_lengths(cache, rows)
+    positions = lengths[:, None] + jnp.arange(t)[None, :]
     k, v = DFlashDrafter(config).apply({"params": params}, features, positions, method=DFlashDrafter.context_kv)
-    write = jax.vmap(write_rows, in_axes=(0, 0, None))  # over layers
-    return KVCache(k=write(cache.k, k, cache.lengths), v=write(cache.v, v, cache.lengths),
-                   lengths=cache.lengths + num_tokens.astype(jnp.int32))
+    num_tokens = num_tokens.astype(jnp.int32)
+    new_lengths = cache.lengths + num_tokens if rows is None else cache.lengths.at[rows].add(num_tokens, mode="drop")
+    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows), v=write_kv(cache.v, None, v, lengths, rows),
+                         lengths=new_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -293,6 +309,4 @@ def draft_hidden(params, config: DrafterConfig, block_embeds, cache: KVCache):
     starts at each row's context length (the anchor's position)."""
     t = block_embeds.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    return DFlashDrafter(config).apply(
-        {"params": params}, block_embeds, positions, cache.k, cache.v, cache.lengths, jnp.arange(cache.max_len)
-    )
+    return DFlashDrafter(config).apply({"params": params}, block_embeds, positions, cache)

@@ -3,13 +3,15 @@
 Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/kernel`
 for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
 
-The KV cache is preallocated, `[layers, batch, max_len, kv_heads, head_dim]`, with a
-length per row. `forward` writes a chunk of T tokens per row at that row's own offset
-(`cache.lengths`), so one entry point serves batched prefill (prompts right-padded to a
-bucket; pass `num_tokens`), single-token decode (T=1) and the block verify pass of
-speculative decoding (T=B). Rollback is a length update: entries at or past a row's length
-are stale, and the causal mask (key position <= query position, with every position below
-the query written in this or an earlier call) guarantees they are never read.
+The KV cache is preallocated in pages (`dflash_jax.attention`): one buffer
+`[layers, batch, max_len, kv_heads, head_dim]` for keys and one for values, with a length per
+row. `forward` writes a chunk of T tokens per row at that row's own offset (`cache.lengths`)
+straight into the buffers (in place under jit), then attends over the pages the rows have
+used, so one entry point serves batched prefill (prompts right-padded to a bucket; pass
+`num_tokens`), single-token decode (T=1) and the block verify pass of speculative decoding
+(T=K+1). Rollback is a length update: entries at or past a row's length are stale, and the
+causal limit (key position <= query position, with every position below the query written
+in this or an earlier call) guarantees they are never read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflash_jax.attention import PAGE_SIZE, attend, cache_length, write_kv
 from dflash_jax.config import ModelConfig, rope_inv_freq
 from dflash_jax.errors import ConfigError
 
@@ -35,27 +38,35 @@ def jnp_dtype(name: str):
 
 @struct.dataclass
 class KVCache:
-    """Static-shape KV cache with a length per row.
+    """Static-shape paged KV cache with a length per row.
 
-    k, v:    [layers, batch, max_len, kv_heads, head_dim]
+    k, v:    [layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
     lengths: [batch] int32, number of valid (committed) positions of each row.
+    page_size: positions per page (static), the unit attention walks in.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def row_lengths(cache: KVCache, rows):
+    """lengths of cache rows `rows` [n]; 0 for padding rows (out of range)."""
+    return jnp.where(rows < cache.lengths.shape[0], jnp.take(cache.lengths, rows, mode="clip"), 0)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE) -> KVCache:
+    """An empty cache for at least max_len positions per row (rounded up to whole pages)."""
     dtype = dtype or jnp_dtype(config.dtype)
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
-    )
+    shape = (config.num_hidden_layers, batch, cache_length(max_len, page_size), config.num_key_value_heads,
+             config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
+                   page_size=page_size)
 
 
 # --------------------------------------------------------------------------- layers
@@ -91,33 +102,15 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def write_rows(cache_layer, new, offsets):
-    """Write new [batch, T, ...] into cache_layer [batch, max_len, ...] at per-row offsets."""
-
-    def one(row_cache, row_new, off):
-        return jax.lax.dynamic_update_slice_in_dim(row_cache, row_new.astype(row_cache.dtype), off, axis=0)
-
-    return jax.vmap(one)(cache_layer, new, offsets)
-
-
-def attention_weights(q, k, mask):
-    """Grouped-query attention probabilities, float32.
-
-    q [batch, T, kv_heads, groups, head_dim]; k [batch, S, kv_heads, head_dim];
-    mask [batch, T, S] bool -> [batch, kv_heads, groups, T, S].
-    """
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (q.shape[-1] ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(scores, axis=-1)
-
-
 class Attention(nn.Module):
     config: ModelConfig
+    layer: int  # this layer's index into the cache buffers
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
+    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows):
+        """x [n, T, hidden] at query_pos [n, T] of cache rows `rows` (None: rows 0..n-1).
+        Writes this chunk's K/V into the cache, then attends causally over it."""
         c = self.config
         dtype = jnp_dtype(c.dtype)
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -133,17 +126,13 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_cache = write_rows(k_cache, k, offsets)
-        v_cache = write_rows(v_cache, v, offsets)
-
-        key_pos = jnp.arange(k_cache.shape[1])
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]
-        if self.window is not None:
-            mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
+        offsets = query_pos[:, 0]
+        cache = cache.replace(k=write_kv(cache.k, self.layer, k, offsets, rows),
+                              v=write_kv(cache.v, self.layer, v, offsets, rows))
         q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
-        probs = attention_weights(q, k_cache, mask).astype(v_cache.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1)
-        return dense(c.hidden_size, "o_proj", c.o_bias)(out), k_cache, v_cache
+        out = attend(q, query_pos, cache.k, cache.v, self.layer, query_pos + 1, window=self.window, rows=rows,
+                     page_size=cache.page_size)
+        return dense(c.hidden_size, "o_proj", c.o_bias)(out.astype(dtype)), cache
 
 
 class MLP(nn.Module):
@@ -160,18 +149,19 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
+    layer: int
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_cache, v_cache, offsets, query_pos):
+    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows):
         c = self.config
         dtype = jnp_dtype(c.dtype)
-        h, k_cache, v_cache = Attention(c, self.window, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, k_cache, v_cache, offsets, query_pos
+        h, cache = Attention(c, self.layer, self.window, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cache, query_pos, rows
         )
         x = x + h
         x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
-        return x, k_cache, v_cache
+        return x, cache
 
 
 class Decoder(nn.Module):
@@ -184,21 +174,19 @@ class Decoder(nn.Module):
         dtype = jnp_dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype)
         self.layers = [
-            DecoderLayer(c, c.sliding_windows[i] if c.sliding_windows else None, name=f"layers_{i}")
+            DecoderLayer(c, i, c.sliding_windows[i] if c.sliding_windows else None, name=f"layers_{i}")
             for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int]):
-        offsets = cache.lengths
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None):
+        offsets = cache.lengths if rows is None else row_lengths(cache, rows)
         query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
         cos, sin = rope_angles(self.config, query_pos)
         x = self.embed_tokens(tokens)
-        ks, vs, tapped = [], [], {}
+        tapped = {}
         for i, layer in enumerate(self.layers):
-            x, k_i, v_i = layer(x, cos, sin, cache.k[i], cache.v[i], offsets, query_pos)
-            ks.append(k_i)
-            vs.append(v_i)
+            x, cache = layer(x, cos, sin, cache, query_pos, rows)
             if i in taps:
                 tapped[i] = x
         x = self.norm(x)
@@ -207,7 +195,7 @@ class Decoder(nn.Module):
             # HF's hidden_states[L] is taken after the final norm; DFlash drafters were
             # trained on exactly hidden_states[l + 1], so the last tap follows HF.
             tapped[last] = x
-        return x, jnp.stack(ks), jnp.stack(vs), tapped
+        return x, cache, tapped
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -217,7 +205,7 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """HF `*ForCausalLM`. Returns (hidden after final norm, k, v, {tap: hidden})."""
+    """HF `*ForCausalLM`. Returns (hidden after final norm, cache with the chunk written, {tap: hidden})."""
 
     config: ModelConfig
 
@@ -228,8 +216,8 @@ class CausalLM(nn.Module):
             dtype = jnp_dtype(c.dtype)
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = ()):
-        return self.model(tokens, cache, taps)
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None):
+        return self.model(tokens, cache, taps, rows)
 
     def logits(self, h):
         """h [..., hidden] -> float32 logits [..., vocab]."""
@@ -283,11 +271,14 @@ def forward(
     taps: Sequence[int] = (),
     logits_indices=None,
     return_logits: bool = True,
+    rows=None,
 ) -> ForwardOutput:
     """Process a chunk of tokens per row at each row's own offset.
 
-    tokens: [batch, T] int32, placed at positions cache.lengths[b] + 0..T-1.
-    num_tokens: [batch] int32, how many of the T tokens are real per row (default T);
+    tokens: [n, T] int32, placed at positions cache.lengths[row] + 0..T-1.
+    rows: [n] int32, the cache rows the n token rows belong to (default 0..n-1, n = the
+        cache's batch). Rows out of range are padding: their writes are dropped.
+    num_tokens: [n] int32, how many of the T tokens are real per row (default T);
         the row's length advances by it. Padding past it writes stale entries only.
     taps: target layer ids l whose outputs are returned, equal to HF hidden_states[l + 1]
         (for the last layer that is after the final norm, as in HF).
@@ -300,13 +291,13 @@ def forward(
     bad = [l for l in taps if not 0 <= l < config.num_hidden_layers]
     if bad:
         raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
-    return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits)
+    return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "return_logits"))
-def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits):
+def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows):
     model = CausalLM(config)
-    h, k, v, tapped = model.apply({"params": params}, tokens, cache, taps)
+    h, new_cache, tapped = model.apply({"params": params}, tokens, cache, taps, rows)
     logits = None
     if return_logits:
         if logits_indices is not None:
@@ -314,6 +305,11 @@ def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, re
         logits = model.apply({"params": params}, h, method=CausalLM.logits)
     features = jnp.concatenate([tapped[l] for l in taps], axis=-1) if taps else None
     if num_tokens is None:
-        num_tokens = jnp.full(cache.lengths.shape, tokens.shape[1], jnp.int32)
-    new_cache = KVCache(k=k, v=v, lengths=cache.lengths + num_tokens.astype(jnp.int32))
+        num_tokens = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    num_tokens = num_tokens.astype(jnp.int32)
+    if rows is None:
+        lengths = cache.lengths + num_tokens
+    else:
+        lengths = cache.lengths.at[rows].add(num_tokens, mode="drop")
+    new_cache = new_cache.replace(lengths=lengths)
     return ForwardOutput(logits=logits, tap_features=features, cache=new_cache)

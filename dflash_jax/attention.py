@@ -1,0 +1,173 @@
+"""Attention over a paged KV cache, and the cache writes: the one interface the target and the
+drafter both attend through.
+
+Layout. A cache buffer is `[layers, batch, max_len, kv_heads, head_dim]`, one buffer for
+every layer, with a length per row kept beside it. `max_len` is a whole number of pages of
+`PAGE_SIZE` positions (a cache shorter than one page is one page). A row's positions are
+contiguous, so page j of row b is `buf[layer, b, j*P:(j+1)*P]`.
+
+Writes (`write_kv`) scatter a chunk of new keys/values at each row's own offset straight into
+that buffer: with the buffer donated (or carried by a loop), XLA updates it in place, and no
+step copies or re-stacks the cache.
+
+Reads (`attend`) walk the pages that can hold a visible key, `first_page .. last_page`, in a
+`lax.fori_loop` whose trip count is computed on the device from the rows' live lengths
+(flash-decoding: an online softmax across pages, float32 statistics). So a step costs what the
+rows have used, not what the cache was sized for, and no score matrix is wider than one page.
+Sliding-window layers start the walk at the first page inside the window. An optional `chunk`
+(keys/values held in registers, with their own mask) joins the same softmax: the drafter's
+block keys, which are never cached.
+
+`attend` dispatches on `IMPLEMENTATIONS`, chosen by backend: the portable plain-JAX walk below
+is the reference and the CPU path, and the only one registered today; an accelerator kernel
+(Pallas ragged paged attention on TPU, cuDNN through `jax.nn.dot_product_attention` on GPU)
+registers under its backend with the same signature and must pass the same exactness tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+PAGE_SIZE = 128
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def cache_length(max_len: int, page_size: int = PAGE_SIZE) -> int:
+    """The allocated length for at least `max_len` positions: whole pages (or one short page)."""
+    if max_len <= page_size:
+        return max(1, max_len)
+    return -(-max_len // page_size) * page_size
+
+
+def page_size_of(max_len: int, page_size: int = PAGE_SIZE) -> int:
+    return min(page_size, max_len)
+
+
+def write_kv(buf, layer: int | None, new, offsets, rows=None):
+    """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
+    row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
+    with layer None, into every layer: new is then [layers, n, T, ...]).
+
+    A loop of one dynamic-update-slice per row, which XLA performs in place on a donated or
+    loop-carried buffer (a scatter is in place too, but XLA's cost analysis counts it as the
+    whole buffer read and written; a loop body is counted once, so cost reports add the
+    other rows' writes). Rows out of range are padding (an admission batch points them at
+    row `batch`) and write back what is there. The caller keeps offsets + T <= len."""
+    n = new.shape[-4]
+    batch = buf.shape[1]
+    new = new.astype(buf.dtype)
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+
+    def one(i, buf):
+        row, offset = rows[i], offsets[i]
+        if layer is None:
+            update, start = jax.lax.dynamic_index_in_dim(new, i, axis=1), (0, jnp.minimum(row, batch - 1), offset, 0, 0)
+        else:
+            update, start = jax.lax.dynamic_index_in_dim(new, i, axis=0)[None], (layer, jnp.minimum(row, batch - 1), offset, 0, 0)
+        update = jnp.where(row < batch, update, jax.lax.dynamic_slice(buf, start, update.shape))
+        return jax.lax.dynamic_update_slice(buf, update, start)
+
+    return jax.lax.fori_loop(0, n, one, buf)
+
+
+def _page(buf, layer, start, size, rows):
+    """Keys or values of one page: [batch or len(rows), size, kv_heads, head_dim]."""
+    _, batch, _, heads, dim = buf.shape
+    page = jax.lax.dynamic_slice(buf, (layer, 0, start, 0, 0), (1, batch, size, heads, dim))[0]
+    return page if rows is None else jnp.take(page, rows, axis=0, mode="clip")
+
+
+def _scores(q, k):
+    """q [n, T, kv, groups, d], k [n, S, kv, d] -> [n, kv, groups, T, S] float32, scaled."""
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    return s * (q.shape[-1] ** -0.5)
+
+
+def _update(carry, scores, mask, v):
+    """One step of the online softmax. carry (m, l, acc): running max [n, kv, g, T], sum of
+    weights, and weighted values [n, kv, g, T, d], all float32; mask [n, T, S]."""
+    m, l, acc = carry
+    mask = mask[:, None, None]
+    scores = jnp.where(mask, scores, NEG)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = l * alpha + p.sum(-1)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc * alpha[..., None] + pv
+
+
+def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
+                     page_size=PAGE_SIZE):
+    """The portable reference: see `attend`."""
+    n, t, kv_heads, groups, d = q.shape
+    max_len = k_buf.shape[2]
+    page = page_size_of(max_len, page_size)
+    assert max_len % page == 0, (max_len, page)
+    carry = (jnp.full((n, kv_heads, groups, t), NEG, jnp.float32), jnp.zeros((n, kv_heads, groups, t), jnp.float32),
+             jnp.zeros((n, kv_heads, groups, t, d), jnp.float32))
+    if chunk is not None:
+        ck, cv, cmask = chunk
+        carry = _update(carry, _scores(q, ck.astype(q.dtype)), cmask, cv.astype(v_buf.dtype))
+
+    # Pages that can hold a visible key: key positions < kv_limit, and (sliding window)
+    # > q_pos - window. Bounds over the whole batch; the mask does the per-row work.
+    last_page = (jnp.minimum(kv_limit.max(), max_len) + page - 1) // page
+    first_page = jnp.int32(0)
+    if window is not None:
+        first_page = jnp.clip((q_pos.min() - window + 1) // page, 0, last_page)
+
+    def body(j, carry):
+        start = j * page
+        k = _page(k_buf, layer, start, page, rows)
+        v = _page(v_buf, layer, start, page, rows)
+        key_pos = start + jnp.arange(page)
+        mask = key_pos[None, None, :] < kv_limit[:, :, None]
+        if window is not None:
+            mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+        return _update(carry, _scores(q, k.astype(q.dtype)), mask, v)
+
+    m, l, acc = jax.lax.fori_loop(first_page, last_page, body, carry)
+    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [n, kv, g, T, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(n, t, kv_heads * groups * d)
+
+
+def dense_attention(q, k, v, mask):
+    """Attention with an arbitrary mask, every key at once (drafter training, where each block
+    sees its own slice of the sequence): q [n, T, kv, groups, d], k/v [n, S, kv, d], mask
+    [n, T, S] -> [n, T, kv * groups * d] float32. Not for decoding: it reads every key."""
+    n, t, kv_heads, groups, d = q.shape
+    scores = jnp.where(mask[:, None, None], _scores(q, k), NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(n, t, kv_heads * groups * d)
+
+
+# backend -> implementation; "default" serves every backend without its own kernel.
+IMPLEMENTATIONS: dict[str, Callable] = {"default": attend_pages_xla}
+
+
+def implementation(backend: str | None = None) -> Callable:
+    backend = backend or jax.default_backend()
+    return IMPLEMENTATIONS.get(backend, IMPLEMENTATIONS["default"])
+
+
+def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None = None, chunk=None, rows=None,
+           page_size: int = PAGE_SIZE):
+    """Grouped-query attention of queries over one layer of a paged cache.
+
+    q: [n, T, kv_heads, groups, head_dim] (rotated); q_pos: [n, T] their positions.
+    k_buf, v_buf: [layers, batch, max_len, kv_heads, head_dim]; `layer` (static) picks one.
+    kv_limit: [n, T] a query sees cached keys at positions < kv_limit (the target: q_pos + 1,
+        causal over what it has just written; the drafter: the row's context length).
+    window: sliding window, keys at positions > q_pos - window only.
+    chunk: optional (k [n, C, kv_heads, head_dim], v, mask [n, T, C]) of keys not in the cache.
+    rows: [n] batch rows of the buffer the queries belong to (default 0..n-1).
+    page_size: the buffer's page (static): the walk reads whole pages.
+    Returns [n, T, kv_heads * groups * head_dim] in float32.
+    """
+    return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
+                            page_size=page_size)
