@@ -1,0 +1,293 @@
+"""The host side of the engine: a scheduler that keeps every batch slot busy.
+
+`Generator.generate` streams prompts through `batch_size` slots (continuous batching): rows
+run together in `run_cycles`; when rows finish, their results are read and the next waiting
+prompts are prefilled straight into the freed slots (several at once when several slots free
+up), at fixed shapes: one prefill per (prompt bucket, admission width), one cycle loop, all
+compiled by `warmup`. The host syncs once per `sync_every` cycles, or as soon as a row frees a
+slot while prompts wait, never per token; once nothing waits, the next cycles are queued
+before a sync's figures are read, so the device never waits on the host. Outputs are cut at
+the first stop token and at each row's own `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dflash_jax.attention import PAGE_SIZE
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import DrafterConfig, check_pair
+from dflash_jax.engine.sampling import Sampling
+from dflash_jax.engine.step import DecodeState, EngineSpec, init_state, prefill, run_cycles
+from dflash_jax.errors import DFlashError
+from dflash_jax.sharding import put_batch, shard_params, to_host
+
+
+@dataclasses.dataclass
+class Result:
+    index: int  # position in the prompts given to `generate`
+    output_ids: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n (and >= minimum): prompt lengths compile to a few shapes."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+class Generator:
+    """Batch generation with a target and (optionally) a DFlash drafter.
+
+    block_size 1 (or no drafter) is plain autoregressive decoding of the target. Shapes are
+    fixed at construction (batch_size slots, max_new_tokens, max_prompt_len, which size the
+    caches), so after warm-up nothing recompiles: prefill compiles once per prompt bucket
+    and admission width (powers of two up to batch_size), the cycle loop once. Attention
+    reads only the pages rows have used, so a large max_prompt_len costs memory, not time.
+    draft_tokens K (default B - 1) sends only the first K drafts of each block to the verify:
+    the drafter still denoises the whole block, the target runs K + 1 tokens. Worth it where a
+    verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
+    block is nearly free.
+    """
+
+    def __init__(self, target_config: ModelConfig, target_params, drafter_config: DrafterConfig | None = None,
+                 drafter_params=None, *, block_size: int | None = None, batch_size: int = 1,
+                 max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
+                 stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
+                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE):
+        if drafter_config is not None:
+            check_pair(target_config, drafter_config)
+        if block_size is None:
+            block_size = drafter_config.block_size if drafter_config is not None else 1
+        if block_size < 1:
+            raise DFlashError(f"block size must be >= 1, got {block_size}")
+        if block_size > 1 and drafter_config is None:
+            raise DFlashError(f"block size {block_size} needs a drafter (block size 1 is plain decoding)")
+        if max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if batch_size < 1:
+            raise DFlashError(f"batch size must be >= 1, got {batch_size}")
+        self.max_prompt_len = bucket(max_prompt_len)
+        self.spec = EngineSpec(
+            target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
+            sampling=sampling, max_new_tokens=max_new_tokens,
+            cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size, mesh=mesh,
+            draft_tokens=draft_tokens, page_size=page_size,
+        )
+        if mesh is not None and batch_size % mesh.shape["data"]:
+            raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
+        self.mesh = mesh
+        self.tparams = shard_params(target_params, mesh)
+        self.dparams = shard_params(drafter_params, mesh) if block_size > 1 else None
+        self.batch_size, self.sync_every = batch_size, sync_every
+        stop = list(dict.fromkeys(int(t) for t in stop_token_ids)) or [-1]
+        self.stop_ids = jax.numpy.asarray(stop + [-1] * (-len(stop) % 8), jax.numpy.int32)
+        self.stop_set = frozenset(stop) - {-1}
+        # Admission widths: prompts admitted together are padded to the next of these.
+        self.widths = sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)})
+
+    # ------------------------------------------------------------------ checks
+
+    def check_prompt(self, prompt: Sequence[int]) -> str | None:
+        """Why this prompt cannot run, or None."""
+        n, limit = len(prompt), min(self.max_prompt_len, self.spec.target.max_position_embeddings)
+        if n == 0:
+            return "empty prompt"
+        if n > limit:
+            return f"prompt of {n} tokens is longer than the context ({limit} tokens)"
+        bad = [t for t in prompt if not 0 <= t < self.spec.target.vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary (size {self.spec.target.vocab_size})"
+        return None
+
+    def _limits(self, max_new_tokens, n: int) -> list[int]:
+        top = self.spec.max_new_tokens
+        if max_new_tokens is None:
+            return [top] * n
+        limits = [int(max_new_tokens)] * n if np.ndim(max_new_tokens) == 0 else [int(m) for m in max_new_tokens]
+        if len(limits) != n:
+            raise DFlashError(f"{len(limits)} max_new_tokens for {n} prompts")
+        bad = [m for m in limits if not 1 <= m <= top]
+        if bad:
+            raise DFlashError(f"a row's max_new_tokens must be in 1..{top} (the run's max_new_tokens), got {bad[0]}")
+        return limits
+
+    # ------------------------------------------------------------------ device calls
+
+    def new_state(self) -> DecodeState:
+        """batch_size free slots."""
+        return init_state(self.spec, self.batch_size)
+
+    def _bucket(self, prompt) -> int:
+        return min(bucket(len(prompt)), self.max_prompt_len)
+
+    def admit(self, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+              row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0) -> DecodeState:
+        """Prefill prompts into the given free slots of a state (grouped by prompt bucket, each
+        group padded to an admission width). The state is donated."""
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(self._bucket(p), []).append(i)
+        put = lambda x: put_batch(x, self.mesh)
+        for length, members in sorted(groups.items()):
+            for lo in range(0, len(members), self.batch_size):
+                chunk = members[lo:lo + self.batch_size]
+                width = next(w for w in self.widths if w >= len(chunk))
+                tokens = np.zeros((width, length), np.int32)
+                lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
+                where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
+                ids = np.zeros((width,), np.uint32)
+                for j, i in enumerate(chunk):
+                    tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
+                    where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
+                state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
+                                put(ids), np.int32(seed), put(limits), self.stop_ids)
+        return state
+
+    def prefill(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], seed: int = 0) -> DecodeState:
+        """A fresh state with these prompts (at most batch_size) admitted into slots 0..n-1
+        (for benchmarks and tools)."""
+        if len(prompts) > self.batch_size:
+            raise DFlashError(f"{len(prompts)} prompts for {self.batch_size} slots")
+        return self.admit(self.new_state(), range(len(prompts)), prompts, indices,
+                          [self.spec.max_new_tokens] * len(prompts), seed)
+
+    def warmup(self, prompt_lengths: Sequence[int] = (1,)):
+        """Compile prefill for the buckets of these lengths at every admission width, and the
+        cycle loop."""
+        for length in sorted({self._bucket([0] * n) for n in prompt_lengths}):
+            for width in self.widths:
+                state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
+                                   [1] * width)
+                jax.block_until_ready(self._run(state, 1))
+
+    def _run(self, state, cycles=None, until_free=False):
+        return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
+                          np.int32(self.sync_every if cycles is None else cycles), np.bool_(until_free))
+
+    # ------------------------------------------------------------------ generation
+
+    def _finish(self, index, output, num_generated, acceptance, num_cycles, limit) -> Result:
+        tokens = output[:num_generated].tolist()
+        reason = "length"
+        for j, t in enumerate(tokens):
+            if t in self.stop_set:
+                tokens, reason = tokens[:j + 1], "stop"
+                break
+        if len(tokens) > limit:
+            tokens, reason = tokens[:limit], "length"
+        return Result(index, tokens, acceptance[:num_cycles].tolist(), reason)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, indices: Sequence[int] | None = None,
+                 max_new_tokens: int | Sequence[int] | None = None, progress=None) -> Iterator[Result]:
+        """Yield a Result per prompt as rows finish. `indices` (default 0..n-1) name the rows
+        and key their random streams. `max_new_tokens`: one limit for every row or one per
+        row, each at most the engine's (default: the engine's). `progress(n_tokens)` is called
+        after each sync with the tokens generated since the last."""
+        indices = list(range(len(prompts))) if indices is None else [int(i) for i in indices]
+        if len(indices) != len(prompts):
+            raise DFlashError(f"{len(indices)} indices for {len(prompts)} prompts")
+        bad = [i for i in indices if not 0 <= i < 2**32]
+        if bad:
+            raise DFlashError(f"row index {bad[0]} outside 0..2**32-1 (indices key the random streams)")
+        limits = self._limits(max_new_tokens, len(prompts))
+        for p in prompts:
+            why = self.check_prompt(p)
+            if why:
+                raise DFlashError(why)
+        if not prompts:
+            return
+        waiting = collections.deque(range(len(prompts)))
+        occupant = np.full(self.batch_size, -1)  # prompt in each slot, -1: free
+        counted = np.zeros(self.batch_size, np.int64)  # tokens of each slot's row already reported
+
+        def fill(state):
+            free = np.flatnonzero(occupant < 0)[:len(waiting)]
+            if not len(free):
+                return state
+            new = [waiting.popleft() for _ in free]
+            occupant[free] = new
+            counted[free] = 0
+            return self.admit(state, free.tolist(), [prompts[i] for i in new], [indices[i] for i in new],
+                              [limits[i] for i in new], seed)
+
+        state = fill(self.new_state())
+        state, info = self._run(state, until_free=bool(waiting))
+        while True:
+            ahead = not waiting
+            if ahead:
+                # Nothing to admit: the next cycles are queued before this sync's figures are
+                # read. Finished rows are frozen (later cycles skip them), so their tokens are
+                # read from the newer state; once all are done the queued call runs no cycle.
+                state, next_info = self._run(state)
+            info = to_host(info)
+            done, num_generated = info[0].astype(bool), info[1]
+            busy = occupant >= 0
+            if progress is not None:
+                top = np.asarray([limits[i] if i >= 0 else 0 for i in occupant])
+                counts = np.where(busy, np.minimum(num_generated, top), counted)
+                progress(int((counts - counted)[busy].sum()))
+                counted[:] = counts
+            finished = np.flatnonzero(done & busy)
+            if len(finished):
+                output, acceptance, num_cycles = to_host(state.output), to_host(state.acceptance), to_host(state.num_cycles)
+                for s in finished:
+                    i = occupant[s]
+                    yield self._finish(indices[i], output[s], num_generated[s], acceptance[s], num_cycles[s], limits[i])
+                occupant[finished] = -1
+            if ahead:
+                if (occupant < 0).all():
+                    return
+                info = next_info
+                continue
+            state = fill(state)
+            state, info = self._run(state, until_free=bool(waiting))
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Aggregates over Results: tau, acceptance histogram, tokens/s."""
+
+    block_size: int
+    tokens: int = 0
+    cycles: int = 0
+    seconds: float = 0.0
+    histogram: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, result: Result):
+        self.tokens += len(result.output_ids)
+        self.cycles += len(result.acceptance_lengths)
+        for a in result.acceptance_lengths:
+            self.histogram[a] = self.histogram.get(a, 0) + 1
+
+    @property
+    def tau(self) -> float:
+        return sum(k * v for k, v in self.histogram.items()) / max(1, self.cycles)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        return dict(block_size=self.block_size, tau=round(self.tau, 4), cycles=self.cycles,
+                    output_tokens=self.tokens, seconds=round(self.seconds, 3),
+                    tokens_per_second=round(self.tokens_per_second, 2),
+                    acceptance_histogram={str(k): self.histogram[k] for k in sorted(self.histogram)})
+
+
+def timed(results: Iterator[Result], stats: GenerationStats) -> Iterator[Result]:
+    """Pass results through, adding them and the wall time spent producing them to stats."""
+    t = time.perf_counter()
+    for r in results:
+        stats.seconds += time.perf_counter() - t
+        stats.add(r)
+        yield r
+        t = time.perf_counter()
+    stats.seconds += time.perf_counter() - t

@@ -1,0 +1,294 @@
+"""The device side of speculative decoding with a DFlash drafter: pure, jit-compiled
+functions over a fixed set of batch slots.
+
+  `init_state`  an empty DecodeState of `batch` slots (every slot free, caches allocated once)
+  `prefill`     admit prompts into free slots: the target runs them (written straight into
+                those slots' cache rows), the first token is sampled, the drafter's context is
+                filled with the prompts' taps, and the slot's row state is reset (`insert`)
+  `cycle`       draft -> verify -> accept -> commit, for every slot at once
+  `run_cycles`  a `lax.while_loop` of up to n cycles, until every row is done (or, when the
+                host has prompts waiting, until some row finishes and frees its slot)
+
+Every row accepts its own number of tokens per cycle: the target cache rolls back by setting
+each row's length, the drafter's context cache grows by each row's accepted positions. Done
+rows and free slots ride along as no-ops. `block_size == 1` is plain autoregressive decoding
+of the target through the same code (the baseline). Caches are updated in place: the state
+is donated to `prefill` and `run_cycles`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh
+
+from dflash_jax.attention import PAGE_SIZE
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
+from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
+from dflash_jax.errors import DFlashError
+from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache
+from dflash_jax.sharding import CACHE_AXES, constrain
+
+# --------------------------------------------------------------------------- spec and state
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything static about a compiled engine."""
+
+    target: ModelConfig
+    drafter: DrafterConfig | None
+    block_size: int
+    sampling: Sampling
+    max_new_tokens: int  # the longest row; sizes `output` and `acceptance` (rows may ask for fewer)
+    cache_len: int  # target and context caches: prompt cap + max_new + 2 * block (rounded up to pages)
+    mesh: Mesh | None = None  # batch over `data`, heads/MLP/vocab over `model` (dflash_jax.sharding)
+    draft_tokens: int | None = None  # drafts sent to the verify per cycle, K <= B - 1 (None: B - 1)
+    page_size: int = PAGE_SIZE  # cache positions per page: attention walks the pages rows have used
+
+    def __post_init__(self):
+        k, b = self.draft_tokens, self.block_size
+        if k is None:
+            return
+        if b == 1:
+            raise DFlashError("draft tokens need a drafter (block size 1 is plain decoding)")
+        if not 1 <= k <= b - 1:
+            raise DFlashError(f"draft tokens must be in 1..{b - 1} for block size {b}, got {k}")
+
+    @property
+    def num_drafts(self) -> int:
+        """K: the drafter denoises a whole block of B, the target verifies [anchor, d_1..d_K]."""
+        if self.block_size == 1:
+            return 0
+        return self.block_size - 1 if self.draft_tokens is None else self.draft_tokens
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens of the verify pass, K + 1 (1: plain decoding); the longest acceptance."""
+        return self.num_drafts + 1
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.drafter.target_layer_ids if self.drafter is not None and self.block_size > 1 else ()
+
+    @property
+    def out_len(self) -> int:
+        return self.max_new_tokens + self.block_size
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.block_size > 1
+
+
+@struct.dataclass
+class DecodeState:
+    """Per-slot decoding state; every array has the batch (slots) as its first axis.
+
+    anchor:         [batch] the next token: known, committed, not yet run by the target.
+    output:         [batch, max_new + block] generated tokens (anchors included).
+    num_generated:  [batch] valid entries of `output`.
+    acceptance:     [batch, max_new + 1] acceptance length (num_accepted + 1) of each cycle.
+    done:           [batch] the row needs no more cycles (also true for a free slot).
+    max_new_tokens: [batch] this row's own limit (<= the spec's).
+    """
+
+    target_cache: KVCache
+    context_cache: KVCache | None
+    anchor: jax.Array
+    output: jax.Array
+    num_generated: jax.Array
+    acceptance: jax.Array
+    num_cycles: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+    row_keys: jax.Array
+    max_new_tokens: jax.Array
+
+
+TRACE_COUNTS: dict[str, int] = {"init_state": 0, "prefill": 0, "run_cycles": 0}
+
+
+def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
+    if cache is None or mesh is None:
+        return cache
+    return cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
+                         lengths=constrain(cache.lengths, mesh, ("batch",)))
+
+
+def constrain_state(state: DecodeState, mesh) -> DecodeState:
+    """Pin the layout of the loop state: rows over `data`, cache heads over `model`."""
+    if mesh is None:
+        return state
+    rows = lambda x: constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
+    caches = dict(target_cache=_constrain_cache(state.target_cache, mesh),
+                  context_cache=_constrain_cache(state.context_cache, mesh))
+    others = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state) if f.name not in caches}
+    return state.replace(**caches, **others)
+
+
+def _hits_stop(tokens, stop_ids):
+    """tokens [batch, T], stop_ids [K] (-1 padded) -> [batch, T] bool."""
+    return (tokens[..., None] == stop_ids[None, None, :]).any(-1) & (stop_ids >= 0).any()
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "batch"))
+def init_state(spec: EngineSpec, batch: int) -> DecodeState:
+    """`batch` free slots: every row done, caches empty (allocated once, reused by every row)."""
+    TRACE_COUNTS["init_state"] += 1
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    return constrain_state(DecodeState(
+        target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size),
+        context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size)
+                       if spec.uses_drafter else None),
+        anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
+        acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
+        done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
+        row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
+    ), spec.mesh)
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_keys, max_new_tokens) -> DecodeState:
+    """Start new rows in `slots` [n] (out of range: padding, dropped): the first token is the
+    anchor, nothing else is generated yet. Caches are the caller's (prefill writes them)."""
+    n = slots.shape[0]
+    put = lambda arr, values: arr.at[slots].set(values, mode="drop")
+    return state.replace(
+        anchor=put(state.anchor, anchor),
+        output=put(state.output, jnp.zeros((n, spec.out_len), jnp.int32).at[:, 0].set(anchor)),
+        num_generated=put(state.num_generated, jnp.ones((n,), jnp.int32)),
+        acceptance=put(state.acceptance, jnp.zeros((n, spec.max_new_tokens + 1), jnp.int32)),
+        num_cycles=put(state.num_cycles, jnp.zeros((n,), jnp.int32)),
+        done=put(state.done, stopped), stopped=put(state.stopped, stopped),
+        row_keys=put(state.row_keys, row_keys), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
+            max_new_tokens, stop_ids) -> DecodeState:
+    """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
+    state (a slot of `batch` or more is padding). The target runs the prompts straight into
+    those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
+    taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
+    max_new_tokens [n] are the rows' own limits. One compilation per (n, bucket)."""
+    TRACE_COUNTS["prefill"] += 1
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
+    fresh = lambda cache: cache.replace(lengths=cache.lengths.at[slots].set(0, mode="drop"))
+    out = forward(tparams, spec.target, tokens, fresh(state.target_cache), rows=slots, num_tokens=prompt_lens,
+                  taps=spec.taps, logits_indices=(prompt_lens - 1)[:, None])
+    first = sample(out.logits[:, 0], position_keys(row_keys, prompt_lens[:, None])[:, 0], spec.sampling)
+    context_cache = state.context_cache
+    if spec.uses_drafter:
+        context_cache = extend_context(dparams, spec.drafter, out.tap_features, fresh(context_cache), prompt_lens,
+                                       rows=slots)
+    stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
+    state = state.replace(target_cache=out.cache, context_cache=context_cache)
+    return constrain_state(insert(spec, state, slots, first, stopped, row_keys, max_new_tokens), spec.mesh)
+
+
+# --------------------------------------------------------------------------- one cycle
+
+
+def draft(tparams, dparams, spec: EngineSpec, anchor, context_cache):
+    """Drafts d_1..d_K [batch, K]: argmax of the target head over the drafter's output for
+    the block [anchor, MASK x (B-1)] placed at each row's context length. The drafter always
+    denoises the whole block it was trained on; only the K slots that will be verified go
+    through the LM head."""
+    model = CausalLM(spec.target)
+    batch, b = anchor.shape[0], spec.block_size
+    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
+    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
+    hidden = draft_hidden(dparams, spec.drafter, embeds, context_cache)
+    logits = model.apply({"params": tparams}, hidden[:, 1:1 + spec.num_drafts], method=CausalLM.logits)
+    return greedy_pick(logits)
+
+
+def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Array, ForwardOutput]:
+    """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
+    Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
+    P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
+    out = forward(tparams, spec.target, block, state.target_cache, taps=spec.taps)
+    start = state.target_cache.lengths
+    keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
+    return sample(out.logits, keys, spec.sampling), out
+
+
+def accept(drafts, target_tokens):
+    """num_accepted [batch]: the longest prefix of drafts [batch, K] equal to the target's own
+    tokens target_tokens[:, :K]."""
+    return jnp.cumprod(drafts == target_tokens[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
+
+
+def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_accepted, verified: ForwardOutput,
+           stop_ids) -> DecodeState:
+    """Keep the accepted tokens of every active row: the accepted drafts equal
+    target_tokens[:, :a] and target_tokens[:, a] is the new anchor, so the output grows by
+    target_tokens[:, :a+1]; the target cache keeps positions <= P + a (a length update), and
+    the taps of those positions, which the verify produced, join the drafter's context."""
+    b = target_tokens.shape[1]
+    active = ~state.done
+    start = state.target_cache.lengths
+    n_new = jnp.where(active, num_accepted + 1, 0)
+    write = jax.vmap(lambda row, new, off: jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0))
+    output = jnp.where(active[:, None], write(state.output, target_tokens, state.num_generated), state.output)
+    kept = jnp.arange(b)[None, :] <= num_accepted[:, None]
+    stopped = active & (_hits_stop(target_tokens, stop_ids) & kept).any(axis=1)
+    slot = jnp.arange(state.acceptance.shape[1])[None, :] == state.num_cycles[:, None]
+    acceptance = jnp.where(slot & active[:, None], (num_accepted + 1)[:, None], state.acceptance)
+    num_generated = state.num_generated + n_new
+    context_cache = state.context_cache
+    if spec.uses_drafter:
+        context_cache = extend_context(dparams, spec.drafter, verified.tap_features, context_cache, n_new)
+    # The reference keeps cycling while generated <= max_new (its `start < max_length`).
+    done = state.done | stopped | (num_generated > state.max_new_tokens)
+    anchor = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+    return state.replace(
+        target_cache=verified.cache.replace(lengths=start + n_new),  # rollback is a length update
+        context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
+        num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
+        done=done, stopped=state.stopped | stopped,
+    )
+
+
+def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> DecodeState:
+    """One draft -> verify -> accept -> commit cycle for every row (no-op for done rows)."""
+    if spec.uses_drafter:
+        drafts = draft(tparams, dparams, spec, state.anchor, state.context_cache)
+        block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
+    else:
+        block = state.anchor[:, None]
+    target_tokens, verified = verify(tparams, spec, state, block)
+    num_accepted = accept(drafts, target_tokens) if spec.uses_drafter else jnp.zeros_like(state.anchor)
+    return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids), spec.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles, until_free=False):
+    """Up to max_cycles cycles, on device, stopping early once every row is done, or (until_free,
+    when the host has prompts waiting for a slot) once a row that was running finishes.
+
+    Returns (state, progress): progress [2, batch] int32 is (done, num_generated), a fresh
+    array apart from the state, so the host can read it while the next call, which takes
+    the state donated, already runs."""
+    TRACE_COUNTS["run_cycles"] += 1
+    running = ~state.done
+
+    def cond(carry):
+        i, s = carry
+        freed = (running & s.done).any()
+        return (i < max_cycles) & ~s.done.all() & ~(until_free & freed)
+
+    def body(carry):
+        i, s = carry
+        return i + 1, cycle(tparams, dparams, spec, s, stop_ids)
+
+    state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    return state, jnp.stack([state.done.astype(jnp.int32), state.num_generated])
