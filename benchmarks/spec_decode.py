@@ -4,7 +4,7 @@ For each batch size, runs the same random prompts through two `Generator`s: the 
 (no drafter, block size 1) and DFlash (target + drafter). Each is warmed up (compilation),
 then `generate` is timed --repeats times and the median is reported: tokens/s, speedup,
 tau (mean acceptance length), the acceptance histogram, the compilations seen at warm-up
-and during timing (dflash_jax.spec_decode.TRACE_COUNTS, plus every XLA backend compile),
+and during timing (dflash_jax.engine.TRACE_COUNTS, plus every XLA backend compile),
 whether DFlash reproduced the baseline's tokens, and peak memory. Stop tokens are ignored,
 so every row generates exactly --max-new-tokens tokens. Prints figures; asserts nothing.
 
@@ -40,7 +40,7 @@ from dflash_jax import load_drafter, load_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, init_drafter_params
 from dflash_jax.model import init_params
-from dflash_jax.spec_decode import TRACE_COUNTS, GenerationStats, Generator, Sampling, timed
+from dflash_jax.engine import TRACE_COUNTS, GenerationStats, Generator, Sampling, timed
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO.parent / "shared" / "fixtures" / "tiny-qwen3-dflash"

@@ -245,7 +245,7 @@ def run(args, make_record=None) -> int:
 
     from dflash_jax.checkpoint import load_drafter, load_target
     from dflash_jax.sharding import make_mesh, shard_params
-    from dflash_jax.spec_decode import Generator, GenerationStats, Sampling, bucket, timed
+    from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
 
     if args.target is None and args.drafter is not None:
         raise InputError("--drafter needs --target")
@@ -436,7 +436,7 @@ class Engines:
 
 def baseline_summary(gens: Engines, rows, seed: int) -> dict:
     """Plain decoding of the same first-turn prompts through the same engines, timed."""
-    from dflash_jax.spec_decode import GenerationStats, timed
+    from dflash_jax.engine import GenerationStats, timed
 
     prompts = [r.turn_ids[0] for r in rows if gens.check_prompt(r.turn_ids[0]) is None]
     gens.warmup(prompts)

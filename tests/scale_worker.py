@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def inference(meshes):
     from dflash_jax import load_drafter, load_target
     from dflash_jax.sharding import make_mesh
-    from dflash_jax.spec_decode import Generator
+    from dflash_jax.engine import Generator
     from fixtures import tiny
 
     case = json.loads((tiny() / "greedy_cases.json").read_text())

@@ -215,24 +215,24 @@ def test_the_bundled_pair_gets_text_prompts(tmp_path):
 
 def test_passes_piece_runs_the_draft_then_the_verify():
     """The `passes` piece (the two model passes back to back, timed against the cycle) does the
-    drafter's work and the verify: one iteration equals extend_context + draft_block + forward."""
+    drafter's work and the verify: one iteration equals extend_context + draft + forward."""
     import jax.numpy as jnp
 
     from dflash_jax.checkpoint import load_drafter, load_target
     from dflash_jax.drafter import extend_context
     from dflash_jax.model import forward
-    from dflash_jax.spec_decode import Generator, draft_block
+    from dflash_jax.engine import Generator, draft
 
     tcfg, tparams = load_target(TINY / "target")
     dcfg, dparams = load_drafter(TINY / "drafter")
     gen = Generator(tcfg, tparams, dcfg, dparams, block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16)
     state = gen.prefill([[5, 6, 7, 8], [9, 10, 11]], [0, 1])
     spec = gen.spec
-    first = jnp.concatenate([state.anchor[:, None], draft_block(tparams, dparams, spec, state.anchor,
+    first = jnp.concatenate([state.anchor[:, None], draft(tparams, dparams, spec, state.anchor,
                                                                 state.context_cache)], axis=1)
     taps = forward(tparams, tcfg, first, state.target_cache, taps=spec.taps).tap_features
     ctx = extend_context(dparams, dcfg, taps, state.context_cache, jnp.ones((2,), jnp.int32))
-    block = jnp.concatenate([state.anchor[:, None], draft_block(tparams, dparams, spec, state.anchor, ctx)], axis=1)
+    block = jnp.concatenate([state.anchor[:, None], draft(tparams, dparams, spec, state.anchor, ctx)], axis=1)
     out = forward(tparams, tcfg, block, state.target_cache, taps=spec.taps)
     expect_anchor = jnp.argmax(out.logits, axis=-1)[:, -1]
 

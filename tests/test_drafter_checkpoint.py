@@ -10,7 +10,7 @@ import pytest
 from dflash_jax import CheckpointError, ConfigError, load_drafter, load_target
 from dflash_jax.convert import main as convert_main
 from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids
-from dflash_jax.spec_decode import Generator
+from dflash_jax.engine import Generator
 from fixtures import tiny
 
 

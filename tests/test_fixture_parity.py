@@ -9,7 +9,7 @@ import pytest
 from dflash_jax import forward, init_cache, load_drafter, load_target
 from dflash_jax.drafter import draft_hidden, extend_context, init_context_cache
 from dflash_jax.model import CausalLM
-from dflash_jax.spec_decode import Generator
+from dflash_jax.engine import Generator
 from fixtures import tiny
 
 TOL = dict(atol=1e-4, rtol=0)

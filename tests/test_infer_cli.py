@@ -15,7 +15,7 @@ from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter_params
 from dflash_jax import load_target
-from dflash_jax.spec_decode import Generator
+from dflash_jax.engine import Generator
 from fixtures import tiny
 from infer.cli import DEMO_DIR, main
 from tiny import make_model, save_model

@@ -30,8 +30,8 @@ import pytest
 from dflash_jax import DFlashError, ModelConfig, forward, init_cache
 from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
 from dflash_jax.model import init_params
-from dflash_jax.spec_decode import (
-    TRACE_COUNTS, EngineSpec, Generator, Sampling, bucket, draft_block, greedy_pick, processed_logits,
+from dflash_jax.engine import (
+    TRACE_COUNTS, EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits,
     target_distribution,
 )
 
@@ -230,7 +230,7 @@ def reference_cycles(name, block_size, prompt_list, max_new, num_drafts=None):
         _, taps = run_target(seqs)
         context = extend_context(dparams, drafter, taps, init_context_cache(drafter, n, width), jnp.asarray(committed))
         anchors = jnp.asarray([s[-1] for s in seqs], jnp.int32)
-        drafts = np.asarray(draft_block(tparams, dparams, spec, anchors, context))[:, :k]
+        drafts = np.asarray(draft(tparams, dparams, spec, anchors, context))[:, :k]
         logits, _ = run_target([s + d.tolist() for s, d in zip(seqs, drafts)])
         for i, (s, p) in enumerate(zip(seqs, prompt_list)):
             if len(s) - len(p) > max_new:
@@ -278,12 +278,12 @@ def test_k_drafts_are_the_whole_blocks_first_k_and_k_b_minus_1_is_the_default():
     target, tparams, drafter, dparams = setup(name)
     spec = engine(name, 8, 2).spec
     state = engine(name, 8, 2).prefill([list(prompts(name)[0]), list(prompts(name)[3])], [0, 1])
-    whole = np.asarray(draft_block(tparams, dparams, spec, state.anchor, state.context_cache))
+    whole = np.asarray(draft(tparams, dparams, spec, state.anchor, state.context_cache))
     assert whole.shape == (2, 7)
     for k in (1, 4, 7):
         spec_k = engine_k(name, 8, 2, k).spec
         assert (spec_k.num_drafts, spec_k.verify_len) == (k, k + 1)
-        got = np.asarray(draft_block(tparams, dparams, spec_k, state.anchor, state.context_cache))
+        got = np.asarray(draft(tparams, dparams, spec_k, state.anchor, state.context_cache))
         np.testing.assert_array_equal(got, whole[:, :k])
     default = greedy(name, 8, 8)
     full_k = by_index(engine_k(name, 8, 8, 7).generate(list(prompts(name))))
@@ -365,20 +365,28 @@ def test_no_recompilation_after_warmup():
     ids = lambda n: rs.randint(0, vocab, n).tolist()
     # max_new 13 is used by no other test, so this spec compiles here and nowhere else.
     gen = engine(name, 4, 4, max_new=13)
-    list(gen.generate([ids(n) for n in (3, 9, 14, 5)]))
+    assert gen.widths == [1, 2, 4]
+    before = dict(TRACE_COUNTS)
+    gen.warmup([3, 14])
     assert bucket(14) == bucket(3) == 16
+    # One prefill per admission width for the one bucket, one cycle loop, one empty state.
+    assert TRACE_COUNTS == {**before, "prefill": before["prefill"] + 3, "run_cycles": before["run_cycles"] + 1,
+                            "init_state": before["init_state"] + 1}
     warm = dict(TRACE_COUNTS)
 
-    # Same bucket: fewer rows than the batch, more rows than the batch, other lengths, seed
-    # and indices, and another stop-token set (stop ids are an array, not a static).
+    # Same bucket: fewer rows than the batch, more rows than the batch (slots refilled as rows
+    # finish, one or several at a time), other lengths, seed, indices and per-row limits, and
+    # another stop-token set (stop ids are an array, not a static).
+    list(gen.generate([ids(n) for n in (3, 9, 14, 5)]))
     list(gen.generate([ids(n) for n in (1, 16, 7)], seed=3))
-    list(gen.generate([ids(n) for n in (2, 11, 16, 4, 6, 12)], indices=range(100, 106)))
+    list(gen.generate([ids(n) for n in (2, 11, 16, 4, 6, 12, 9, 3, 5)], indices=range(100, 109),
+                      max_new_tokens=[1, 13, 5, 2, 9, 13, 3, 7, 1]))
     stopping = engine(name, 4, 4, max_new=13, stop=(0, 1, 2, 3))
     results = list(stopping.generate([ids(n) for n in (8, 15)]))
     assert any(r.finish_reason == "stop" for r in results)
     assert TRACE_COUNTS == warm
 
-    # A new bucket compiles prefill once, and the cycle loop not at all.
+    # A new bucket compiles prefill (at the widths it is admitted at), the cycle loop not at all.
     assert bucket(20) == bucket(31) == 32
     list(gen.generate([ids(20)]))
     list(gen.generate([ids(31), ids(4)]))
@@ -446,7 +454,7 @@ def first_drafts():
     context = extend_context(dparams, drafter, taps, init_context_cache(drafter, V, 32), jnp.full((V,), p))
     spec = EngineSpec(target=target, drafter=drafter, block_size=4, sampling=Sampling(1.0), max_new_tokens=3,
                       cache_len=32)
-    return np.asarray(draft_block(tparams, dparams, spec, jnp.arange(V, dtype=jnp.int32), context))[:, 0]
+    return np.asarray(draft(tparams, dparams, spec, jnp.arange(V, dtype=jnp.int32), context))[:, 0]
 
 
 def tv_bound(p, n, delta=1e-6):

@@ -17,7 +17,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
     init_drafter_params
 from dflash_jax.model import init_params
-from dflash_jax.spec_decode import Generator
+from dflash_jax.engine import Generator
 from dflash_jax.model import CausalLM, forward, init_cache
 from dflash_jax.training import block_layout, default_gamma, drafter_loss, drafter_miss, LossSpec, \
     miss_tilted_anchors, position_difficulty, sample_anchors, target_features

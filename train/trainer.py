@@ -20,7 +20,7 @@ from dflash_jax.data import encode, make_dataset, read_jsonl
 from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids, init_drafter_params
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
-from dflash_jax.spec_decode import GenerationStats, Generator
+from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
 from infer.cli import add_distributed_flags
