@@ -262,29 +262,47 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_bucket_cache_gives_the_same_rows_at_smaller_caches(sampled, tmp_path, capsys):
-    """--bucket-cache runs each prompt-length bucket with a cache sized for it; every row's output
-    and acceptance must equal the single-cache run's, and a too-long prompt is still a row error."""
+def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
+    """Rows carrying their own max_new_tokens get exactly that many tokens, the first tokens of the
+    full-length run (greedy and sampled: keys are per row and position); a cache sized for 2048-token
+    prompts gives the same rows as one sized for 128; a too-long prompt is still a row error; a row
+    asking for more than --max-new-tokens is a one-line error before any model loads."""
     rng = np.random.default_rng(0)
     vocab = json.loads((tiny() / "target" / "config.json").read_text())["vocab_size"]
     lengths = [5, 30, 3, 90, 12, 33, 7, 70, 200]
+    limits = [None, 3, 24, 1, 10, None, 17, 5, 8]
     rows = [{"id": f"r{i}", "input_ids": rng.integers(1, vocab, n).tolist()} for i, n in enumerate(lengths)]
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
-              "--max-new-tokens", "24", "--batch-size", "2", "--max-prompt-len", "128"]
+    full = write_jsonl(tmp_path / "full.jsonl", rows)
+    limited = write_jsonl(tmp_path / "limited.jsonl", [
+        {**r, "max_new_tokens": m} if m else r for r, m in zip(rows, limits)])
+    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
+              "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos"]
     if sampled:
         common += ["--temperature", "0.8", "--top-k", "20", "--seed", "3"]
-    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
-    assert main(common + ["--output", str(one), "--quiet"]) == 0
-    capsys.readouterr()
+    outs = {name: tmp_path / f"out-{name}.jsonl" for name in ("full", "limited", "large")}
+    assert main(common + ["--input", str(full), "--output", str(outs["full"]), "--max-prompt-len", "128",
+                          "--quiet"]) == 0
     summary = tmp_path / "s.json"
-    assert main(common + ["--output", str(many), "--bucket-cache", "--compare-baseline",
-                          "--summary-json", str(summary)]) == 0
-    assert "prompt buckets 16, 32, 64, 128" in capsys.readouterr().err
-    s = json.loads(summary.read_text())  # the baseline runs bucketed too, on the 8 prompts that fit
-    assert s["baseline"]["output_tokens"] == s["output_tokens"] == 8 * 24 and s["errors"] == 1
-    a, b = {r["id"]: r for r in read_jsonl(one)}, {r["id"]: r for r in read_jsonl(many)}
-    assert a == b and len(a) == len(rows)
-    assert b["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
-    ids = [r["id"] for r in read_jsonl(many)]  # the error first, then buckets 16, 32, 64, 128 in turn
-    assert ids[0] == "r8" and set(ids[1:5]) == {"r0", "r2", "r4", "r6"} and ids[5:7] == ["r1", "r5"]
+    assert main(common + ["--input", str(limited), "--output", str(outs["limited"]), "--max-prompt-len", "128",
+                          "--compare-baseline", "--summary-json", str(summary), "--quiet"]) == 0
+    assert main(common + ["--input", str(full), "--output", str(outs["large"]), "--max-prompt-len", "2048",
+                          "--quiet"]) == 0
+    got = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in outs.items()}
+    assert got["full"]["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
+    assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
+    del got["large"]["r8"], got["full"]["r8"]
+    assert got["large"] == got["full"] and len(got["full"]) == 8
+    for i, limit in enumerate(limits[:8]):
+        a, b = got["full"][f"r{i}"], got["limited"][f"r{i}"]
+        n = limit or 24
+        assert b["output_ids"] == a["output_ids"][:n] and b["num_output_tokens"] == n
+        assert b["finish_reason"] == "length"
+    s = json.loads(summary.read_text())  # the baseline runs the same rows with the same limits
+    expected = sum(m or 24 for m in limits[:8])
+    assert s["baseline"]["output_tokens"] == s["output_tokens"] == expected and s["errors"] == 1
+    write_jsonl(tmp_path / "over.jsonl", [{"input_ids": [1, 2], "max_new_tokens": 25}])
+    code, err = run_cli(common + ["--input", str(tmp_path / "over.jsonl")])
+    assert code == 2 and "over.jsonl line 1: max_new_tokens 25 is more than --max-new-tokens 24" in err
+    write_jsonl(tmp_path / "zero.jsonl", [{"input_ids": [1, 2], "max_new_tokens": 0}])
+    code, err = run_cli(common + ["--input", str(tmp_path / "zero.jsonl")])
+    assert code == 2 and "zero.jsonl line 1: max_new_tokens must be a positive integer" in err

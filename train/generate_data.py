@@ -1,7 +1,7 @@
 """`python -m train.generate_data`: the target regenerates the responses of a prompt set.
 
 DFlash drafters learn to predict what *their target* would write, so training data is the
-target's own output: this runs `python -m infer` (same flags, same batch engine, same resume:
+target's own output: this runs the job of `python -m infer` (`dflash_jax.generation`: same flags, same batch engine, same resume:
 rerunning with the same --output skips finished ids) and writes conversation lines:
 
   {"id", "messages": [..., {"role": "assistant", "content": answer}]}   chat prompts, with a tokenizer
@@ -12,10 +12,11 @@ plus "finish_reason". `turns` rows keep every turn's answer in "messages".
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from infer.cli import build_parser, run
 from dflash_jax.errors import DFlashError
+from dflash_jax.generation import add_distributed_flags, add_generation_flags, run_generation
 
 
 def conversation_record(row, record, conversation) -> dict:
@@ -31,17 +32,23 @@ def conversation_record(row, record, conversation) -> dict:
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.generate_data",
+        description="Regenerate responses with the target (optionally sped up by a drafter) and write "
+                    "conversations JSONL for `python -m train`. Same flags as `python -m infer`.")
+    add_generation_flags(parser)
+    add_distributed_flags(parser)
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
-    parser.prog = "python -m train.generate_data"
-    parser.description = ("Regenerate responses with the target (optionally sped up by a drafter) and write "
-                          "conversations JSONL for `python -m train`. Same flags as `python -m infer`.")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.output is None:
         print("error: --output is required", file=sys.stderr)
         return 2
     try:
-        return run(args, make_record=conversation_record)
+        return run_generation(args, make_record=conversation_record)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

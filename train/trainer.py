@@ -23,7 +23,7 @@ from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard
 from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
-from infer.cli import add_distributed_flags
+from dflash_jax.generation import add_distributed_flags
 from train.config import TrainConfigError, load_config
 
 CHECKPOINTS = "checkpoints"
@@ -47,8 +47,8 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
     d = cfg["data"]
     if not d["generate_from"]:
         return
-    from infer.cli import build_parser, run
-    from train.generate_data import conversation_record
+    from dflash_jax.generation import run_generation
+    from train.generate_data import build_parser, conversation_record
 
     argv = ["--target", str(cfg["target"]), "--input", str(d["generate_from"]), "--output", str(d["conversations"]),
             "--max-new-tokens", str(d["generate_max_new_tokens"]), "--batch-size", str(d["generate_batch_size"]),
@@ -57,7 +57,7 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
         argv += ["--dtype", cfg["target_dtype"]]
     log(f"regenerating responses with the target: {d['generate_from']} -> {d['conversations']}")
     Path(d["conversations"]).parent.mkdir(parents=True, exist_ok=True)
-    run(build_parser().parse_args(argv), make_record=conversation_record)
+    run_generation(build_parser().parse_args(argv), make_record=conversation_record)
 
 
 def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:
@@ -157,7 +157,7 @@ class TauEvaluator:
 
 
 def train(cfg: dict, *, progress: bool = True) -> dict:
-    from infer.cli import load_tokenizer
+    from dflash_jax.generation import load_tokenizer
     from tqdm import tqdm
 
     t, d = cfg["train"], cfg["data"]

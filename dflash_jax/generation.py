@@ -1,0 +1,431 @@
+"""Batch generation from JSONL rows: the library path behind `python -m infer` and
+`python -m train.generate_data` (and the trainer's data regeneration).
+
+Reads prompts from JSONL (`input_ids`, `prompt`, `messages` or `turns`, optional `id` and
+`max_new_tokens`), writes one JSON line per row as rows finish, and ends with a summary (tau,
+acceptance histogram, tokens/s; with --compare-baseline the baseline's tokens/s and the
+speedup). Rerunning with the same --output skips the ids already written. The CLIs only
+parse flags (`add_generation_flags`) and call `run_generation`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_jax.errors import DFlashError
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+
+class InputError(DFlashError):
+    pass
+
+
+def add_generation_flags(p: argparse.ArgumentParser):
+    """The flags of `python -m infer` (and `train.generate_data`)."""
+    p.add_argument("--target", "--model", dest="target", metavar="DIR",
+                   help="target model: Hugging Face directory or one written by dflash_jax.convert")
+    p.add_argument("--drafter", "--draft-model", dest="drafter", metavar="DIR",
+                   help="DFlash drafter (z-lab HF format or converted); without it, plain decoding")
+    p.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
+    p.add_argument("--output", metavar="FILE.jsonl",
+                   help="results, appended as rows finish; ids already there are skipped (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate per row, and the most a row's own max_new_tokens may ask for "
+                        "(default 256; 128 for the demo pair)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
+                        "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
+                        "where verify tokens cost compute (CPUs, large batches)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the stop tokens")
+    p.add_argument("--compare-baseline", action="store_true",
+                   help="also time plain decoding of the same prompts and report the speedup")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="pass enable_thinking=True to the chat template (Qwen3); off by default")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt in tokens, which sizes the KV cache (default: the longest in the input, "
+                        "rounded up); attention reads only what rows use, so a larger cache costs memory, not time")
+    p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
+                        "(default: every device on `data`; one device: no mesh)")
+    p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
+
+
+def add_distributed_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("multi-host (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, help="number of processes")
+    g.add_argument("--process-id", type=int, help="this process's index")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-host run using the cluster's auto-detection (TPU pods, SLURM)")
+
+
+
+# --------------------------------------------------------------------------- input
+
+
+@dataclass
+class Row:
+    id: Any
+    line: int
+    kind: str  # input_ids | prompt | messages | turns
+    value: Any
+    position: int = 0  # index among the input's rows: keys the row's random stream
+    max_new_tokens: int | None = None  # the row's own limit (None: the run's)
+    turn_ids: list[list[int]] = field(default_factory=list)  # prompt ids, one per turn so far
+    turn_records: list[dict] = field(default_factory=list)  # finished turns of a `turns` row
+
+
+def read_rows(path: Path) -> list[Row]:
+    from dflash_jax.data import iter_jsonl_objects
+
+    rows, seen = [], set()
+    for n, obj in iter_jsonl_objects(path, InputError, "input file"):
+        where = f"{path.name} line {n}"
+        kinds = [k for k in ("input_ids", "prompt", "messages", "turns") if k in obj]
+        if len(kinds) != 1:
+            raise InputError(f"{where}: needs exactly one of input_ids, prompt, messages, turns"
+                             + (f" (has {', '.join(kinds)})" if kinds else ""))
+        kind, value = kinds[0], obj[kinds[0]]
+        if kind == "input_ids" and not (isinstance(value, list) and value
+                                        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+            raise InputError(f"{where}: input_ids must be a non-empty list of integers")
+        if kind == "prompt" and not isinstance(value, str):
+            raise InputError(f"{where}: prompt must be a string")
+        if kind == "messages" and not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            raise InputError(f"{where}: messages must be a non-empty list of {{role, content}} strings")
+        if kind == "turns" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
+            raise InputError(f"{where}: turns must be a non-empty list of strings")
+        limit = obj.get("max_new_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise InputError(f"{where}: max_new_tokens must be a positive integer")
+        row_id = obj.get("id", n)
+        if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+            raise InputError(f"{where}: id must be a string or an integer")
+        if row_id in seen:
+            raise InputError(f"{where}: duplicate id {row_id!r}")
+        seen.add(row_id)
+        rows.append(Row(row_id, n, kind, value, position=len(rows), max_new_tokens=limit))
+    return rows
+
+
+def load_tokenizer(target_dir: Path):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((target_dir / n).is_file() for n in names):
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target_dir))
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise InputError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from None
+
+
+def encode(row: Row, tokenizer, messages: list[dict] | None, thinking: bool) -> list[int]:
+    """Token ids of a row's (current) prompt."""
+    if row.kind == "input_ids":
+        return list(row.value)
+    if tokenizer is None:
+        raise InputError(f"line {row.line}: '{row.kind}' needs a tokenizer, and the target has none")
+    if row.kind == "prompt":
+        return tokenizer(row.value, add_special_tokens=True)["input_ids"]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InputError(f"line {row.line}: '{row.kind}' needs a chat template, and the tokenizer has none")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        enable_thinking=thinking)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def prompt_budget(row: Row, tokenizer, args) -> int:
+    """Longest prompt this row will need: for `turns`, the last turn's prompt holds every
+    earlier answer (at most max_new_tokens each, plus a little for re-tokenising text)."""
+    if row.kind != "turns" or len(row.value) == 1:
+        return len(row.turn_ids[0])
+    conv = []
+    for turn in row.value[:-1]:
+        conv += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+    conv.append({"role": "user", "content": row.value[-1]})
+    return len(encode(row, tokenizer, conv, args.enable_thinking)) + (len(row.value) - 1) * (args.max_new_tokens + 8)
+
+
+def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
+    ids: list = []
+    for name in ("generation_config.json", "config.json"):
+        path = target_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return [int(i) for i in ids]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def completed_ids(path: Path) -> set:
+    """Ids already in an output file. A torn last line (an interrupted write) is cut off."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    done = set()
+    for line in data[:keep].splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "id" in obj and "error" not in obj:
+            done.add(obj["id"])
+    return done
+
+
+class Writer:
+    """Appends JSON lines, flushed one by one. In a multi-process run only process 0 writes."""
+
+    def __init__(self, path: Path | None, enabled: bool = True):
+        self.file = None
+        if enabled and path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # --output may name a new directory
+            self.file = open(path, "a", encoding="utf-8")
+        elif enabled:
+            self.file = sys.stdout
+
+    def write(self, record: dict):
+        if self.file is not None:
+            self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file not in (None, sys.stdout):
+            self.file.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_generation(args, make_record=None) -> int:
+    """The whole job of `python -m infer` (args: its parsed flags, `add_generation_flags`). make_record(row, record, conversation) -> dict, if given, shapes each
+    output line (train.generate_data writes conversations with it)."""
+    from tqdm import tqdm
+
+    import jax
+
+    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.sharding import make_mesh, shard_params
+    from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
+
+    if args.target is None and args.drafter is not None:
+        raise InputError("--drafter needs --target")
+    demo = args.target is None
+    target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
+    drafter_dir = Path(args.drafter) if args.drafter else (DEMO_DIR / "drafter" if demo else None)
+    input_path = Path(args.input) if args.input else (DEMO_DIR / "prompts.jsonl" if demo else None)
+    if input_path is None:
+        raise InputError("--input is required when --target is given")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 128 if demo else 256
+    if demo and args.input is None and args.block_size != 1:
+        args.compare_baseline = True  # the demo shows the speedup
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--sync-every", args.sync_every)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.draft_tokens is not None and (drafter_dir is None or args.block_size == 1):
+        raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+
+    rows = read_rows(input_path)
+    over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > args.max_new_tokens), None)
+    if over is not None:
+        raise InputError(f"{input_path.name} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
+                         f"--max-new-tokens {args.max_new_tokens}, which sizes the cache")
+    out_path = Path(args.output) if args.output else None
+    skip = completed_ids(out_path) if out_path else set()
+    todo = [r for r in rows if r.id not in skip]
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    if demo:
+        say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
+    if skip and not todo:
+        # Nothing left: say so even with --quiet (a resumed job's log should show why it did nothing),
+        # and load no model.
+        if jax.process_index() == 0:
+            print(f"{out_path}: all {len(rows)} rows already done, nothing to generate", file=sys.stderr)
+        return 0
+    if skip:
+        say(f"{out_path}: {len(rows) - len(todo)} of {len(rows)} rows already done, skipping them")
+
+    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet)
+    dcfg = dparams = None
+    if drafter_dir is not None and args.block_size != 1:
+        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
+    tokenizer = load_tokenizer(target_dir)
+    stops = [] if args.ignore_eos else stop_token_ids(target_dir, tokenizer)
+
+    # Turn 1 of every row (later turns of `turns` rows are encoded as earlier ones finish).
+    conversations = {}
+    for r in todo:
+        if r.kind == "turns":
+            conversations[r.id] = [{"role": "user", "content": r.value[0]}]
+        elif r.kind == "messages":
+            conversations[r.id] = list(r.value)
+        r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
+    budgets = [prompt_budget(r, tokenizer, args) for r in todo]
+    max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+
+    mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
+    tparams = shard_params(tparams, mesh)  # once, shared by the DFlash and baseline engines
+    dparams = shard_params(dparams, mesh) if dparams is not None else None
+
+    def engine(block_size):
+        drafts = args.draft_tokens if block_size != 1 else None
+        return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
+                         stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh, draft_tokens=drafts)
+
+    gen = engine(args.block_size)
+    block_size = gen.spec.block_size
+    stats = GenerationStats(block_size)
+    writer = Writer(out_path, enabled=jax.process_index() == 0)
+    errors = 0
+    sample = None  # the demo shows one completion as text
+    try:
+        drafts = f", {gen.spec.num_drafts} drafts verified" if args.draft_tokens else ""
+        say(f"compiling (block size {block_size}{drafts}, batch {args.batch_size}, cache {gen.spec.cache_len}) ...")
+        t0 = time.perf_counter()
+        gen.warmup([len(r.turn_ids[0]) for r in todo])
+        say(f"compiled in {time.perf_counter() - t0:.1f}s")
+        # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
+        bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet, file=sys.stderr,
+                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        pending = todo
+        turn = 0
+        while pending:
+            runnable, next_pending = [], []
+            for r in pending:
+                why = gen.check_prompt(r.turn_ids[turn])
+                if why:
+                    writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
+                    say(f"warning: id {r.id!r} (line {r.line}): {why}")
+                    errors += 1
+                    bar.update(1)
+                else:
+                    runnable.append(r)
+            by_position = {r.position: r for r in runnable}
+            results = gen.generate([r.turn_ids[turn] for r in runnable], indices=[r.position for r in runnable],
+                                   seed=args.seed, max_new_tokens=[row_limit(r, args) for r in runnable])
+            for res in timed(results, stats):
+                r = by_position[res.index]
+                record = result_record(res, tokenizer)
+                if r.kind == "turns" and turn + 1 < len(r.value):
+                    # Multi-turn (z-lab benchmark format): the answer joins the conversation,
+                    # the next user turn runs in the next round.
+                    r.turn_records.append(record)
+                    conversations[r.id] += [{"role": "assistant", "content": record.get("text", "")},
+                                            {"role": "user", "content": r.value[turn + 1]}]
+                    r.turn_ids.append(encode(r, tokenizer, conversations[r.id], args.enable_thinking))
+                    next_pending.append(r)
+                    continue
+                if demo and r.kind == "prompt" and "text" in record and (sample is None or r.position < sample[0]):
+                    sample = (r.position, r.value, record["text"])  # the first prompt's
+                if r.turn_records:
+                    record["turns"] = r.turn_records + [dict(record)]
+                if make_record is not None:
+                    writer.write(make_record(r, record, conversations.get(r.id)))
+                else:
+                    writer.write({"id": r.id, **record})
+                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}", refresh=False)
+                bar.update(1)  # redraws at most every mininterval
+            pending, turn = next_pending, turn + 1
+        bar.close()
+    finally:
+        writer.close()
+
+    summary = {"rows": len(todo), "errors": errors, **stats.summary(),
+               "draft_tokens": gen.spec.num_drafts}
+    if args.compare_baseline:
+        summary["baseline"] = baseline_summary(engine(1), todo, args)
+        base = summary["baseline"]["tokens_per_second"]
+        summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
+    if jax.process_index() != 0:
+        return 0
+    print_summary(summary, lambda *a: print(*a, file=sys.stderr))
+    if sample is not None and not args.quiet:
+        print(f"\none completion (prompt, then >>> and the generated text):\n{sample[1]}>>>{sample[2]}", file=sys.stderr)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def result_record(res, tokenizer) -> dict:
+    record = {"output_ids": res.output_ids}
+    if tokenizer is not None:
+        record["text"] = tokenizer.decode(res.output_ids, skip_special_tokens=True)
+    record.update(acceptance_lengths=res.acceptance_lengths, num_output_tokens=len(res.output_ids),
+                  finish_reason=res.finish_reason)
+    return record
+
+
+def row_limit(row: Row, args) -> int:
+    return row.max_new_tokens or args.max_new_tokens
+
+
+def baseline_summary(gen, rows, args) -> dict:
+    """Plain decoding of the same first-turn prompts (with the same limits), timed."""
+    from dflash_jax.engine import GenerationStats, timed
+
+    runnable = [r for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
+    gen.warmup([len(r.turn_ids[0]) for r in runnable])
+    stats = GenerationStats(1)
+    results = gen.generate([r.turn_ids[0] for r in runnable], indices=list(range(len(runnable))), seed=args.seed,
+                           max_new_tokens=[row_limit(r, args) for r in runnable])
+    for _ in timed(results, stats):
+        pass
+    return stats.summary()
+
+
+def print_summary(s: dict, say):
+    say("")
+    say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
+        f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
+    drafts = s.get("draft_tokens")
+    verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
+    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} over {s['cycles']} cycles")
+    hist = s["acceptance_histogram"]
+    if hist:
+        total = sum(hist.values())
+        say("acceptance length histogram:")
+        for k, v in hist.items():
+            say(f"  {int(k):3d}: {v:7d} ({100 * v / total:5.1f}%)")
+    if "baseline" in s:
+        say(f"baseline (block size 1): {s['baseline']['tokens_per_second']:.1f} tokens/s; speedup {s['speedup']}x")
+
+
