@@ -4,6 +4,9 @@
   which equals a full-recompute reference; acceptance lengths equal a from-scratch
   re-implementation of the cycle (fresh caches every cycle).
 - Stop tokens accepted inside a block cut the output right after them.
+- Continuous batching: with fewer slots than prompts, rows admitted into freed slots (one or
+  several at a time) give the same tokens and acceptance lengths as one row at a time; a row's
+  own max_new_tokens gives exactly that many tokens.
 - After warm-up nothing recompiles; a new prompt bucket compiles prefill only.
 - Sampling is lossless: the empirical distribution of the first tokens matches the exact
   target distribution (independent numpy top-k/top-p), and the bound used would reject
@@ -83,12 +86,15 @@ def prompts(name):
     return tuple(tuple(rs.randint(0, vocab, n).tolist()) for n in PROMPT_LENGTHS)
 
 
+PAGE = 16  # small pages: a row's context spans several, so the page walk is exercised
+
+
 @functools.cache
 def engine(name, block_size, batch_size, *, max_new=MAX_NEW, stop=(), sampling=Sampling(), max_prompt=MAX_PROMPT):
     target, tparams, drafter, dparams = setup(name)
     return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=max_new,
-                     max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop)
+                     max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop, page_size=PAGE)
 
 
 def by_index(results):
@@ -309,6 +315,42 @@ def test_greedy_pick_is_argmax_with_first_index_on_ties(shape, levels):
     got = np.asarray(greedy_pick(jnp.asarray(logits)))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+
+
+LIMITS = (24, 5, 17, 1, 24, 9, 13, 24, 2, 20, 11, 24)  # per-row max_new_tokens for the 12 prompts
+
+
+@pytest.mark.parametrize("name,block_size", [("qwen3-v8", 8), ("llama-v128", 1)])
+def test_continuous_batching_equals_one_row_at_a_time(name, block_size):
+    """3 slots for 12 prompts with their own limits: slots are refilled as rows finish, one or
+    several prompts at a time, and every row equals its run alone in a batch of 1."""
+    gen = engine(name, block_size, 3)
+    admitted = []
+    admit = gen.admit
+    gen.admit = lambda state, slots, *a, **kw: (admitted.append(len(slots)), admit(state, slots, *a, **kw))[1]
+    try:
+        together = by_index(gen.generate(list(prompts(name)), max_new_tokens=list(LIMITS)))
+    finally:
+        del gen.admit
+    alone = by_index(engine(name, block_size, 1).generate(list(prompts(name)), max_new_tokens=list(LIMITS)))
+    assert admitted[0] == 3 and sum(admitted) == len(LIMITS) and len(admitted) > 4
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert [r.acceptance_lengths for r in together] == [r.acceptance_lengths for r in alone]
+    for r, limit in zip(together, LIMITS):
+        assert (len(r.output_ids), r.finish_reason) == (limit, "length")
+    # A row's limit only cuts it: the tokens are the full-length run's first `limit`.
+    full = greedy(name, block_size, 8)
+    assert [r.output_ids for r in together] == [f.output_ids[:limit] for f, limit in zip(full, LIMITS)]
+    if block_size > 1:
+        assert max(max(r.acceptance_lengths) for r in together) > 1
+
+
+def test_bad_row_limits_are_refused():
+    gen = engine("qwen3-v8", 1, 1)
+    with pytest.raises(DFlashError, match=r"max_new_tokens must be in 1..24 \(the run's max_new_tokens\), got 25"):
+        list(gen.generate([[1, 2]], max_new_tokens=[25]))
+    with pytest.raises(DFlashError, match="2 max_new_tokens for 1 prompts"):
+        list(gen.generate([[1, 2]], max_new_tokens=[3, 4]))
 
 
 # --------------------------------------------------------------------------- 2. stop tokens

@@ -1,0 +1,180 @@
+"""The paged cache and its attention (dflash_jax.attention), and that the compiled decoding
+loop updates the caches in place.
+
+- The page walk equals dense masked softmax attention (causal target queries, the drafter's
+  context plus an in-register block, sliding windows, admission rows with padding).
+- It reads only live pages: pages past the longest row (and, with a window, before it) are
+  filled with NaN, which any read would spread into the output.
+- Writes land at each row's own offset, drop padding rows, and leave everything else alone.
+- The compiled `run_cycles` holds no copy or concatenate of a cache-sized array, and its XLA
+  bytes do not grow with the allocated cache.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.attention import attend, cache_length, write_kv
+from dflash_jax.drafter import DrafterConfig, init_drafter_params
+from dflash_jax.engine import Generator, run_cycles
+from dflash_jax.model import init_params
+from test_spec_decode import drafter_config, model_config
+
+LAYERS, BATCH, KV, GROUPS, D, PAGE = 2, 3, 2, 2, 8, 8
+
+
+def dense_reference(q, k, v, mask):
+    """float64 numpy attention: q [n, T, kv, g, d], k/v [n, S, kv, d], mask [n, T, S]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("ntkgd,nskd->nkgts", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(mask[:, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("nkgts,nskd->ntkgd", p, v)
+    return out.reshape(q.shape[0], q.shape[1], -1)
+
+
+def random_buffers(seed, length, stale_from=None):
+    """k, v [layers, batch, length, kv, d]. Positions >= stale_from[b] hold stale values, large
+    enough to change any output they leak into; whole pages past the longest row hold NaN, which
+    a read of the page would spread even where the mask gives it weight 0."""
+    rs = np.random.RandomState(seed)
+    k = rs.randn(LAYERS, BATCH, length, KV, D).astype(np.float32)
+    v = rs.randn(LAYERS, BATCH, length, KV, D).astype(np.float32)
+    if stale_from is not None:
+        for b, start in enumerate(stale_from):
+            k[:, b, start:] = 30.0
+            v[:, b, start:] = 1e3
+        dead = -(-max(stale_from) // PAGE) * PAGE
+        k[:, :, dead:] = np.nan
+        v[:, :, dead:] = np.nan
+    return k, v
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_causal_page_walk_equals_dense_attention_and_skips_dead_pages(window):
+    length = 6 * PAGE
+    offsets = np.array([19, 33, 25])  # the rows' lengths before this chunk
+    t = 4
+    q_pos = offsets[:, None] + np.arange(t)[None, :]
+    # Positions past the longest row's last query, rounded up to a page, are never read: NaN there.
+    live_end = -(-(q_pos.max() + 1) // PAGE) * PAGE
+    k, v = random_buffers(0, length)
+    k[:, :, live_end:] = np.nan
+    v[:, :, live_end:] = np.nan
+    if window is not None:  # and neither are pages wholly before every row's window
+        first = (q_pos.min() - window + 1) // PAGE * PAGE
+        k[:, :, :first] = np.nan
+        v[:, :, :first] = np.nan
+    q = np.random.RandomState(1).randn(BATCH, t, KV, GROUPS, D).astype(np.float32)
+    out = attend(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(q_pos + 1),
+                 window=window, page_size=PAGE)
+    key_pos = np.arange(length)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    expected = dense_reference(q, np.nan_to_num(k[1]), np.nan_to_num(v[1]), mask)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5)
+
+
+def test_context_pages_plus_block_chunk_equal_dense_attention():
+    """The drafter's attention: every block query sees the row's context (positions < its
+    length, across pages) and the whole block, whose keys are never cached."""
+    lengths = np.array([1, 20, 11])
+    b = 5
+    k, v = random_buffers(2, 4 * PAGE, stale_from=lengths)
+    rs = np.random.RandomState(3)
+    q = rs.randn(BATCH, b, KV, GROUPS, D).astype(np.float32)
+    bk, bv = rs.randn(BATCH, b, KV, D).astype(np.float32), rs.randn(BATCH, b, KV, D).astype(np.float32)
+    positions = lengths[:, None] + np.arange(b)[None, :]
+    limit = np.broadcast_to(lengths[:, None], (BATCH, b))
+    out = attend(jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(limit),
+                 chunk=(jnp.asarray(bk), jnp.asarray(bv), jnp.ones((BATCH, b, b), bool)), page_size=PAGE)
+    keys = np.concatenate([np.nan_to_num(k[0]), bk], 1)
+    values = np.concatenate([np.nan_to_num(v[0]), bv], 1)
+    mask = np.concatenate([np.arange(4 * PAGE)[None, None, :] < limit[:, :, None], np.ones((BATCH, b, b), bool)], -1)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), dense_reference(q, keys, values, mask), atol=2e-5)
+
+
+def test_writes_go_to_each_rows_offset_and_padding_rows_write_nothing():
+    buf = jnp.zeros((LAYERS, BATCH, 4 * PAGE, KV, D))
+    new = jnp.asarray(np.random.RandomState(4).randn(2, 3, KV, D), jnp.float32) + 10
+    # Two rows written (cache rows 2 and 0) and one padding row (row index BATCH).
+    rows, offsets = jnp.asarray([2, 0]), jnp.asarray([5, 20])
+    out = np.asarray(write_kv(buf, 1, new, offsets, rows))
+    expected = np.zeros(buf.shape, np.float32)
+    expected[1, 2, 5:8] = new[0]
+    expected[1, 0, 20:23] = new[1]
+    np.testing.assert_array_equal(out, expected)
+    padded = write_kv(buf, 1, jnp.concatenate([new, new[:1]]), jnp.asarray([5, 20, 0]), jnp.asarray([2, 0, BATCH]))
+    np.testing.assert_array_equal(np.asarray(padded), expected)
+    # Every layer at once (the drafter's context): new is [layers, n, T, kv, d].
+    both = np.asarray(write_kv(buf, None, jnp.stack([new, 2 * new]), offsets, rows))
+    assert (both[0, 2, 5:8] == new[0]).all() and (both[1, 0, 20:23] == 2 * new[1]).all()
+    assert np.count_nonzero(both) == 2 * np.count_nonzero(expected)
+
+
+def test_cache_length_is_whole_pages():
+    assert cache_length(5, 8) == 5 and cache_length(8, 8) == 8 and cache_length(9, 8) == 16
+    assert cache_length(1056) == 1152
+
+
+# --------------------------------------------------------------------------- in-place loop
+
+CACHE_OP = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(copy|concatenate)\(")
+
+
+def cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:
+    """copy / concatenate instructions whose result has at least cache_elements elements."""
+    found = []
+    for line in hlo.splitlines():
+        m = CACHE_OP.search(line)
+        if m and m.group(2) and np.prod([int(x) for x in m.group(2).split(",")]) >= cache_elements:
+            found.append(line.strip()[:160])
+    return found
+
+
+def small_engine(max_prompt_len):
+    target = model_config("qwen3", 64, 3)
+    drafter = drafter_config(target, 2, (0, 2), block_size=4)
+    return Generator(target, init_params(target), drafter, init_drafter_params(drafter), batch_size=2,
+                     max_new_tokens=16, max_prompt_len=max_prompt_len, page_size=PAGE)
+
+
+def compiled_loop(gen):
+    state = jax.eval_shape(gen.new_state)
+    return run_cycles.lower(gen.tparams, gen.dparams, gen.spec, state, gen.stop_ids, np.int32(4),
+                            np.bool_(False)).compile()
+
+
+def test_run_cycles_updates_the_caches_in_place():
+    gen = small_engine(64)
+    state = jax.eval_shape(gen.new_state)
+    smallest = min(state.target_cache.k.size, state.context_cache.k.size)
+    hlo = compiled_loop(gen).as_text()
+    assert "while" in hlo and "dynamic-update-slice" in hlo
+    assert cache_sized_copies(hlo, smallest) == []
+
+    # The check sees the old engine's pattern: slices updated per layer and re-stacked.
+    def restack(k, new):
+        return jnp.stack([jax.lax.dynamic_update_slice_in_dim(k[i], new, 3, axis=1) for i in range(k.shape[0])])
+
+    bad = jax.jit(restack).lower(state.target_cache.k, jnp.ones((2, 1, 2, 8))).compile().as_text()
+    assert cache_sized_copies(bad, smallest)
+
+
+def test_loop_bytes_do_not_grow_with_the_allocated_cache():
+    """XLA's bytes for the compiled loop, a cache of 64 + 16 + 8 positions against 1024 + ...:
+    the same, because nothing reads or copies the whole cache."""
+    cost = lambda c: (c[0] if isinstance(c, list) else c)["bytes accessed"]
+    small, large = small_engine(64), small_engine(1024)
+    assert jax.eval_shape(large.new_state).target_cache.k.shape[2] >= 8 * jax.eval_shape(
+        small.new_state).target_cache.k.shape[2]
+    assert cost(compiled_loop(small).cost_analysis()) == cost(compiled_loop(large).cost_analysis())
