@@ -87,6 +87,7 @@ def prompts(name):
 
 
 PAGE = 16  # small pages: a row's context spans several, so the page walk is exercised
+CHUNK = 16  # and prompts longer than 16 tokens prefill in chunks
 
 
 @functools.cache
@@ -94,7 +95,8 @@ def engine(name, block_size, batch_size, *, max_new=MAX_NEW, stop=(), sampling=S
     target, tparams, drafter, dparams = setup(name)
     return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=max_new,
-                     max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop, page_size=PAGE)
+                     max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop, page_size=PAGE,
+                     prefill_chunk=CHUNK)
 
 
 def by_index(results):

@@ -61,7 +61,7 @@ class Generator:
                  drafter_params=None, *, block_size: int | None = None, batch_size: int = 1,
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
-                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE):
+                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -74,12 +74,15 @@ class Generator:
             raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:
             raise DFlashError(f"batch size must be >= 1, got {batch_size}")
+        if page_size < 1 or prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise DFlashError(f"page size must be >= 1 and the prefill chunk a power of two >= 16, got "
+                              f"{page_size} and {prefill_chunk}")
         self.max_prompt_len = bucket(max_prompt_len)
         self.spec = EngineSpec(
             target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size, mesh=mesh,
-            draft_tokens=draft_tokens, page_size=page_size,
+            draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk,
         )
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")

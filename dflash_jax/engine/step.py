@@ -50,6 +50,7 @@ class EngineSpec:
     mesh: Mesh | None = None  # batch over `data`, heads/MLP/vocab over `model` (dflash_jax.sharding)
     draft_tokens: int | None = None  # drafts sent to the verify per cycle, K <= B - 1 (None: B - 1)
     page_size: int = PAGE_SIZE  # cache positions per page: attention walks the pages rows have used
+    prefill_chunk: int = 512  # prompts longer than this prefill in chunks of it, one after another
 
     def __post_init__(self):
         k, b = self.draft_tokens, self.block_size
@@ -178,19 +179,38 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     state (a slot of `batch` or more is padding). The target runs the prompts straight into
     those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
     taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
-    max_new_tokens [n] are the rows' own limits. One compilation per (n, bucket)."""
+    max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
+    run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
+    is wider than a page nor taller than a chunk. One compilation per (n, bucket)."""
     TRACE_COUNTS["prefill"] += 1
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
     fresh = lambda cache: cache.replace(lengths=cache.lengths.at[slots].set(0, mode="drop"))
-    out = forward(tparams, spec.target, tokens, fresh(state.target_cache), rows=slots, num_tokens=prompt_lens,
-                  taps=spec.taps, logits_indices=(prompt_lens - 1)[:, None])
-    first = sample(out.logits[:, 0], position_keys(row_keys, prompt_lens[:, None])[:, 0], spec.sampling)
-    context_cache = state.context_cache
-    if spec.uses_drafter:
-        context_cache = extend_context(dparams, spec.drafter, out.tap_features, fresh(context_cache), prompt_lens,
-                                       rows=slots)
+    n, bucket_len = tokens.shape
+    chunk = min(bucket_len, spec.prefill_chunk)
+    last = prompt_lens - 1  # the position whose logits give the first new token
+
+    def run_chunk(carry, c):
+        """Chunk c of the prompts: written into the cache after the chunks before it, attending
+        over the pages they filled (never a [bucket, bucket] score matrix)."""
+        target_cache, context_cache, last_logits = carry
+        lo = c * chunk
+        num_tokens = jnp.clip(prompt_lens - lo, 0, chunk)
+        out = forward(tparams, spec.target, jax.lax.dynamic_slice_in_dim(tokens, lo, chunk, axis=1), target_cache,
+                      rows=slots, num_tokens=num_tokens, taps=spec.taps,
+                      logits_indices=jnp.clip(last - lo, 0, chunk - 1)[:, None])
+        mine = (last >= lo) & (last < lo + chunk)
+        last_logits = jnp.where(mine[:, None], out.logits[:, 0], last_logits)
+        if spec.uses_drafter:
+            context_cache = extend_context(dparams, spec.drafter, out.tap_features, context_cache, num_tokens,
+                                           rows=slots)
+        return (out.cache, context_cache, last_logits), None
+
+    context_cache = fresh(state.context_cache) if spec.uses_drafter else None
+    carry = (fresh(state.target_cache), context_cache, jnp.zeros((n, spec.target.vocab_size), jnp.float32))
+    (target_cache, context_cache, logits), _ = jax.lax.scan(run_chunk, carry, jnp.arange(bucket_len // chunk))
+    first = sample(logits, position_keys(row_keys, prompt_lens[:, None])[:, 0], spec.sampling)
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
-    state = state.replace(target_cache=out.cache, context_cache=context_cache)
+    state = state.replace(target_cache=target_cache, context_cache=context_cache)
     return constrain_state(insert(spec, state, slots, first, stopped, row_keys, max_new_tokens), spec.mesh)
 
 
