@@ -62,11 +62,12 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None):
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
 
     def one(i, buf):
-        row, offset = rows[i], offsets[i]
-        if layer is None:
-            update, start = jax.lax.dynamic_index_in_dim(new, i, axis=1), (0, jnp.minimum(row, batch - 1), offset, 0, 0)
-        else:
-            update, start = jax.lax.dynamic_index_in_dim(new, i, axis=0)[None], (layer, jnp.minimum(row, batch - 1), offset, 0, 0)
+        row = rows[i]
+        start = (0 if layer is None else layer, jnp.minimum(row, batch - 1), offsets[i], 0, 0)
+        if layer is None:  # [layers, 1, T, kv, d]
+            update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=1)
+        else:  # [1, 1, T, kv, d]
+            update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=0)[None]
         update = jnp.where(row < batch, update, jax.lax.dynamic_slice(buf, start, update.shape))
         return jax.lax.dynamic_update_slice(buf, update, start)
 

@@ -285,13 +285,14 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     summary = tmp_path / "s.json"
     assert main(common + ["--input", str(limited), "--output", str(outs["limited"]), "--max-prompt-len", "128",
                           "--compare-baseline", "--summary-json", str(summary), "--quiet"]) == 0
-    assert main(common + ["--input", str(full), "--output", str(outs["large"]), "--max-prompt-len", "2048",
-                          "--quiet"]) == 0
-    got = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in outs.items()}
+    if not sampled:
+        assert main(common + ["--input", str(full), "--output", str(outs["large"]), "--max-prompt-len", "2048",
+                              "--quiet"]) == 0
+    got = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in outs.items() if path.exists()}
     assert got["full"]["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
-    assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
-    del got["large"]["r8"], got["full"]["r8"]
-    assert got["large"] == got["full"] and len(got["full"]) == 8
+    if not sampled:
+        assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
+        assert {k: v for k, v in got["large"].items() if k != "r8"} == {k: v for k, v in got["full"].items() if k != "r8"}
     for i, limit in enumerate(limits[:8]):
         a, b = got["full"][f"r{i}"], got["limited"][f"r{i}"]
         n = limit or 24
@@ -300,6 +301,8 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     s = json.loads(summary.read_text())  # the baseline runs the same rows with the same limits
     expected = sum(m or 24 for m in limits[:8])
     assert s["baseline"]["output_tokens"] == s["output_tokens"] == expected and s["errors"] == 1
+    if sampled:
+        return
     write_jsonl(tmp_path / "over.jsonl", [{"input_ids": [1, 2], "max_new_tokens": 25}])
     code, err = run_cli(common + ["--input", str(tmp_path / "over.jsonl")])
     assert code == 2 and "over.jsonl line 1: max_new_tokens 25 is more than --max-new-tokens 24" in err
