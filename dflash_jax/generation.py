@@ -94,16 +94,28 @@ class Row:
     turn_records: list[dict] = field(default_factory=list)  # finished turns of a `turns` row
 
 
-def read_rows(path: Path) -> list[Row]:
+PROMPT_KEYS = ("input_ids", "prompt", "messages", "turns")
+ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens")
+
+
+def read_rows(path: Path, warn=lambda message: None) -> list[Row]:
+    """The rows of an input JSONL file (named in errors as given). Keys other than ROW_KEYS are
+    ignored, each named once through `warn`; a line with no prompt key but an unknown one names
+    it (a misspelt `prompt`)."""
     from dflash_jax.data import iter_jsonl_objects
 
-    rows, seen = [], set()
+    rows, seen, unknown = [], set(), {}
     for n, obj in iter_jsonl_objects(path, InputError, "input file"):
-        where = f"{path.name} line {n}"
-        kinds = [k for k in ("input_ids", "prompt", "messages", "turns") if k in obj]
+        where = f"{path} line {n}"
+        kinds = [k for k in PROMPT_KEYS if k in obj]
+        extra = [k for k in obj if k not in ROW_KEYS]
         if len(kinds) != 1:
-            raise InputError(f"{where}: needs exactly one of input_ids, prompt, messages, turns"
-                             + (f" (has {', '.join(kinds)})" if kinds else ""))
+            has = f" (has {', '.join(kinds)})" if kinds else ""
+            if not kinds and extra:
+                has = f" (unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))})"
+            raise InputError(f"{where}: needs exactly one of {', '.join(PROMPT_KEYS)}{has}")
+        for k in extra:
+            unknown.setdefault(k, n)
         kind, value = kinds[0], obj[kinds[0]]
         if kind == "input_ids" and not (isinstance(value, list) and value
                                         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
@@ -126,6 +138,8 @@ def read_rows(path: Path) -> list[Row]:
             raise InputError(f"{where}: duplicate id {row_id!r}")
         seen.add(row_id)
         rows.append(Row(row_id, n, kind, value, position=len(rows), max_new_tokens=limit))
+    for k, n in unknown.items():
+        warn(f"warning: {path} line {n}: unknown key {k!r} ignored (keys: {', '.join(ROW_KEYS)})")
     return rows
 
 
@@ -209,24 +223,52 @@ def completed_ids(path: Path) -> set:
 
 
 class Writer:
-    """Appends JSON lines, flushed one by one. In a multi-process run only process 0 writes."""
+    """Appends JSON lines, flushed one by one. Without a path they go to stdout, as JSON lines
+    when redirected and as readable text on a terminal. In a multi-process run only process 0
+    writes."""
 
     def __init__(self, path: Path | None, enabled: bool = True):
-        self.file = None
+        self.file, self.readable = None, False
         if enabled and path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)  # --output may name a new directory
             self.file = open(path, "a", encoding="utf-8")
         elif enabled:
-            self.file = sys.stdout
+            self.file, self.readable = sys.stdout, sys.stdout.isatty()
 
-    def write(self, record: dict):
-        if self.file is not None:
-            self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-            self.file.flush()
+    def write(self, record: dict, prompt: str | None = None):
+        if self.file is None:
+            return
+        self.file.write(readable_record(record, prompt) if self.readable
+                        else json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
 
     def close(self):
         if self.file not in (None, sys.stdout):
             self.file.close()
+
+
+def prompt_text(row: Row) -> str | None:
+    """The text a row asked about: its prompt, or its last user message."""
+    if row.kind == "prompt":
+        return row.value
+    if row.kind == "turns":
+        return row.value[-1] + "\n"
+    if row.kind == "messages":
+        return row.value[-1]["content"] + "\n"
+    return None
+
+
+def readable_record(record: dict, prompt: str | None) -> str:
+    """A row for a person: its id and figures, then the prompt and the completion after >>>."""
+    if "error" in record:
+        return f"--- {record['id']}: error: {record['error']}\n"
+    acc = record.get("acceptance_lengths") or []
+    tau = f", tau {sum(acc) / len(acc):.2f}" if acc and max(acc) > 1 else ""
+    head = f"--- {record['id']}: {record['num_output_tokens']} tokens ({record['finish_reason']}{tau})"
+    body = record.get("text")
+    if body is None:
+        body = " ".join(map(str, record["output_ids"]))
+    return f"{head}\n{prompt or ''}>>>{body}\n\n"
 
 
 # --------------------------------------------------------------------------- main
@@ -255,23 +297,20 @@ def run_generation(args, make_record=None) -> int:
         args.max_new_tokens = 128 if demo else 256
     if demo and args.input is None and args.block_size != 1:
         args.compare_baseline = True  # the demo shows the speedup
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
-                        ("--sync-every", args.sync_every)):
-        if value < 1:
-            raise InputError(f"{flag} must be >= 1, got {value}")
+    check_flags(args)
     if args.draft_tokens is not None and (drafter_dir is None or args.block_size == 1):
         raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
 
-    rows = read_rows(input_path)
+    rows = read_rows(input_path, warn=say)
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > args.max_new_tokens), None)
     if over is not None:
-        raise InputError(f"{input_path.name} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
+        raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
                          f"--max-new-tokens {args.max_new_tokens}, which sizes the cache")
     out_path = Path(args.output) if args.output else None
     skip = completed_ids(out_path) if out_path else set()
     todo = [r for r in rows if r.id not in skip]
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     if demo:
         say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
     if skip and not todo:
@@ -287,6 +326,9 @@ def run_generation(args, make_record=None) -> int:
     dcfg = dparams = None
     if drafter_dir is not None and args.block_size != 1:
         dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
+        if args.block_size is not None and args.block_size > dcfg.block_size:
+            say(f"warning: --block-size {args.block_size} is larger than the drafter's trained block "
+                f"({dcfg.block_size}); drafts past it are guesses it never learned")
     tokenizer = load_tokenizer(target_dir)
     stops = [] if args.ignore_eos else stop_token_ids(target_dir, tokenizer)
 
@@ -361,8 +403,9 @@ def run_generation(args, make_record=None) -> int:
                 if make_record is not None:
                     writer.write(make_record(r, record, conversations.get(r.id)))
                 else:
-                    writer.write({"id": r.id, **record})
-                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", tau=f"{stats.tau:.2f}", refresh=False)
+                    writer.write({"id": r.id, **record}, prompt_text(r))
+                shown = dict(tau=f"{stats.tau:.2f}") if block_size > 1 else {}
+                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
                 bar.update(1)  # redraws at most every mininterval
             pending, turn = next_pending, turn + 1
         bar.close()
@@ -372,6 +415,7 @@ def run_generation(args, make_record=None) -> int:
     summary = {"rows": len(todo), "errors": errors, **stats.summary(),
                "draft_tokens": gen.spec.num_drafts}
     if args.compare_baseline:
+        say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
         summary["baseline"] = baseline_summary(engine(1), todo, args)
         base = summary["baseline"]["tokens_per_second"]
         summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
@@ -392,6 +436,15 @@ def result_record(res, tokenizer) -> dict:
     record.update(acceptance_lengths=res.acceptance_lengths, num_output_tokens=len(res.output_ids),
                   finish_reason=res.finish_reason)
     return record
+
+
+def check_flags(args):
+    """Range checks that need no model, so a bad flag fails before anything loads."""
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--sync-every", args.sync_every), ("--block-size", args.block_size),
+                        ("--draft-tokens", args.draft_tokens), ("--max-prompt-len", args.max_prompt_len)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
 
 
 def row_limit(row: Row, args) -> int:
@@ -416,9 +469,12 @@ def print_summary(s: dict, say):
     say("")
     say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
         f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
+    if s["block_size"] == 1:  # one token per step: no acceptance to speak of
+        say(f"plain autoregressive decoding (block size 1): {s['cycles']} decoding steps")
+        return
     drafts = s.get("draft_tokens")
     verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
-    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} over {s['cycles']} cycles")
+    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {s['cycles']} cycles")
     hist = s["acceptance_histogram"]
     if hist:
         total = sum(hist.values())
@@ -427,5 +483,7 @@ def print_summary(s: dict, say):
             say(f"  {int(k):3d}: {v:7d} ({100 * v / total:5.1f}%)")
     if "baseline" in s:
         say(f"baseline (block size 1): {s['baseline']['tokens_per_second']:.1f} tokens/s; speedup {s['speedup']}x")
+    if "note" in s:
+        say(s["note"])
 
 

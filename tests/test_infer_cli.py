@@ -1,5 +1,7 @@
 """`python -m infer`: the JSONL contract, resume, stop tokens, chat inputs, bad input."""
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -216,6 +218,8 @@ def run_cli(args):
     (['{"input_ids": [1, "a"]}'], "line 1: input_ids must be a non-empty list of integers"),
     (['{"id": 1, "input_ids": [1]}', '{"id": 1, "input_ids": [2]}'], "line 2: duplicate id 1"),
     (['{"prompt": "hello"}'], "'prompt' needs a tokenizer"),
+    (['{"promt": "hello"}'], "in.jsonl line 1: needs exactly one of input_ids, prompt, messages, turns "
+                             "(unknown key 'promt')"),
 ])
 def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
@@ -226,6 +230,54 @@ def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not out.exists() or out.read_text() == ""
+
+
+def test_flag_ranges_are_checked_before_any_model_loads(tmp_path, capsys):
+    """The target does not exist: a bad flag must be what the error names."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
+    for flag, value in (("--block-size", "0"), ("--draft-tokens", "0"), ("--max-prompt-len", "0"),
+                        ("--batch-size", "-1"), ("--sync-every", "0"), ("--top-p", "0")):
+        code = main(["--target", str(tmp_path / "nope"), "--drafter", str(tmp_path / "nope"),
+                     "--input", str(inp), flag, value, "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "does not exist" not in err, (flag, err)
+        assert flag.lstrip("-").replace("-", "_") in err.replace("-", "_"), (flag, err)
+
+
+def test_unknown_keys_are_named_and_plain_decoding_prints_no_acceptance(tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2], "answer": "x"}, {"input_ids": [3], "answer": 1}])
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(tiny() / "target"), "--input", str(inp), "--output", str(out),
+                 "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("unknown key 'answer' ignored") == 1 and f"{inp} line 1" in err
+    assert len(read_jsonl(out)) == 2
+    assert "plain autoregressive decoding (block size 1)" in err
+    assert "tau" not in err and "histogram" not in err
+
+
+def test_a_terminal_gets_readable_rows_and_a_pipe_json():
+    from dflash_jax.generation import Writer, readable_record
+
+    record = {"id": "a", "output_ids": [5, 6], "text": "    return n", "acceptance_lengths": [1, 3],
+              "num_output_tokens": 2, "finish_reason": "length"}
+    text = readable_record(record, "def f(n):\n")
+    assert text == "--- a: 2 tokens (length, tau 2.00)\ndef f(n):\n>>>    return n\n\n"
+    assert readable_record({"id": "b", "error": "line 2: empty prompt"}, None) == "--- b: error: line 2: empty prompt\n"
+
+    class Stream(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    for tty in (True, False):
+        stream = Stream(tty)
+        with contextlib.redirect_stdout(stream):
+            Writer(None).write(record, "def f(n):\n")
+        assert stream.getvalue() == (text if tty else json.dumps(record) + "\n")
 
 
 def test_missing_files_and_incompatible_drafter(tmp_path):
