@@ -14,6 +14,8 @@ import pytest
 from dflash_jax.sharding import MeshError, parse_mesh
 from train.export import restore_params
 
+pytestmark = pytest.mark.heavy  # subprocesses on 8 CPU devices and on 2 processes: minutes each
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MESHES = ["data=8", "data=2,model=4", "model=8"]
