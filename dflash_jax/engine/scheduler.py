@@ -128,6 +128,12 @@ class Generator:
         """batch_size free slots."""
         return init_state(self.spec, self.batch_size)
 
+    def _take_state(self) -> DecodeState:
+        """The state the last `generate` left (every slot free again), or a new one: the caches
+        are allocated and zeroed once, not per call."""
+        state, self._idle = getattr(self, "_idle", None), None
+        return self.new_state() if state is None else state
+
     def _bucket(self, prompt) -> int:
         return min(bucket(len(prompt)), self.max_prompt_len)
 
@@ -221,7 +227,7 @@ class Generator:
             return self.admit(state, free.tolist(), [prompts[i] for i in new], [indices[i] for i in new],
                               [limits[i] for i in new], seed)
 
-        state = fill(self.new_state())
+        state = fill(self._take_state())
         state, info = self._run(state, until_free=bool(waiting))
         while True:
             ahead = not waiting
@@ -247,6 +253,7 @@ class Generator:
                 occupant[finished] = -1
             if ahead:
                 if (occupant < 0).all():
+                    self._idle = state  # every slot free: the next call starts from here
                     return
                 info = next_info
                 continue

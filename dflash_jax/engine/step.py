@@ -270,8 +270,13 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     # The reference keeps cycling while generated <= max_new (its `start < max_length`).
     done = state.done | stopped | (num_generated > state.max_new_tokens)
     anchor = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+    # Rollback is a length update. A finished row's caches are dead (its tokens are in `output`):
+    # length 0 keeps it from stretching the other rows' page walks until its slot is refilled.
+    lengths = jnp.where(done, 0, start + n_new)
+    if context_cache is not None:
+        context_cache = context_cache.replace(lengths=jnp.where(done, 0, context_cache.lengths))
     return state.replace(
-        target_cache=verified.cache.replace(lengths=start + n_new),  # rollback is a length update
+        target_cache=verified.cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
         num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
         done=done, stopped=state.stopped | stopped,
