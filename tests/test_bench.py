@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from infer import bench
@@ -13,54 +14,67 @@ from infer import bench
 MAX_NEW = 12
 NUM_PROMPTS = 3
 FAST_SPLIT = ["--split-rounds", "2", "--split-min-time", "0.002"]
-
+# a random pair small enough to compile fast: 2 target layers, 1 drafter layer
+SMALL_RANDOM = ["--random", "--layers", "2", "--drafter-layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "256",
+                "--random-block-size", "4"]
 
 TINY = Path(__file__).resolve().parents[1] / "dflash_jax" / "demo" / "tiny"
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """One run on the tiny random pair: block 4, and the drafter's block 8 verifying 2 drafts per
-    cycle; batches 1 and 2 (3 prompts: a partial batch)."""
+    """One run on the tiny pair's directories: block 4, and the drafter's block 8 verifying 2
+    drafts per cycle; 3 prompts through 2 slots (continuous batching: the third row joins when a
+    slot frees); transformers at batch 1; no time split (test_time_split has its own run)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW), "--block-sizes", "4",
-            "--draft-tokens", "2", "--batch-sizes", "1,2", "--repeats", "1", "--torch-threads", "1", "--json", str(out), *FAST_SPLIT]
+    argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--num-prompts", str(NUM_PROMPTS),
+            "--max-new-tokens", str(MAX_NEW), "--block-sizes", "4", "--draft-tokens", "2", "--batch-sizes", "2",
+            "--hf-batch-sizes", "1", "--repeats", "1", "--torch-threads", "1", "--no-split", "--json", str(out)]
     assert bench.main(argv) == 0
     return json.loads(out.read_text())
 
 
 def test_environment_pair_and_prompts(demo_run):
     env = demo_run["env"]
-    assert env["backend"] and env["devices"] and env["jax_version"]
-    assert not demo_run["pair"]["demo"] and not demo_run["pair"]["tokenizer"]
+    assert env["backend"] and env["devices"] and env["jax_version"] and demo_run["mode"] == "suite"
+    assert not demo_run["pair"]["demo"] and not demo_run["pair"]["tokenizer"] and not demo_run["pair"]["random"]
     p = demo_run["prompts"]
     assert p["package"] == "numpy" and p["kind"] == "random_token_ids"  # no tokenizer in the tiny pair
     assert len(p["input_ids"]) == NUM_PROMPTS == len(p["snippets"])
     assert [len(x) for x in p["input_ids"]] == p["lengths"]
     assert 511 not in {t for ids in p["input_ids"] for t in ids}  # the tiny drafter's mask token
-    assert demo_run["settings"]["block_sizes"] == [4] and demo_run["settings"]["batch_sizes"] == [1, 2]
-    assert demo_run["settings"]["draft_tokens"] == [2]
+    s = demo_run["settings"]
+    assert s["block_sizes"] == [4] and s["batch_sizes"] == [2] and s["draft_tokens"] == [2]
+    assert s["greedy"] and s["temperature"] == 0
     # matplotlib is in the test extra: the PNG must be drawn.
     assert demo_run["plot"] is not None and Path(demo_run["plot"]).is_file()
     assert Path(demo_run["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_dflash_is_lossless_and_every_row_has_max_new_tokens(demo_run):
-    base = {r["batch_size"]: r for r in demo_run["baseline"]}
-    assert sorted(base) == [1, 2] and len(demo_run["dflash"]) == 4
-    assert [(r["batch_size"], r["block_size"], r["draft_tokens"]) for r in demo_run["dflash"]] == [
-        (1, 4, 3), (1, 8, 2), (2, 4, 3), (2, 8, 2)]
-    assert [bench.config_label(r) for r in demo_run["dflash"][:2]] == ["4", "8:2"]
-    assert base[1]["outputs"] == base[2]["outputs"]  # greedy rows do not depend on their batch
+    (base,) = demo_run["baseline"]
+    assert base["batch_size"] == 2 and len(demo_run["dflash"]) == 2
+    assert [(r["batch_size"], r["block_size"], r["draft_tokens"]) for r in demo_run["dflash"]] == [(2, 4, 3), (2, 8, 2)]
+    assert [bench.config_label(r) for r in demo_run["dflash"]] == ["4", "8:2"]
+    assert all(len(o) == MAX_NEW for o in base["outputs"])
     for r in demo_run["dflash"]:
-        assert r["outputs"] == base[r["batch_size"]]["outputs"]
+        assert r["outputs"] == base["outputs"]
         assert r["lossless"] and r["rows_matching_baseline"] == NUM_PROMPTS
-        assert all(len(o) == MAX_NEW for o in r["outputs"])
         assert r["output_tokens"] == NUM_PROMPTS * MAX_NEW
-    assert demo_run["summary"]["lossless"]
+    assert demo_run["summary"]["lossless"] and demo_run["summary"]["batch_invariant"]
 
 
-def test_acceptance_figures_are_consistent(demo_run):
+def test_acceptance_figures_and_loop_cycles(demo_run):
+    for r in demo_run["dflash"] + demo_run["baseline"]:
+        rows = r["acceptance_lengths"]
+        # Loop cycles are the engine's own (counted in an untimed run that gave the same tokens): at
+        # least the longest row's cycles, fewer than all rows' cycles one after another (two rows
+        # share the loop), at least the rows' cycles spread over the 2 slots.
+        assert r["counted_run_matches"]
+        per_row = [len(x) for x in rows]
+        assert max(per_row) <= r["loop_cycles"] < sum(per_row)
+        assert r["loop_cycles"] >= math.ceil(sum(per_row) / 2)
+        assert r["admissions"] >= 2  # the third prompt waited for a slot
     for r in demo_run["dflash"]:
         b = r["draft_tokens"] + 1  # the longest acceptance: the block, or K + 1 drafts verified
         flat = [a for row in r["acceptance_lengths"] for a in row]
@@ -79,39 +93,17 @@ def test_acceptance_figures_are_consistent(demo_run):
             assert s == pytest.approx(sum(a > k for a in flat) / len(flat))
         # tau = 1 + sum of the per-slot rates (E[a+1] = 1 + sum_k P(a >= k))
         assert r["tau"] == pytest.approx(1 + sum(slots))
-        # loop cycles: batch 1 runs every row's cycles; a batch runs its longest row's
-        rows = r["acceptance_lengths"]
-        if r["batch_size"] == 1:
-            assert r["loop_cycles"] == r["cycles"]
-        else:
-            assert r["loop_cycles"] == sum(max(len(x) for x in rows[i:i + 2]) for i in range(0, len(rows), 2))
 
 
-def test_no_compilation_during_timed_runs(demo_run):
+def test_no_compilation_during_timed_runs_and_memory(demo_run):
     for r in demo_run["baseline"] + demo_run["dflash"]:
         assert r["compiles_timed"]["prefill"] == 0 and r["compiles_timed"]["run_cycles"] == 0
         assert r["compiles_warmup"]["run_cycles"] >= 1  # the warm-up compiled it (fresh engine spec)
+        assert r["host_peak_rss_bytes"] > 0
+        assert r["device_peak_bytes"] is None or r["device_peak_bytes"] > 0
+        assert "time_split" not in r
     assert demo_run["summary"]["compilations_during_timed_runs"] == 0
-
-
-def test_time_split(demo_run):
-    for r in demo_run["dflash"]:
-        s = r["time_split"]
-        for key in ("draft_s", "verify_s", "cycle_s", "ar_step_s", "baseline_cycle_s", "prefill_s"):
-            assert s[key] > 0, key
-        assert s["cost_ratio"] > 0
-        assert s["cost_ratio"] == pytest.approx(s["cycle_s"] / s["ar_step_s"])
-        assert s["speedup_check"] == pytest.approx(r["tau"] / s["cost_ratio"])
-        assert s["passes_s"] > 0
-        assert s["accept_commit_s"] == pytest.approx(s["cycle_s"] - s["passes_s"])
-        assert s["overhead_beyond_passes_fraction"] == pytest.approx(s["accept_commit_s"] / s["cycle_s"])
-        assert s["passes_interference_s"] == pytest.approx(s["passes_s"] - s["draft_s"] - s["verify_s"])
-        assert s["overhead_beyond_draft_verify_fraction"] == pytest.approx(
-            (s["cycle_s"] - s["draft_s"] - s["verify_s"]) / s["cycle_s"])
-        assert s["measured_speedup"] == pytest.approx(r["speedup"])
-        assert s["host_overhead_per_cycle_s"] == pytest.approx(
-            (r["seconds"] - s["prefill_s"]) / r["loop_cycles"] - s["cycle_s"])
-        assert math.isfinite(s["host_overhead_per_cycle_s"])
+    assert demo_run["summary"]["host_peak_rss_bytes"] >= max(r["host_peak_rss_bytes"] for r in demo_run["dflash"])
 
 
 def test_transformers_side_by_side(demo_run):
@@ -119,12 +111,136 @@ def test_transformers_side_by_side(demo_run):
     if importlib.util.find_spec("torch") is None:
         assert "skipped" in hf
         return
-    assert [r["batch_size"] for r in hf["rows"]] == [1, 2]
-    for r in hf["rows"]:
-        assert r["tokens_per_second"] > 0 and r["output_tokens"] == NUM_PROMPTS * MAX_NEW
-        assert all(len(o) == MAX_NEW for o in r["outputs"])
+    assert [r["batch_size"] for r in hf["rows"]] == [1]
+    (r,) = hf["rows"]
+    assert r["tokens_per_second"] > 0 and r["output_tokens"] == NUM_PROMPTS * MAX_NEW
+    assert all(len(o) == MAX_NEW for o in r["outputs"])
     # float32 tiny target, no padding at batch 1: transformers' greedy tokens are ours
-    assert hf["rows"][0]["outputs"] == demo_run["baseline"][0]["outputs"]
+    assert r["outputs"] == demo_run["baseline"][0]["outputs"]
+    assert r["rows_matching_baseline"] == NUM_PROMPTS
+
+
+def test_time_split(tmp_path):
+    """The time split of the engine's pieces on a small random pair: figures consistent with each
+    other and with the run's."""
+    out = tmp_path / "split.json"
+    argv = [*SMALL_RANDOM, "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1", "--block-sizes", "4",
+            "--draft-tokens", "", "--repeats", "1", "--json", str(out), *FAST_SPLIT]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["pair"]["random"] and res["transformers"] == {"skipped": "a random pair in memory has no HF directory"}
+    (base,), (r,) = res["baseline"], res["dflash"]
+    bs = base["time_split"]
+    assert bs["ar_step_s"] > 0 and bs["cycle_s"] > 0 and bs["commit_s"] >= 0 and bs["prefill_s"] > 0
+    assert set(bs["iterations"]) == {"ar_verify", "ar_commit", "ar_cycle"}
+    assert bs["host_overhead_per_cycle_s"] == pytest.approx(
+        (base["seconds"] - bs["prefill_s"]) / base["loop_cycles"] - bs["cycle_s"])
+    s = r["time_split"]
+    assert set(s["iterations"]) == {"draft", "verify", "extend", "commit", "passes", "cycle", "ar_verify",
+                                    "ar_commit", "ar_cycle"}
+    assert all(n >= 1 for n in s["iterations"].values())
+    for key in ("draft_s", "verify_s", "extend_s", "commit_s", "passes_s", "cycle_s", "ar_step_s", "baseline_cycle_s",
+                "prefill_s"):
+        assert s[key] > 0, key
+    assert s["bookkeeping_s"] == pytest.approx(s["cycle_s"] - s["passes_s"])
+    assert s["overhead_beyond_passes_fraction"] == pytest.approx(s["bookkeeping_s"] / s["cycle_s"])
+    assert s["passes_interference_s"] == pytest.approx(s["passes_s"] - s["draft_s"] - s["verify_s"] - s["extend_s"])
+    assert s["overhead_beyond_pieces_fraction"] == pytest.approx(
+        (s["cycle_s"] - s["draft_s"] - s["verify_s"] - s["extend_s"]) / s["cycle_s"])
+    assert s["pieces_sum_s"] == pytest.approx(s["draft_s"] + s["verify_s"] + s["commit_s"])
+    assert s["cost_ratio"] == pytest.approx(s["cycle_s"] / s["ar_step_s"])
+    assert s["speedup_check"] == pytest.approx(r["tau"] / s["cost_ratio"])
+    assert s["measured_speedup"] == pytest.approx(r["speedup"])
+    assert s["generate_s_per_loop_cycle"] == pytest.approx(r["seconds"] / r["loop_cycles"])
+    assert s["host_overhead_per_cycle_s"] == pytest.approx(
+        (r["seconds"] - s["prefill_s"]) / r["loop_cycles"] - s["cycle_s"])
+    assert math.isfinite(s["host_overhead_per_cycle_s"])
+    assert r["lossless"]
+
+
+def test_quick_table_on_a_random_pair_with_temperature(tmp_path, capsys):
+    """--quick (the drafter's block only, no split, no transformers) at a temperature: every row
+    still gets its tokens, and the rows share per-position keys with the baseline."""
+    out = tmp_path / "quick.json"
+    argv = [*SMALL_RANDOM, "--quick", "--temperature", "0.8", "--num-prompts", "2", "--max-new-tokens", "6",
+            "--batch-sizes", "1", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["block_sizes"] == [4] and res["settings"]["draft_tokens"] == []
+    assert res["settings"]["temperature"] == 0.8 and not res["settings"]["greedy"]
+    assert res["transformers"] == {"skipped": "--no-transformers"}
+    (r,) = res["dflash"]
+    assert "time_split" not in r and r["block_size"] == 4
+    assert all(len(o) == 6 for o in r["outputs"])
+    assert r["rows_matching_baseline"] == sum(a == b for a, b in zip(r["outputs"], res["baseline"][0]["outputs"]))
+    assert "same tokens as the baseline" in capsys.readouterr().out
+
+
+def test_pieces_are_the_engines_own():
+    """One iteration of each timed piece equals the engine's function called directly: draft, the
+    verify, extend_context, accept + commit, the passes (draft, verify, extend) and the cycle;
+    the pieces that write a cache rewind its lengths."""
+    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.drafter import extend_context
+    from dflash_jax.engine import Generator, accept, commit, cycle, draft, verify
+
+    tcfg, tparams = load_target(TINY / "target")
+    dcfg, dparams = load_drafter(TINY / "drafter")
+    gen = Generator(tcfg, tparams, dcfg, dparams, block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16)
+    state = gen.prefill([[5, 6, 7, 8], [9, 10, 11]], [0, 1])
+    spec, stop = gen.spec, gen.stop_ids
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
+    p = bench.pieces()
+
+    drafts = draft(tparams, dparams, spec, state.anchor, state.context_cache)
+    assert (p["draft"](tparams, dparams, spec, copy(state.anchor), state.context_cache, 1)
+            == (drafts.sum(axis=1) % tcfg.vocab_size)).all()
+
+    block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
+    target_tokens, out = verify(tparams, spec, state, block)
+    s1, y = p["verify"](tparams, spec, copy(state), copy(block), 1)
+    assert (y == target_tokens).all()
+    assert (s1.target_cache.lengths == state.target_cache.lengths).all()  # rewound
+    assert jnp.allclose(s1.target_cache.k, out.cache.k, atol=1e-5)  # the verify wrote its K/V
+
+    ones = jnp.ones((2,), jnp.int32)
+    ctx = extend_context(dparams, dcfg, out.tap_features, state.context_cache, ones)
+    ctx1 = p["extend"](dparams, spec, copy(state.context_cache), out.tap_features, 1)
+    assert (ctx1.lengths == state.context_cache.lengths).all() and jnp.allclose(ctx1.k, ctx.k, atol=1e-5)
+
+    verified_state = state.replace(target_cache=out.cache.replace(lengths=state.target_cache.lengths))
+    committed = commit(dparams, spec, state, target_tokens, accept(drafts, target_tokens), out, stop)
+    c1 = p["commit"](dparams, spec, copy(verified_state), drafts, target_tokens, out.tap_features, stop, 1)
+    assert (c1.output == committed.output).all() and (c1.anchor == committed.anchor).all()
+    assert (c1.acceptance == committed.acceptance).all()
+    assert jnp.allclose(c1.context_cache.k, committed.context_cache.k, atol=1e-5)
+    assert (c1.num_generated == state.num_generated).all()  # rewound
+
+    pa = p["passes"](tparams, dparams, spec, copy(state), 1)
+    assert (pa.anchor == target_tokens[:, -1]).all()
+    assert jnp.allclose(pa.context_cache.k, ctx.k, atol=1e-5)
+    assert (pa.target_cache.lengths == state.target_cache.lengths).all()
+
+    whole = cycle(tparams, dparams, spec, state, stop)
+    cy = p["cycle"](tparams, dparams, spec, copy(state), stop, 1)
+    assert (cy.output == whole.output).all() and (cy.anchor == whole.anchor).all()
+    assert (cy.acceptance == whole.acceptance).all()
+    assert (cy.target_cache.lengths == state.target_cache.lengths).all()
+    assert (cy.num_cycles == state.num_cycles).all() and (cy.done == state.done).all()
+
+
+def test_synthetic_state_comes_from_init_state():
+    from dflash_jax.engine import EngineSpec, Sampling
+
+    target, drafter = bench.published_configs(0.05, "float32")
+    spec = EngineSpec(target=target, drafter=drafter, block_size=16, sampling=Sampling(), max_new_tokens=8,
+                      cache_len=64)
+    s = jax.eval_shape(lambda: bench.synthetic_state(spec, 3, 40))  # abstract: nothing allocated
+    assert s.target_cache.k.shape[:3] == (target.num_hidden_layers, 3, 64)
+    assert s.max_new_tokens.shape == (3,) and s.context_cache.k.shape[1] == 3
+    c = bench.synthetic_state(spec, 3, 40)
+    assert (c.target_cache.lengths == 40).all() and (c.context_cache.lengths == 40).all()
+    assert not c.done.any() and (c.max_new_tokens == 8).all() and (c.num_generated == 1).all()
 
 
 def test_published_shapes_at_tiny_scale(tmp_path, capsys):
@@ -133,11 +249,12 @@ def test_published_shapes_at_tiny_scale(tmp_path, capsys):
                        *FAST_SPLIT]) == 0
     p = json.loads(out.read_text())["published_shapes"]
     assert p["target"]["head_dim"] == 128 and p["block_size"] == 16 and p["dtype"] == "bfloat16"
+    assert p["batch_size"] == 1 and p["scale"] == 0.05
     assert p["target"]["hidden_size"] == 128 * p["target"]["num_attention_heads"]
     assert p["target"]["num_attention_heads"] % p["target"]["num_key_value_heads"] == 0
-    for key in ("ar_step_s", "verify_s", "draft_s", "passes_s", "cycle_s"):
+    for key in ("ar_step_s", "verify_s", "draft_s", "extend_s", "commit_s", "passes_s", "cycle_s"):
         assert p[key] > 0, key
-    assert p["accept_commit_s"] == pytest.approx(p["cycle_s"] - p["passes_s"])
+    assert p["bookkeeping_s"] == pytest.approx(p["cycle_s"] - p["passes_s"])
     assert p["cost_ratio"] == pytest.approx(p["cycle_s"] / p["ar_step_s"])
     assert p["projected_speedup"] == pytest.approx(6.49 / p["cost_ratio"])
     assert "projected speedup" in capsys.readouterr().out
@@ -180,10 +297,14 @@ def test_prompt_ids_without_tokenizer_are_seeded_and_avoid_the_mask():
     assert ids == bench.prompt_ids(snippets, None, 16, [15], max_tokens=64, seed=1)[0]
 
 
-def test_draft_tokens_outside_the_drafters_block_are_refused(capsys):
+def test_bad_flags_are_refused():
     argv = ["--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--draft-tokens", "3,8"]
     with pytest.raises(SystemExit, match=r"--draft-tokens 8 is outside 1\.\.7 \(the drafter's block size is 8\)"):
         bench.main(argv)
+    with pytest.raises(SystemExit, match="separate modes"):
+        bench.main(["--cost", "--mixed-workload"])
+    with pytest.raises(SystemExit, match="--target and --drafter go together"):
+        bench.main(["--target", str(TINY / "target"), "--no-split"])
 
 
 def test_acceptance_figures_by_hand():
@@ -191,7 +312,6 @@ def test_acceptance_figures_by_hand():
     assert f["cycles"] == 5 and f["tau"] == pytest.approx(11 / 5)
     assert f["acceptance_histogram"] == {"1": 2, "2": 1, "3": 1, "4": 1}
     assert f["per_slot_acceptance"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])
-    assert bench.loop_cycles([[1, 3], [4, 2, 1], [2]], 2) == 3 + 1
 
 
 def test_the_bundled_pair_gets_text_prompts(tmp_path):
@@ -202,8 +322,8 @@ def test_the_bundled_pair_gets_text_prompts(tmp_path):
 
     out = tmp_path / "bench.json"
     assert bench.main(["--num-prompts", "2", "--max-new-tokens", "6", "--block-sizes", "4", "--batch-sizes", "1",
-                       "--repeats", "1", "--max-prompt-tokens", "40", "--no-split", "--no-transformers",
-                       "--json", str(out)]) == 0
+                       "--draft-tokens", "", "--repeats", "1", "--max-prompt-tokens", "40", "--no-split",
+                       "--no-transformers", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     p = res["prompts"]
     assert res["pair"]["demo"] and res["pair"]["tokenizer"] and p["kind"] == "text"
@@ -213,34 +333,48 @@ def test_the_bundled_pair_gets_text_prompts(tmp_path):
     assert res["transformers"] == {"skipped": "--no-transformers"}
 
 
-def test_passes_piece_runs_the_draft_then_the_verify():
-    """The `passes` piece (the two model passes back to back, timed against the cycle) does the
-    drafter's work and the verify: one iteration equals extend_context + draft + forward."""
-    import jax.numpy as jnp
+def test_mixed_workload_mode(tmp_path, capsys):
+    out = tmp_path / "mixed.json"
+    argv = ["--mixed-workload", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
+            "--mixed-prompts", "5", "--mixed-range", "2,10", "--batch-size", "2", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    m = json.loads(out.read_text())["mixed_workload"]
+    limits = m["limits"]
+    assert len(limits) == 5 and all(2 <= x <= 10 for x in limits) and m["max_new_tokens_range"] == [2, 10]
+    assert m["uniform_limit"] == round(sum(limits) / 5)
+    assert [r["method"] for r in m["rows"]] == ["plain", "dflash"]
+    for r in m["rows"]:
+        assert r["mixed"]["output_tokens"] == sum(limits)  # no stop tokens: every row its own limit
+        assert r["uniform"]["output_tokens"] == 5 * m["uniform_limit"]
+        assert r["ratio"] == pytest.approx(r["mixed"]["tokens_per_second"] / r["uniform"]["tokens_per_second"])
+        assert r["tokens_per_loop_cycle_ratio"] == pytest.approx(
+            r["mixed"]["tokens_per_loop_cycle"] / r["uniform"]["tokens_per_loop_cycle"])
+        for k in ("mixed", "uniform"):
+            f = r[k]
+            assert 0 < f["slot_occupancy"] <= 1
+            assert f["slot_occupancy"] == pytest.approx(f["row_cycles"] / (f["loop_cycles"] * 2))
+            assert f["tokens_per_loop_cycle"] == pytest.approx(f["output_tokens"] / f["loop_cycles"])
+            assert f["admissions"] >= 3  # 5 prompts through 2 slots
+    assert m["compiles_timed"]["prefill"] == 0 and m["compiles_timed"]["run_cycles"] == 0
+    assert "mixed / uniform" in capsys.readouterr().out
 
-    from dflash_jax.checkpoint import load_drafter, load_target
-    from dflash_jax.drafter import extend_context
-    from dflash_jax.model import forward
-    from dflash_jax.engine import Generator, draft
 
-    tcfg, tparams = load_target(TINY / "target")
-    dcfg, dparams = load_drafter(TINY / "drafter")
-    gen = Generator(tcfg, tparams, dcfg, dparams, block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16)
-    state = gen.prefill([[5, 6, 7, 8], [9, 10, 11]], [0, 1])
-    spec = gen.spec
-    first = jnp.concatenate([state.anchor[:, None], draft(tparams, dparams, spec, state.anchor,
-                                                                state.context_cache)], axis=1)
-    taps = forward(tparams, tcfg, first, state.target_cache, taps=spec.taps).tap_features
-    ctx = extend_context(dparams, dcfg, taps, state.context_cache, jnp.ones((2,), jnp.int32))
-    block = jnp.concatenate([state.anchor[:, None], draft(tparams, dparams, spec, state.anchor, ctx)], axis=1)
-    out = forward(tparams, tcfg, block, state.target_cache, taps=spec.taps)
-    expect_anchor = jnp.argmax(out.logits, axis=-1)[:, -1]
-
-    passes = bench.pieces()[2]
-    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
-    anchor, ctx_out, cache_out, taps_out = passes(tparams, dparams, spec, copy(state.anchor),
-                                                  copy(state.context_cache), copy(state.target_cache), taps, 1)
-    assert (anchor == expect_anchor).all()
-    assert jnp.allclose(taps_out, out.tap_features, atol=1e-5)
-    assert (cache_out.lengths == state.target_cache.lengths).all()  # rewound for the next iteration
-    assert jnp.allclose(cache_out.k, out.cache.k, atol=1e-5)  # the verify wrote its K/V
+def test_cache_scaling_mode(tmp_path):
+    out = tmp_path / "cache.json"
+    argv = ["--cache-scaling", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
+            "--cache-prompt-lens", "64,1024", "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "1",
+            "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    c = json.loads(out.read_text())["cache_scaling"]
+    assert c["max_position_embeddings"] >= 16384
+    assert [r["method"] for r in c["rows"]] == ["plain", "dflash"]
+    for r in c["rows"]:
+        assert r["small"]["max_prompt_len"] == 64 and r["large"]["max_prompt_len"] == 1024
+        assert r["large"]["cache_len"] > r["small"]["cache_len"]
+        assert r["slowdown"] == pytest.approx(r["small"]["tokens_per_second"] / r["large"]["tokens_per_second"])
+        assert r["same_outputs"]  # the allocated cache does not change the tokens
+        assert r["small"]["output_tokens"] == r["large"]["output_tokens"] == 2 * 6
+        assert r["small"]["loop_cycles"] == r["large"]["loop_cycles"]
+        assert r["small"]["new_state_s"] > 0 and r["large"]["new_state_s"] > 0
+        assert r["slowdown_beyond_allocation"] == pytest.approx(
+            (r["large"]["seconds"] - r["large"]["new_state_s"]) / (r["small"]["seconds"] - r["small"]["new_state_s"]))

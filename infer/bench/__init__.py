@@ -1,0 +1,68 @@
+"""`python -m infer.bench`: the benchmark suite of DFlash speculative decoding.
+
+Prints figures, writes them to JSON (and a PNG plot when matplotlib is importable); it never
+asserts a timing. On one device (no mesh), stop tokens ignored so every row generates exactly
+its max_new_tokens.
+
+The suite (default mode):
+1. Pair: --target DIR --drafter DIR (HF or converted), default the bundled demo pair; --random
+   builds a random tiny pair in memory (--hidden, --layers, --heads, --vocab, --drafter-layers).
+2. Held-out prompts: snippets (the first lines of functions and classes) cut, seeded, from the
+   source of an installed package the target never trained on (--heldout-package, default
+   numpy; tests directories skipped). With a tokenizer they are tokenised as raw text (code
+   continuation, no chat template); without one, seeded random token ids of a similar length
+   stand in for them (the output says so).
+3. For every batch size and block size: tau, the acceptance histogram, the per-slot acceptance
+   rate P(a >= k) (k = 1..B-1), DFlash tokens/s next to the baseline's (the same engine with no
+   drafter, block size 1), DFlash outputs == baseline outputs (greedy: losslessness; with
+   --temperature the rows share per-position keys, so sampled rows match too), the loop cycles
+   the engine ran (counted in an untimed run: continuous batching admits rows as slots free),
+   the compilations seen during the timed runs (TRACE_COUNTS deltas; should be 0) and peak
+   memory. Each engine is warmed up (Generator.warmup + the untimed counting run) and
+   `generate` is timed --repeats times (median). --quick: the drafter's block size only.
+4. Time split of one cycle: the engine's own pieces (dflash_jax.engine draft, verify,
+   accept + commit, cycle, and drafter.extend_context) on the state after the engine's prefill,
+   each run n times in a lax.fori_loop on the device (as the engine's cycles run in a
+   while_loop; no per-call dispatch), median of interleaved rounds; `passes` runs draft,
+   verify and extend_context back to back in one loop body, as a cycle runs them, and the
+   cycle's bookkeeping is cycle - passes. cost_ratio = cycle / AR step (the baseline's verify),
+   speedup_check = tau / cost_ratio (next to the measured speedup), and the host overhead per
+   cycle = (generate wall time - the run's prefill calls, replayed) / loop cycles - cycle.
+5. The same target under Hugging Face transformers `generate` (PyTorch, CPU), same prompts,
+   left-padded batches (--no-transformers skips it; HF target directories only).
+
+Other modes:
+--cost              hardware-independent cost report at the published Qwen3-8B + 5-layer block-16
+                    drafter shapes (--scale, default 0.25), abstract weights: XLA's flops and
+                    bytes of an AR step and a DFlash cycle, corrected for loops XLA counts once,
+                    against the ideal bytes; H200 and TPU v5p rooflines; projected speedup.
+--published-shapes  the same shapes with random weights, the engine's pieces timed.
+--cache-scaling     tokens/s with a Generator max_prompt_len of 128 and of 8192 (demo pair).
+--mixed-workload    tokens/s with per-row max_new_tokens spread over 8..256 vs all at the mean.
+
+    python -m infer.bench                                   # bundled demo pair
+    python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
+        [--batch-sizes 1,8] [--num-prompts 16] [--max-new-tokens 128] [--repeats 3]
+        [--heldout-package numpy] [--no-transformers] [--json runs/bench/bench.json] [--plot FILE]
+    python -m infer.bench --random --quick [--temperature 0.7]   # quick table on a random pair
+    python -m infer.bench --cost [--scale 0.25] [--context 1024] [--cache-len N] [--batch-size 8]
+    python -m infer.bench --published-shapes [--scale 0.05] [--context 1024]
+    python -m infer.bench --cache-scaling | --mixed-workload
+"""
+
+from infer.bench.cost import HARDWARE, cycle_cost, ideal_bytes, loop_correction, piece_costs, run_cost, xla_cost
+from infer.bench.hf import bench_transformers
+from infer.bench.pairs import (
+    Pair, load_pair, param_bytes, param_count, published_configs, random_configs, random_pair, random_params,
+)
+from infer.bench.prompts import (
+    DEF_LINE, SKIP_DIRS, heldout_snippets, package_files, package_root, package_version, prompt_ids,
+)
+from infer.bench.published import PAPER_TAU, run_published_shapes
+from infer.bench.report import acceptance_figures, config_label, print_tables, write_outputs, write_plot
+from infer.bench.timing import (
+    bench_generator, compile_counts, counted_generate, delta, first_state, piece_calls, pieces, split_figures,
+    synthetic_state, time_calls, time_pieces, time_prefill,
+)
+from infer.bench.workloads import run_cache_scaling, run_mixed_workload
+from infer.bench.cli import DEFAULT_JSON, build_parser, main  # noqa: E402  (last: it reads this docstring)

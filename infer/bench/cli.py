@@ -1,0 +1,161 @@
+"""The command line of `python -m infer.bench` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import infer.bench as package
+from infer.bench.published import PAPER_TAU
+from infer.bench.report import write_outputs
+
+DEFAULT_JSON = Path("runs/bench/bench.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.bench", description=package.__doc__.splitlines()[0],
+                                epilog="\n".join(package.__doc__.splitlines()[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_argument_group("modes (default: the suite)")
+    mode.add_argument("--cost", action="store_true",
+                      help="hardware-independent cost report of an AR step and a DFlash cycle at the published "
+                           "shapes (abstract weights: nothing allocated, nothing run)")
+    mode.add_argument("--published-shapes", action="store_true",
+                      help="time the engine's pieces on a Qwen3-8B-shaped target + 5-layer drafter with random "
+                           "weights")
+    mode.add_argument("--cache-scaling", action="store_true",
+                      help="tokens/s with a small and a large Generator max_prompt_len (allocated cache)")
+    mode.add_argument("--mixed-workload", action="store_true",
+                      help="tokens/s with per-row max_new_tokens spread out, against every row at the mean")
+
+    pair = p.add_argument_group("pair")
+    pair.add_argument("--target", metavar="DIR", help="target directory, HF or converted (default: the bundled "
+                                                      "demo pair)")
+    pair.add_argument("--drafter", metavar="DIR", help="drafter directory, HF or converted")
+    pair.add_argument("--random", action="store_true",
+                      help="a random tiny Qwen3 target and random drafter built in memory (tau near 1)")
+    pair.add_argument("--hidden", type=int, default=128, help="--random: hidden size")
+    pair.add_argument("--layers", type=int, default=6, help="--random: target layers")
+    pair.add_argument("--heads", type=int, default=4, help="--random: attention heads (KV heads: half)")
+    pair.add_argument("--vocab", type=int, default=1024, help="--random: vocabulary size")
+    pair.add_argument("--drafter-layers", type=int, default=2, help="--random: drafter layers")
+    pair.add_argument("--random-block-size", type=int, default=8, help="--random: the drafter's block size")
+    pair.add_argument("--dtype", choices=("float32", "bfloat16"),
+                      help="default: the checkpoint's (--random, --cost, workloads: float32; --published-shapes: "
+                           "bfloat16)")
+
+    suite = p.add_argument_group("suite")
+    suite.add_argument("--quick", action="store_true",
+                       help="the drafter's block size only, no --draft-tokens rows, no time split, no transformers")
+    suite.add_argument("--heldout-package", default="numpy", help="installed package whose source gives the prompts")
+    suite.add_argument("--num-prompts", type=int, default=16)
+    suite.add_argument("--prompt-lines", type=int, default=6, help="lines per snippet")
+    suite.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
+    suite.add_argument("--block-sizes", default=None, help="comma-separated DFlash block sizes (default 4,8,16)")
+    suite.add_argument("--draft-tokens", default=None, metavar="K,...",
+                       help="also run the drafter's own block size verifying only its first K drafts per cycle "
+                            "(Generator draft_tokens), for each K (default 3,5,7); '' for none")
+    suite.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    suite.add_argument("--max-new-tokens", type=int, default=None,
+                       help="new tokens per row (default 128; --cache-scaling: 64)")
+    suite.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    suite.add_argument("--repeats", type=int, default=None, help="timed runs of each configuration (median; "
+                                                                 "default 3, workloads 2)")
+    suite.add_argument("--seed", type=int, default=0)
+    suite.add_argument("--sync-every", type=int, default=8, help="cycles per host sync (Generator)")
+    suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
+    suite.add_argument("--split-rounds", type=int, default=7, help="time split: rounds per piece (median)")
+    suite.add_argument("--split-min-time", type=float, default=0.05, help="time split: seconds per round at least")
+    suite.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers comparison")
+    suite.add_argument("--hf-batch-sizes", default=None, help="transformers batch sizes (default: --batch-sizes)")
+    suite.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+
+    shapes = p.add_argument_group("--cost and --published-shapes")
+    shapes.add_argument("--scale", type=float, default=None,
+                        help="shrink layers and widths (head_dim kept); default --cost 0.25, --published-shapes 1")
+    shapes.add_argument("--context", type=int, default=1024, help="positions of context in use per row")
+    shapes.add_argument("--cache-len", type=int, default=None,
+                        help="--cost: cache positions allocated (default context + 2 x block, rounded up to pages)")
+    shapes.add_argument("--compare-cache-len", type=int, default=8192,
+                        help="--cost: the same figures at this allocated cache too (0: skip)")
+    shapes.add_argument("--batch-size", type=int, default=None,
+                        help="--cost (default 8), --published-shapes (default 1), workloads (default 8)")
+    shapes.add_argument("--page-size", type=int, default=128, help="cache positions per page")
+    shapes.add_argument("--no-pieces", action="store_true", help="--cost: skip the pieces compiled alone")
+    shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, help="tau to project the speedup with")
+
+    work = p.add_argument_group("workloads")
+    work.add_argument("--cache-prompt-lens", default="128,8192",
+                      help="--cache-scaling: the small and large Generator max_prompt_len")
+    work.add_argument("--mixed-prompts", type=int, default=48, help="--mixed-workload: prompts")
+    work.add_argument("--mixed-range", default="8,256", help="--mixed-workload: per-row max_new_tokens lo,hi")
+
+    p.add_argument("--json", default=str(DEFAULT_JSON), metavar="PATH", help=f"figures as JSON (default {DEFAULT_JSON})")
+    p.add_argument("--plot", default=None, metavar="PATH", help="suite: PNG plot (default: bench.png next to the JSON)")
+    return p
+
+
+def env_info() -> dict:
+    import jax
+
+    info = dict(jax_version=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+                device_kind=jax.devices()[0].device_kind, python=platform.python_version(), cpus=os.cpu_count(),
+                argv=["python -m infer.bench", *sys.argv[1:]])  # no path of this machine
+    print(f"jax {info['jax_version']}, backend {info['backend']}, devices {jax.devices()}, "
+          f"{info['cpus']} CPUs, python {info['python']}")
+    return info
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [m for m in ("cost", "published_shapes", "cache_scaling", "mixed_workload") if getattr(args, m)]
+    if len(modes) > 1:
+        raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
+                         "pick one")
+    workload = bool({"cache_scaling", "mixed_workload"} & set(modes))
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64 if args.cache_scaling else 128
+    if args.repeats is None:
+        args.repeats = 2 if workload else 3
+    for flag in ("num_prompts", "max_new_tokens", "repeats", "prompt_lines", "max_prompt_tokens", "split_rounds",
+                 "page_size", "mixed_prompts"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit("error: --batch-size must be >= 1")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Dd]onat.*")  # backends that cannot donate still work
+        return run(args, modes[0] if modes else "suite")
+
+
+def run(args, mode: str) -> int:
+    result = dict(env=env_info(), mode=mode)
+    if mode == "suite":
+        from infer.bench.suite import run_suite
+
+        rc = run_suite(args, result)
+        if rc == 0:
+            write_outputs(result, args.json, args.plot, plot=True)
+        return rc
+    if mode == "cost":
+        from infer.bench.cost import run_cost
+
+        result["cost"] = run_cost(args)
+    elif mode == "published_shapes":
+        from infer.bench.published import run_published_shapes
+
+        result["published_shapes"] = run_published_shapes(args)
+    elif mode == "cache_scaling":
+        from infer.bench.workloads import run_cache_scaling
+
+        result["cache_scaling"] = run_cache_scaling(args)
+    else:
+        from infer.bench.workloads import run_mixed_workload
+
+        result["mixed_workload"] = run_mixed_workload(args)
+    write_outputs(result, args.json)
+    return 0

@@ -1,0 +1,157 @@
+"""The pairs a benchmark runs: a target + drafter from directories (default the bundled demo
+pair), a random tiny pair built in memory (--random), and the published Qwen3-8B + 5-layer
+block-16 drafter shapes (scaled), whose weights are random or only abstract."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Pair:
+    name: str
+    target: object  # ModelConfig
+    tparams: object
+    drafter: object  # DrafterConfig
+    dparams: object
+    tokenizer: object = None
+    target_dir: Path | None = None
+    drafter_dir: Path | None = None
+    demo: bool = False
+    random: bool = False
+    load_seconds: float = 0.0
+
+
+def load_pair(target_dir: Path | None, drafter_dir: Path | None, dtype: str | None) -> Pair:
+    """The pair in these directories (HF or converted), with the target's tokenizer when it has
+    one; both None: the bundled demo pair. Raises DFlashError."""
+    from dflash_jax.checkpoint import load_drafter, load_target
+
+    from dflash_jax.generation import DEMO_DIR, load_tokenizer
+
+    if (target_dir is None) != (drafter_dir is None):
+        raise SystemExit("error: --target and --drafter go together")
+    demo = target_dir is None
+    target_dir = Path(target_dir) if target_dir else DEMO_DIR / "target"
+    drafter_dir = Path(drafter_dir) if drafter_dir else DEMO_DIR / "drafter"
+    t = time.perf_counter()
+    tcfg, tparams = load_target(target_dir, dtype=dtype)
+    dcfg, dparams = load_drafter(drafter_dir, dtype=dtype)
+    seconds = time.perf_counter() - t
+    name = "bundled demo pair" if demo else f"{target_dir.name} + {drafter_dir.name}"
+    return Pair(name, tcfg, tparams, dcfg, dparams, load_tokenizer(target_dir), target_dir, drafter_dir, demo,
+                load_seconds=seconds)
+
+
+def random_configs(hidden: int = 128, layers: int = 6, heads: int = 4, vocab: int = 1024, drafter_layers: int = 2,
+                   block_size: int = 8, dtype: str = "float32"):
+    """A tiny Qwen3 target (KV heads: half the heads) and a drafter of its shape."""
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids
+
+    if hidden % heads:
+        raise SystemExit(f"error: --hidden {hidden} is not divisible by --heads {heads}")
+    target = ModelConfig(
+        model_type="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden // heads, max_position_embeddings=4096, qk_norm=True, sliding_windows=(None,) * layers,
+        dtype=dtype,
+    )
+    drafter = DrafterConfig(
+        model=target.replace(num_hidden_layers=drafter_layers, sliding_windows=(None,) * drafter_layers),
+        block_size=block_size, mask_token_id=vocab - 1,
+        target_layer_ids=default_target_layer_ids(layers, drafter_layers), num_target_layers=layers,
+    )
+    return target, drafter
+
+
+def random_pair(args) -> Pair:
+    """--random: a random tiny Qwen3 target and a random drafter, in memory (tau near 1: the
+    figures measure the engine, not a drafter)."""
+    import jax
+
+    from dflash_jax.drafter import init_drafter_params
+    from dflash_jax.model import init_params
+
+    t = time.perf_counter()
+    target, drafter = random_configs(args.hidden, args.layers, args.heads, args.vocab, args.drafter_layers,
+                                     args.random_block_size, args.dtype or "float32")
+    tparams = init_params(target, jax.random.PRNGKey(args.seed))
+    dparams = init_drafter_params(drafter, jax.random.PRNGKey(args.seed + 1))
+    name = (f"random qwen3 (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}) + random "
+            f"{args.drafter_layers}-layer drafter")
+    return Pair(name, target, tparams, drafter, dparams, random=True, load_seconds=time.perf_counter() - t)
+
+
+def published_configs(scale: float = 1.0, dtype: str = "bfloat16"):
+    """Qwen3-8B target and z-lab Qwen3-8B-DFlash-b16 drafter shapes (SPEC section 2), scaled:
+    layers, heads and widths times `scale` (head_dim 128 kept; at least 1 head, 2 target layers,
+    1 drafter layer; widths rounded to multiples of 128)."""
+    from dflash_jax.config import ModelConfig, RopeConfig
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids
+
+    head_dim = 128
+    heads = max(1, round(32 * scale))
+    kv = max(1, min(heads, round(8 * scale)))
+    while heads % kv:
+        kv -= 1
+    mult = lambda n: max(128, round(n * scale / 128) * 128)
+    layers, dlayers = max(2, round(36 * scale)), max(1, round(5 * scale))
+    vocab = mult(151936)
+    target = ModelConfig(
+        model_type="qwen3", vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=mult(12288),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+        sliding_windows=(None,) * layers, dtype=dtype,
+    )
+    drafter = DrafterConfig(
+        model=target.replace(num_hidden_layers=dlayers, sliding_windows=(None,) * dlayers),
+        block_size=16, mask_token_id=min(151669, vocab - 1),
+        target_layer_ids=default_target_layer_ids(layers, dlayers), num_target_layers=layers,
+    )
+    return target, drafter
+
+
+def describe_published(target, drafter, scale: float, dtype: str) -> str:
+    t, d = target, drafter.model
+    return (f"published shapes x {scale:g}: target qwen3 hidden {t.hidden_size}, {t.num_hidden_layers} layers, "
+            f"{t.num_attention_heads}/{t.num_key_value_heads} heads x {t.head_dim}, intermediate "
+            f"{t.intermediate_size}, vocab {t.vocab_size}; drafter {d.num_hidden_layers} layers, block "
+            f"{drafter.block_size}, taps {list(drafter.target_layer_ids)}; {dtype}")
+
+
+def random_params(abstract, seed: int):
+    """Random parameters with the shapes/dtypes of `abstract`: normal * 0.02, norms 1. One small
+    jitted generator per leaf (never the full init)."""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def normal(key, shape, dtype):
+        return (jax.random.normal(key, shape, dtype) * 0.02).astype(dtype)
+
+    key = jax.random.PRNGKey(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        name = "/".join(str(getattr(p, "key", p)) for p in path)
+        if "norm" in name:
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            out.append(normal(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def param_bytes(tree) -> int:
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def param_count(tree) -> int:
+    import jax
+
+    return int(sum(x.size for x in jax.tree.leaves(tree)))

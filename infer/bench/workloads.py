@@ -1,0 +1,177 @@
+"""Two workload measurements (figures only; nothing is asserted):
+
+--cache-scaling: does a large allocated cache slow decoding? The same prompts through plain
+decoding and DFlash with the Generator's max_prompt_len small (default 128) and large (default
+8192; the target's max_position_embeddings raised in memory to allow it); tokens/s of each and
+the slowdown large / small (the paged attention reads only the pages rows use: goal <= 1.15x).
+
+--mixed-workload: does continuous batching keep slots busy when rows want different lengths?
+48 held-out prompts with per-row max_new_tokens drawn (seeded) from 8..256, against the same rows
+all asking for the mean length (the same tokens in all); tokens/s ratio mixed / uniform for
+plain decoding and DFlash (goal >= 0.85), and the slot occupancy (row cycles / (loop cycles x
+batch)) of each run.
+
+Both run greedy with no stop tokens, each engine warmed up first, the configurations' timed runs
+interleaved round by round (a change in machine load hits each alike), median of --repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+import numpy as np
+
+from infer.bench.pairs import load_pair
+from infer.bench.prompts import describe_prompts
+from infer.bench.suite import describe_pair, heldout_prompts, int_list, pair_record
+from infer.bench.timing import compile_counts, counted_generate, delta, time_generate
+
+
+def _load(args):
+    from dflash_jax.errors import DFlashError
+
+    try:
+        return load_pair(args.target, args.drafter, args.dtype or "float32")
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
+    """engines: name -> (Generator, max_new_tokens per row or None). Warm each up (Generator.warmup
+    and one counted, untimed generate), then `repeats` rounds of one timed generate of each.
+    Returns name -> figures."""
+    out, warmed = {}, set()
+    for name, (gen, limits) in engines.items():
+        before = compile_counts()
+        if id(gen) not in warmed:
+            gen.warmup([len(p) for p in prompts])
+            warmed.add(id(gen))
+        results, loop_cycles, admissions = counted_generate(gen, prompts, seed, limits)
+        row_cycles = sum(len(r.acceptance_lengths) for r in results.values())
+        tokens = sum(len(r.output_ids) for r in results.values())
+        out[name] = dict(loop_cycles=loop_cycles, row_cycles=row_cycles, admissions=len(admissions),
+                         tokens_per_loop_cycle=tokens / loop_cycles if loop_cycles else 0.0,
+                         slot_occupancy=row_cycles / (loop_cycles * gen.batch_size) if loop_cycles else 0.0,
+                         compiles_warmup=delta(compile_counts(), before), runs=[],
+                         outputs=[results[i].output_ids for i in range(len(prompts))])
+    before = compile_counts()
+    for _ in range(repeats):
+        for name, (gen, limits) in engines.items():
+            stats, _ = time_generate(gen, prompts, 1, seed, limits)
+            out[name]["runs"].append(stats[0])
+    timed_compiles = delta(compile_counts(), before)
+    for name, r in out.items():
+        runs = r.pop("runs")
+        seconds = statistics.median(s.seconds for s in runs)
+        tokens = runs[-1].tokens
+        r.update(tokens_per_second=tokens / seconds, tokens_per_second_runs=[s.tokens_per_second for s in runs],
+                 seconds=seconds, output_tokens=tokens, tau=runs[-1].tau)
+    return dict(engines=out, compiles_timed=timed_compiles)
+
+
+def time_new_state(gen, rounds: int) -> float:
+    """Median seconds of Generator.new_state (init_state: the caches allocated and zeroed), which
+    `generate` calls once per call."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(gen.new_state())  # compiled
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(gen.new_state())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_cache_scaling(args) -> dict:
+    from dflash_jax.engine import Generator
+
+    pair = _load(args)
+    small, large = int_list(args.cache_prompt_lens, "--cache-prompt-lens")[:2]
+    top = max(pair.target.max_position_embeddings, 16384, large + args.max_new_tokens + 2 * pair.drafter.block_size)
+    target = pair.target.replace(max_position_embeddings=top)
+    drafter = dataclasses.replace(pair.drafter, model=pair.drafter.model.replace(max_position_embeddings=top))
+    batch = args.batch_size or 8
+    print(describe_pair(pair))
+    print(f"target max_position_embeddings raised in memory to {top}")
+    prompts, snippets, kind = heldout_prompts(args, pair)
+    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    print(f"greedy, {args.max_new_tokens} new tokens per row, no stop tokens, batch {batch}; Generator "
+          f"max_prompt_len {small} vs {large}; median of {args.repeats} interleaved runs\n", flush=True)
+    engines = {}
+    for mpl in (small, large):
+        common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens, max_prompt_len=mpl, stop_token_ids=(),
+                      sync_every=args.sync_every)
+        engines[("plain", mpl)] = (Generator(target, pair.tparams, block_size=1, **common), None)
+        engines[("dflash", mpl)] = (Generator(target, pair.tparams, drafter, pair.dparams, **common), None)
+    res = _interleaved(engines, prompts, args.repeats, args.seed)
+    figs = res["engines"]
+    for name, (gen, _) in engines.items():
+        figs[name]["new_state_s"] = time_new_state(gen, max(3, args.repeats))
+    rows = []
+    for method in ("plain", "dflash"):
+        a, b = figs[(method, small)], figs[(method, large)]
+        gen_a, gen_b = engines[(method, small)][0], engines[(method, large)][0]
+        slowdown = a["tokens_per_second"] / b["tokens_per_second"]
+        # generate allocates a fresh state (its caches) once per call: that part of the slowdown
+        slowdown_beyond_alloc = (b["seconds"] - b["new_state_s"]) / (a["seconds"] - a["new_state_s"])
+        rows.append(dict(method=method, small=dict(max_prompt_len=small, cache_len=gen_a.spec.cache_len, **a),
+                         large=dict(max_prompt_len=large, cache_len=gen_b.spec.cache_len, **b), slowdown=slowdown,
+                         slowdown_beyond_allocation=slowdown_beyond_alloc, same_outputs=a["outputs"] == b["outputs"]))
+        print(f"{method:7} max_prompt_len {small} (cache {gen_a.spec.cache_len}): {a['tokens_per_second']:.1f} tok/s; "
+              f"{large} (cache {gen_b.spec.cache_len}): {b['tokens_per_second']:.1f} tok/s; slowdown "
+              f"{slowdown:.3f}x (goal <= 1.15x); same tokens: {a['outputs'] == b['outputs']}")
+        print(f"{'':7} of a generate call's {b['seconds']:.2f}s at {large}, allocating its state (Generator.new_state, "
+              f"the caches zeroed) takes {b['new_state_s']:.3f}s ({a['new_state_s']:.3f}s at {small}); without it "
+              f"the slowdown is {slowdown_beyond_alloc:.3f}x")
+    for r in rows:
+        for k in ("small", "large"):
+            r[k].pop("outputs")
+    return dict(pair=pair_record(pair), max_position_embeddings=top, batch_size=batch,
+                max_new_tokens=args.max_new_tokens, prompts=dict(kind=kind, lengths=[len(p) for p in prompts]),
+                repeats=args.repeats, rows=rows, compiles_timed=res["compiles_timed"])
+
+
+def run_mixed_workload(args) -> dict:
+    from dflash_jax.engine import Generator
+
+    pair = _load(args)
+    batch = args.batch_size or 8
+    lo, hi = int_list(args.mixed_range, "--mixed-range")[:2]
+    print(describe_pair(pair))
+    prompts, snippets, kind = heldout_prompts(args, pair, num=args.mixed_prompts)
+    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    limits = np.random.default_rng(args.seed).integers(lo, hi + 1, size=len(prompts)).tolist()
+    mean = round(statistics.mean(limits))
+    uniform = [mean] * len(prompts)
+    print(f"greedy, no stop tokens, batch {batch}; mixed: per-row max_new_tokens {min(limits)}..{max(limits)} "
+          f"(seeded, drawn from {lo}..{hi}; {sum(limits)} tokens); uniform: every row {mean} "
+          f"({sum(uniform)} tokens); median of {args.repeats} interleaved runs\n", flush=True)
+    common = dict(batch_size=batch, max_new_tokens=hi, max_prompt_len=max(len(p) for p in prompts), stop_token_ids=(),
+                  sync_every=args.sync_every)
+    plain = Generator(pair.target, pair.tparams, block_size=1, **common)
+    dflash = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common)
+    engines = {("plain", "mixed"): (plain, limits), ("plain", "uniform"): (plain, uniform),
+               ("dflash", "mixed"): (dflash, limits), ("dflash", "uniform"): (dflash, uniform)}
+    res = _interleaved(engines, prompts, args.repeats, args.seed)
+    figs = res["engines"]
+    rows = []
+    for method in ("plain", "dflash"):
+        m, u = figs[(method, "mixed")], figs[(method, "uniform")]
+        ratio = m["tokens_per_second"] / u["tokens_per_second"]
+        per_cycle = m["tokens_per_loop_cycle"] / u["tokens_per_loop_cycle"]
+        m.pop("outputs"), u.pop("outputs")
+        rows.append(dict(method=method, mixed=m, uniform=u, ratio=ratio, tokens_per_loop_cycle_ratio=per_cycle))
+        print(f"{method:7} mixed {m['tokens_per_second']:.1f} tok/s (slot occupancy {m['slot_occupancy']:.1%}, "
+              f"{m['loop_cycles']} loop cycles, {m['admissions']} admissions), uniform {u['tokens_per_second']:.1f} "
+              f"tok/s (occupancy {u['slot_occupancy']:.1%}, {u['loop_cycles']} loop cycles, {u['admissions']} "
+              f"admissions); mixed / uniform {ratio:.3f} (goal >= 0.85); tokens per loop cycle, mixed / uniform "
+              f"{per_cycle:.3f} (the machine-independent part)")
+    return dict(pair=pair_record(pair), batch_size=batch, max_new_tokens_range=[lo, hi], limits=limits,
+                uniform_limit=mean, prompts=dict(kind=kind, lengths=[len(p) for p in prompts]), repeats=args.repeats,
+                rows=rows, compiles_timed=res["compiles_timed"])
