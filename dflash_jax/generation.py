@@ -28,6 +28,17 @@ class InputError(DFlashError):
     pass
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_generation_flags(p: argparse.ArgumentParser):
     """The flags of `python -m infer` (and `train.generate_data`)."""
     p.add_argument("--target", "--model", dest="target", metavar="DIR",
@@ -40,17 +51,18 @@ def add_generation_flags(p: argparse.ArgumentParser):
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate per row, and the most a row's own max_new_tokens may ask for "
                         "(default 256; 128 for the demo pair)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                          "whose probability reaches P (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling keys (per row and position)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                    help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
                         "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
                         "where verify tokens cost compute (CPUs, large batches)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together (slots refilled as rows finish)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="parameter dtype (default: the checkpoint's)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the stop tokens")

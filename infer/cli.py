@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.generation import DEMO_DIR, add_distributed_flags, add_generation_flags, run_generation
+from dflash_jax.generation import DEMO_DIR, HelpFormatter, add_distributed_flags, add_generation_flags, run_generation
 
 __all__ = ["DEMO_DIR", "build_parser", "main"]
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Batch generation with DFlash speculative decoding. With no --target/--drafter, "
         "runs the bundled demo pair (a small code model trained on the Python standard library and "
         "its DFlash drafter) on its built-in prompts, with --compare-baseline.",
+        formatter_class=HelpFormatter,
     )
     add_generation_flags(p)
     add_distributed_flags(p)

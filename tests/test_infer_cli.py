@@ -361,3 +361,19 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     write_jsonl(tmp_path / "zero.jsonl", [{"input_ids": [1, 2], "max_new_tokens": 0}])
     code, err = run_cli(common + ["--input", str(tmp_path / "zero.jsonl")])
     assert code == 2 and "zero.jsonl line 1: max_new_tokens must be a positive integer" in err
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    from infer.cli import build_parser
+
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        text = formatter._get_help_string(action) % {"default": action.default}
+        assert action.help, action.option_strings
+        if action.default is not None and action.default is not False:  # a default worth showing
+            assert "default" in text, (action.option_strings, text)
+    help_text = " ".join(parser.format_help().split())
+    assert "0 = greedy (default: 0.0)" in help_text and "finish) (default: 8)" in help_text

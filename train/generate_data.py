@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.generation import add_distributed_flags, add_generation_flags, run_generation
+from dflash_jax.generation import HelpFormatter, add_distributed_flags, add_generation_flags, run_generation
 
 
 def conversation_record(row, record, conversation) -> dict:
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.generate_data",
         description="Regenerate responses with the target (optionally sped up by a drafter) and write "
-                    "conversations JSONL for `python -m train`. Same flags as `python -m infer`.")
+                    "conversations JSONL for `python -m train`. Same flags as `python -m infer`.",
+        formatter_class=HelpFormatter)
     add_generation_flags(parser)
     add_distributed_flags(parser)
     return parser
