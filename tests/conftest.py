@@ -21,3 +21,17 @@ _state = {"file": None, "config": None}
 
 def pytest_configure(config):
     _state["config"] = config
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop jax's compiled programs after each test file. One process compiles thousands of them
+    over the suite, and the CPU client keeps every one mapped: without this the suite ran into a
+    segmentation fault inside XLA's compiler deep into the run."""
+    yield
+    import jax
+
+    jax.clear_caches()
