@@ -91,10 +91,11 @@ def _update(carry, scores, mask, v):
     """One step of the online softmax. carry (m, l, acc): running max [n, kv, g, T], sum of
     weights, and weighted values [n, kv, g, T, d], all float32; mask [n, T, S]."""
     m, l, acc = carry
-    mask = mask[:, None, None]
-    scores = jnp.where(mask, scores, NEG)
+    # Masked scores are -inf and the running max starts at the finite NEG, so exp gives them
+    # weight 0 with no second select (one pass fewer over the scores).
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     m_new = jnp.maximum(m, scores.max(-1))
-    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    p = jnp.exp(scores - m_new[..., None])
     alpha = jnp.exp(m - m_new)
     l = l * alpha + p.sum(-1)
     pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -87,19 +87,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(config: ModelConfig, positions):
-    """cos, sin of shape [*positions.shape, head_dim] (half-split layout, as HF)."""
+    """cos, sin of shape [*positions.shape, head_dim // 2]: one angle per rotated pair."""
     inv_freq = jnp.asarray(rope_inv_freq(config.rope, config.head_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(freqs), jnp.sin(freqs)
 
 
 def apply_rope(x, cos, sin):
-    """x [batch, T, heads, head_dim]; cos/sin [batch, T, head_dim]."""
+    """x [batch, T, heads, head_dim]; cos/sin [batch, T, head_dim // 2]. The half-split layout
+    of HF (dimension i pairs with i + head_dim / 2), written as one elementwise expression over
+    the two halves, which XLA fuses with its producer (a concatenate of a negated half, as
+    `rotate_half` does, is a separate pass over q and k on XLA's CPU backend)."""
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    pairs = x.reshape(*x.shape[:-1], 2, half)
+    x1, x2 = pairs[..., 0, :], pairs[..., 1, :]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2).reshape(x.shape)
 
 
 class Attention(nn.Module):

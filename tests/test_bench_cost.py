@@ -55,14 +55,20 @@ def test_report_figures_add_up(cost_run):
         corr, ideal = f["correction"], f["ideal"]
         assert f["verify_len"] == spec.verify_len and f["allocated_cache_len"] == 384
         assert corr["bytes"] == (corr["target_page_bytes"] + corr["drafter_page_bytes"] + corr["target_write_bytes"]
-                                 + corr["drafter_write_bytes"])
+                                 + corr["lookup_bytes"]                                 + corr["drafter_write_bytes"])
         assert f["corrected_bytes"] == f["xla_bytes"] + corr["bytes"]
         assert f["corrected_flops"] == f["xla_flops"] + corr["flops"]
         # the pages walked: ceil((context + verify) / page) in the target, ceil(context / page) in the drafter
         assert corr["target_pages"] == math.ceil((256 + spec.verify_len) / 128) == 3
         assert corr["target_page_bytes"] == kv_bytes(spec.target, 2, 128 * (corr["target_pages"] - 1))
         # ideal: weights once, the used K/V read once
-        assert ideal["target_weights"] == bench.param_bytes(tparams)
+        # ...every lookup counted as its rows, not the table (the AR step looks up once, DFlash twice)
+        hidden, vocab = spec.target.hidden_size, spec.target.vocab_size
+        rows = 2 * spec.verify_len + (2 * spec.block_size if spec.uses_drafter else 0)
+        assert corr["lookups"] == (2 if spec.uses_drafter else 1) and corr["lookup_rows"] == rows
+        assert corr["lookup_bytes"] == rows * hidden * 4 - corr["lookups"] * vocab * hidden * 4
+        assert ideal["target_weights"] == bench.param_bytes(tparams) - vocab * hidden * 4  # untied: rows only
+        assert ideal["embedding_rows"] == rows * hidden * 4
         assert ideal["target_kv"] == kv_bytes(spec.target, 2, 256)
         assert f["ideal_bytes"] == sum(v for k, v in ideal.items() if k != "bytes")
         assert f["corrected_over_ideal"] == pytest.approx(f["corrected_bytes"] / f["ideal_bytes"])
@@ -110,8 +116,9 @@ def test_the_correction_is_zero_where_xla_sees_every_page_and_row():
     XLA's figure does not move with the context (a loop body is counted once), the correction does."""
     for spec in specs(256):
         one = bench.cycle_cost(spec, 1, 100)
-        assert one["correction"]["bytes"] == 0 and one["correction"]["flops"] == 0
-        assert one["corrected_bytes"] == one["xla_bytes"] and one["corrected_flops"] == one["xla_flops"]
+        assert one["correction"]["bytes"] == one["correction"]["lookup_bytes"] and one["correction"]["flops"] == 0
+        assert one["corrected_bytes"] == one["xla_bytes"] + one["correction"]["lookup_bytes"]
+        assert one["corrected_flops"] == one["xla_flops"]
         three = bench.cycle_cost(spec, 1, 200)  # 3 pages for the verify (2 in the drafter)
         assert three["xla_bytes"] == one["xla_bytes"] and three["xla_flops"] == one["xla_flops"]
         assert three["corrected_bytes"] > one["corrected_bytes"]
@@ -124,7 +131,8 @@ def test_the_page_correction_against_xla_counting_every_page():
     within what XLA counts for it (its unfused CPU walk also moves score intermediates)."""
     for s128, s64 in zip(specs(256, 128), specs(256, 64)):
         whole, paged = bench.cycle_cost(s128, 1, 100), bench.cycle_cost(s64, 1, 100)
-        assert whole["correction"]["bytes"] == 0 and paged["correction"]["target_pages"] == 2
+        assert whole["correction"]["bytes"] == whole["correction"]["lookup_bytes"]
+        assert paged["correction"]["target_pages"] == 2
         assert paged["correction"]["target_page_bytes"] == kv_bytes(s64.target, 1, 64)
         assert paged["corrected_flops"] == pytest.approx(whole["xla_flops"], rel=2e-3)
         assert paged["xla_flops"] < whole["xla_flops"]
@@ -161,3 +169,16 @@ def test_xla_counts_a_row_write_once_per_loop():
     assert xla_bytes(1) == pytest.approx(2 * row, abs=64)
     assert xla_bytes(4) == pytest.approx(xla_bytes(2), abs=64)  # the offsets array grows, nothing else
     assert xla_bytes(4) < 2 * 2 * row
+
+
+def test_xla_counts_a_lookup_as_its_whole_table():
+    """The basis of the lookup correction: XLA's figure for an embedding lookup fused with its
+    consumer grows with the table, not with the rows looked up."""
+    def xla_bytes(vocab, rows):
+        table = jax.ShapeDtypeStruct((vocab, 256), jnp.float32)
+        ids = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return bench.xla_cost(jax.jit(lambda t, i: jnp.take(t, i, axis=0) * 2).lower(table, ids).compile())[1]
+
+    assert bench.gather_counts_table("float32")
+    assert xla_bytes(8192, 8) - xla_bytes(4096, 8) == pytest.approx(4096 * 256 * 4, rel=0.01)
+    assert xla_bytes(4096, 16) - xla_bytes(4096, 8) < 0.01 * 4096 * 256 * 4

@@ -325,17 +325,25 @@ LIMITS = (24, 5, 17, 1, 24, 9, 13, 24, 2, 20, 11, 24)  # per-row max_new_tokens 
 @pytest.mark.parametrize("name,block_size", [("qwen3-v8", 8), ("llama-v128", 1)])
 def test_continuous_batching_equals_one_row_at_a_time(name, block_size):
     """3 slots for 12 prompts with their own limits: slots are refilled as rows finish, one or
-    several prompts at a time, and every row equals its run alone in a batch of 1."""
+    several prompts at a time, longest limit first (a long row admitted last would run on alone),
+    and every row equals its run alone in a batch of 1."""
     gen = engine(name, block_size, 3)
-    admitted = []
+    admitted, order = [], []
     admit = gen.admit
-    gen.admit = lambda state, slots, *a, **kw: (admitted.append(len(slots)), admit(state, slots, *a, **kw))[1]
+
+    def recording_admit(state, slots, prompts, row_ids, *a, **kw):
+        admitted.append(len(slots))
+        order.extend(row_ids)
+        return admit(state, slots, prompts, row_ids, *a, **kw)
+
+    gen.admit = recording_admit
     try:
         together = by_index(gen.generate(list(prompts(name)), max_new_tokens=list(LIMITS)))
     finally:
         del gen.admit
     alone = by_index(engine(name, block_size, 1).generate(list(prompts(name)), max_new_tokens=list(LIMITS)))
     assert admitted[0] == 3 and sum(admitted) == len(LIMITS) and len(admitted) > 4
+    assert order == sorted(range(len(LIMITS)), key=lambda i: -LIMITS[i])  # stable: ties keep their order
     assert [r.output_ids for r in together] == [r.output_ids for r in alone]
     assert [r.acceptance_lengths for r in together] == [r.acceptance_lengths for r in alone]
     for r, limit in zip(together, LIMITS):

@@ -213,7 +213,10 @@ class Generator:
                 raise DFlashError(why)
         if not prompts:
             return
-        waiting = collections.deque(range(len(prompts)))
+        # Longest first: a long row admitted last would run on alone while the other slots
+        # idle; admitting by descending limit (stable: equal limits keep their order) leaves
+        # the short rows for the end, where they fill the slots the long ones free.
+        waiting = collections.deque(sorted(range(len(prompts)), key=lambda i: -limits[i]))
         occupant = np.full(self.batch_size, -1)  # prompt in each slot, -1: free
         counted = np.zeros(self.batch_size, np.int64)  # tokens of each slot's row already reported
 

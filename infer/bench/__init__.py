@@ -50,7 +50,10 @@ Other modes:
     python -m infer.bench --cache-scaling | --mixed-workload
 """
 
-from infer.bench.cost import HARDWARE, cycle_cost, ideal_bytes, loop_correction, piece_costs, run_cost, xla_cost
+from infer.bench.cost import (
+    HARDWARE, cycle_cost, gather_counts_table, ideal_bytes, lookup_correction, loop_correction, piece_costs, run_cost,
+    xla_cost,
+)
 from infer.bench.hf import bench_transformers
 from infer.bench.pairs import (
     Pair, load_pair, param_bytes, param_count, published_configs, random_configs, random_pair, random_params,

@@ -12,13 +12,18 @@ XLA counts every loop body once. Two loops inside a cycle matter:
   context C walks ceil((C + verify_len) / page) pages in the target's verify and ceil(C / page)
   in the drafter;
 - a cache write (`attention.write_kv`: a fori_loop over the rows) is counted as one row's write.
+XLA also counts an embedding lookup (a gather fused with its consumer) as a read of the whole
+table, where a lookup reads the rows it indexes (the AR step looks up once, the DFlash cycle
+twice: the drafter's block and the verify's).
 The corrected figure adds the K/V bytes of the pages beyond the one counted (read once each, as
 a fused attention kernel reads them; XLA's unfused CPU walk also materialises score
 intermediates, which are not added) and the other rows' writes (the update read and written,
-as XLA counts a single row's write); flops add the pages' QK^T and PV products.
+as XLA counts a single row's write), and counts each lookup as its rows instead of the table;
+flops add the pages' QK^T and PV products.
 
 The ideal is what a cycle cannot avoid moving: every weight once (for DFlash the target's and
-the drafter's, plus the target's LM head read once more by the drafter) and the K/V in use read
+the drafter's, plus the target's LM head read once more by the drafter; an untied embedding
+table counts as the rows looked up, which is all a lookup reads) and the K/V in use read
 once (target layers x batch x context x kv_heads x head_dim x 2 x dtype bytes, and the drafter's
 context K/V likewise). Rooflines are max(flops / peak, bytes / bandwidth).
 """
@@ -91,6 +96,34 @@ def embedding_bytes(tparams) -> int:
     return int(leaf.size * leaf.dtype.itemsize)
 
 
+def gather_counts_table(dtype: str) -> bool:
+    """Whether this XLA counts a fused embedding lookup as a read of its whole table (it does
+    on the CPU backend of jax 0.10; checked, not assumed)."""
+    import jax
+    import jax.numpy as jnp
+
+    table = jax.ShapeDtypeStruct((4096, 256), dtype)
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    compiled = jax.jit(lambda t, i: jnp.take(t, i, axis=0) * 2).lower(table, ids).compile()
+    return xla_cost(compiled)[1] >= 4096 * 256 * jnp.dtype(dtype).itemsize
+
+
+def lookups(spec, batch: int) -> list[int]:
+    """Rows looked up in the embedding per cycle, one entry per lookup: the verify's block
+    (and the drafter's block)."""
+    return [batch * spec.verify_len] + ([batch * spec.block_size] if spec.uses_drafter else [])
+
+
+def lookup_correction(spec, tparams, batch: int, table_counted: bool) -> dict:
+    """Bytes to add to XLA's figure so that each lookup counts its rows, not its table
+    (negative; 0 where XLA already counts rows)."""
+    emb = tparams["model"]["embed_tokens"]["embedding"]
+    table, row = embedding_bytes(tparams), emb.shape[1] * emb.dtype.itemsize
+    rows = lookups(spec, batch)
+    return dict(lookups=len(rows), lookup_rows=sum(rows),
+                lookup_bytes=sum(r * row - table for r in rows) if table_counted else 0)
+
+
 def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
     """What XLA's once-per-loop-body count leaves out of one cycle at `context` (see the module
     docstring): bytes and flops of the extra pages walked, bytes of the other rows' writes."""
@@ -123,7 +156,12 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
     """Weights once (DFlash: target + drafter + the borrowed LM head once more) + the K/V in use
     read once."""
     t = spec.target
-    out = dict(target_weights=param_bytes(tparams), drafter_weights=0, lm_head_again=0,
+    weights, embedding_rows = param_bytes(tparams), 0
+    if not t.tie_word_embeddings:  # a lookup reads its rows; the LM head reads a tied table anyway
+        emb = tparams["model"]["embed_tokens"]["embedding"]
+        weights -= embedding_bytes(tparams)
+        embedding_rows = sum(lookups(spec, batch)) * emb.shape[1] * emb.dtype.itemsize
+    out = dict(target_weights=weights, embedding_rows=embedding_rows, drafter_weights=0, lm_head_again=0,
                target_kv=t.num_hidden_layers * batch * context * t.num_key_value_heads * t.head_dim * 2
                * _dtype_bytes(t), drafter_kv=0)
     if spec.uses_drafter:
@@ -135,7 +173,7 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
     return out
 
 
-def cycle_cost(spec, batch: int, context: int) -> dict:
+def cycle_cost(spec, batch: int, context: int, table_counted: bool | None = None) -> dict:
     """Lower and compile the engine's run_cycles for abstract inputs; XLA's figures of one
     cycle, the loop correction, the corrected figures, the ideal and the ratio."""
     import jax
@@ -149,8 +187,12 @@ def cycle_cost(spec, batch: int, context: int) -> dict:
                                 jax.ShapeDtypeStruct((), jnp.bool_)).compile()
     seconds = time.perf_counter() - t
     flops, nbytes = xla_cost(compiled)
-    max_len = state.target_cache.k.shape[2]
+    max_len = state.target_cache.max_len
     corr = loop_correction(spec, batch, context, max_len)
+    if table_counted is None:
+        table_counted = gather_counts_table(spec.target.dtype)
+    corr.update(lookup_correction(spec, tparams, batch, table_counted))
+    corr["bytes"] += corr["lookup_bytes"]
     ideal = ideal_bytes(spec, tparams, dparams, batch, context)
     corrected = nbytes + corr["bytes"]
     return dict(block_size=spec.block_size, verify_len=spec.verify_len, batch_size=batch, context=context,
@@ -162,14 +204,14 @@ def cycle_cost(spec, batch: int, context: int) -> dict:
 
 def piece_costs(spec, batch: int, context: int) -> dict:
     """XLA's bytes of the engine's pieces of a DFlash cycle, each compiled alone (draft, verify,
-    accept + commit), with the part of the loop correction that falls in each."""
+    accept + commit), with the part of the correction that falls in each."""
     import jax
 
     from dflash_jax.engine import accept, commit, draft, verify
     from dflash_jax.model import ForwardOutput
 
     tparams, dparams, state, stop_ids = abstract_inputs(spec, batch, context)
-    corr = loop_correction(spec, batch, context, state.target_cache.k.shape[2])
+    corr = loop_correction(spec, batch, context, state.target_cache.max_len)
     drafts = jax.ShapeDtypeStruct((batch, spec.num_drafts), "int32")
     tokens = jax.ShapeDtypeStruct((batch, spec.verify_len), "int32")
     verified = jax.eval_shape(lambda tp, s, b: verify(tp, spec, s, b)[1], tparams, state, tokens)
@@ -178,12 +220,17 @@ def piece_costs(spec, batch: int, context: int) -> dict:
         out = ForwardOutput(logits=None, tap_features=f, cache=s.target_cache)
         return commit(dp, spec, s, tt, accept(d, tt), out, stop)
 
+    # each piece's lookup counted as its rows (lookups(): the verify's, then the drafter's)
+    emb = tparams["model"]["embed_tokens"]["embedding"]
+    table_counted = gather_counts_table(spec.target.dtype)
+    lookup = [(r * emb.shape[1] * emb.dtype.itemsize - embedding_bytes(tparams)) if table_counted else 0
+              for r in lookups(spec, batch)]
     jobs = dict(
         draft=(lambda tp, dp, a, ctx: draft(tp, dp, spec, a, ctx), (tparams, dparams, state.anchor,
                                                                      state.context_cache), (),
-               corr["drafter_page_bytes"]),
+               corr["drafter_page_bytes"] + lookup[1]),
         verify=(lambda tp, s, b: verify(tp, spec, s, b), (tparams, state, tokens), (1,),
-                corr["target_page_bytes"] + corr["target_write_bytes"]),
+                corr["target_page_bytes"] + corr["target_write_bytes"] + lookup[0]),
         accept_commit=(accept_commit, (dparams, state, drafts, tokens, verified.tap_features, stop_ids), (1,),
                        corr["drafter_write_bytes"]),
     )
@@ -233,12 +280,14 @@ def run_cost(args) -> dict:
     c_ar, c_df = ar["correction"], df["correction"]
     tap = args.paper_tau
     print("\nXLA's cost analysis counts a loop body once: the attention walk as one page per call, a cache write "
-          "as one row's.\ncorrected = XLA + the K/V of the pages walked beyond the one counted, read once each "
+          "as one row's; and it counts an embedding lookup as a read of the whole table.\n"
+          "corrected = XLA + the K/V of the pages walked beyond the one counted, read once each "
           f"(target: ceil((context + verify) / {c_df['page']}) = {c_ar['target_pages']} pages per layer for the "
           f"AR step, {c_df['target_pages']} for the DFlash verify; drafter: ceil(context / {c_df['page']}) = "
-          f"{c_df['drafter_pages']}) + the other {batch - 1} rows' K/V writes (update read and written); flops "
+          f"{c_df['drafter_pages']}) + the other {batch - 1} rows' K/V writes (update read and written), with each "
+          f"lookup (AR: {c_ar['lookups']}, DFlash: {c_df['lookups']}) counted as the rows it reads; flops "
           "add those pages' QK^T and PV products.\nideal = weights once (DFlash: target + drafter + the target's "
-          "LM head once more, for the drafter) + the K/V in use read once.\n")
+          "LM head once more, for the drafter; the embedding as the rows looked up) + the K/V in use read once.\n")
     rows = [
         ("tokens verified per row", lambda f: f"{f['verify_len']}"),
         ("XLA flops", lambda f: f"{f['xla_flops'] / 1e9:.3f} GFLOP"),
@@ -248,10 +297,12 @@ def run_cost(args) -> dict:
          lambda f: fmt_gb(f["correction"]["target_page_bytes"] + f["correction"]["drafter_page_bytes"])),
         ("  + other rows' K/V writes",
          lambda f: fmt_gb(f["correction"]["target_write_bytes"] + f["correction"]["drafter_write_bytes"])),
+        ("  - lookups counted as the table", lambda f: fmt_gb(-f["correction"]["lookup_bytes"])),
         ("corrected bytes", lambda f: fmt_gb(f["corrected_bytes"])),
         ("ideal bytes", lambda f: fmt_gb(f["ideal_bytes"])),
         ("  weights (target + drafter)",
          lambda f: fmt_gb(f["ideal"]["target_weights"] + f["ideal"]["drafter_weights"])),
+        ("  embedding rows looked up", lambda f: fmt_gb(f["ideal"]["embedding_rows"])),
         ("  LM head again (drafter)", lambda f: fmt_gb(f["ideal"]["lm_head_again"]) if f["block_size"] > 1 else "-"),
         ("  K/V in use, read once", lambda f: fmt_gb(f["ideal"]["target_kv"] + f["ideal"]["drafter_kv"])),
         ("corrected / ideal", lambda f: f"{f['corrected_over_ideal']:.2f}x"),
@@ -308,11 +359,6 @@ def run_cost(args) -> dict:
               + f"; sum {fmt_gb(total)} ({total / df['corrected_bytes']:.2f}x the cycle's corrected bytes)")
     tparams = abstract_inputs(specs(cache_len)["ar"], 1, 1)[0]
     emb = embedding_bytes(tparams)
-    df["corrected_over_ideal_one_lookup"] = (df["corrected_bytes"] - emb) / df["ideal_bytes"]
-    print(f"note: XLA counts a gather as reading its whole table: each embedding lookup counts the target's "
-          f"embedding table ({fmt_gb(emb)}), where a real lookup reads its rows; the DFlash cycle looks up twice "
-          "(the verify's block and the drafter's block), the ideal counts the table once: without the second, "
-          f"the DFlash cycle is {df['corrected_over_ideal_one_lookup']:.2f}x the ideal.")
     return dict(
         scale=scale, dtype=dtype, batch_size=batch, context=context, cache_len_asked=asked, cache_len=cache_len,
         page_size=args.page_size, block_size=b, paper_tau=tap,
@@ -321,6 +367,7 @@ def run_cost(args) -> dict:
         hardware={hw.name: dict(flops=hw.flops, bandwidth=hw.bandwidth) for hw in HARDWARE},
         ar=ar, dflash=df, projected=projected, compare=compare, pieces=pieces, embedding_table_bytes=emb,
         correction_note="corrected = XLA bytes + K/V of the pages beyond the one XLA counts per attention call "
-                        "(read once each) + the other rows' K/V writes (read and written); flops add the pages' "
+                        "(read once each) + the other rows' K/V writes (read and written) - each lookup's table "
+                        "+ its rows; flops add the pages' "
                         "QK^T and PV products",
     )
