@@ -4,6 +4,17 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Compiling is most of the suite's time. jax's persistent compilation cache keeps every compiled
+# program on disk (in .jax_cache/, ignored by git; the CLI and training subprocesses inherit it):
+# a program compiled by several tests, or by an earlier run, is loaded instead of compiled again.
+# DFLASH_TEST_COMPILE_CACHE=off compiles everything afresh; a path puts the cache there.
+_cache = os.environ.get("DFLASH_TEST_COMPILE_CACHE", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".jax_cache"))
+if _cache != "off":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 
 
 def pytest_runtest_logstart(nodeid, location):

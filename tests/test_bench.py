@@ -120,6 +120,7 @@ def test_transformers_side_by_side(demo_run):
     assert r["rows_matching_baseline"] == NUM_PROMPTS
 
 
+@pytest.mark.heavy
 def test_time_split(tmp_path):
     """The time split of the engine's pieces on a small random pair: figures consistent with each
     other and with the run's."""
@@ -243,6 +244,7 @@ def test_synthetic_state_comes_from_init_state():
     assert not c.done.any() and (c.max_new_tokens == 8).all() and (c.num_generated == 1).all()
 
 
+@pytest.mark.heavy
 def test_published_shapes_at_tiny_scale(tmp_path, capsys):
     out = tmp_path / "pub.json"
     assert bench.main(["--published-shapes", "--scale", "0.05", "--context", "32", "--json", str(out),
@@ -333,6 +335,7 @@ def test_the_bundled_pair_gets_text_prompts(tmp_path):
     assert res["transformers"] == {"skipped": "--no-transformers"}
 
 
+@pytest.mark.heavy
 def test_mixed_workload_mode(tmp_path, capsys):
     out = tmp_path / "mixed.json"
     argv = ["--mixed-workload", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
@@ -359,6 +362,7 @@ def test_mixed_workload_mode(tmp_path, capsys):
     assert "mixed / uniform" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_cache_scaling_mode(tmp_path):
     out = tmp_path / "cache.json"
     argv = ["--cache-scaling", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
@@ -375,6 +379,3 @@ def test_cache_scaling_mode(tmp_path):
         assert r["same_outputs"]  # the allocated cache does not change the tokens
         assert r["small"]["output_tokens"] == r["large"]["output_tokens"] == 2 * 6
         assert r["small"]["loop_cycles"] == r["large"]["loop_cycles"]
-        assert r["small"]["new_state_s"] > 0 and r["large"]["new_state_s"] > 0
-        assert r["slowdown_beyond_allocation"] == pytest.approx(
-            (r["large"]["seconds"] - r["large"]["new_state_s"]) / (r["small"]["seconds"] - r["small"]["new_state_s"]))

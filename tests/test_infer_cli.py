@@ -88,6 +88,7 @@ def test_resume_skips_written_ids_and_repairs_a_torn_line(tmp_path, capsys):
     assert "all 8 rows already done, nothing to generate" in err and "tau" not in err
 
 
+@pytest.mark.heavy  # the everyday suite's row-limit test runs --compare-baseline too
 def test_compare_baseline_reports_speedup(tmp_path):
     summary = tmp_path / "s.json"
     assert main(tiny_pair(16) + ["--output", str(tmp_path / "o.jsonl"), "--compare-baseline",
@@ -98,6 +99,7 @@ def test_compare_baseline_reports_speedup(tmp_path):
     assert s["speedup"] == pytest.approx(s["tokens_per_second"] / s["baseline"]["tokens_per_second"], rel=1e-2)
 
 
+@pytest.mark.heavy  # the engine's K-drafts tests run everyday
 def test_draft_tokens_verify_fewer_drafts_with_the_same_rows(tmp_path, capsys):
     """--draft-tokens 2 on the reference pair (block 8): the same tokens as the reference, no
     cycle longer than 3, the summary says so; a K outside 1..7 is a one-line error; the output
@@ -313,7 +315,7 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
     assert read_jsonl(out)[-1]["id"] == "long" and read_jsonl(out)[-1]["num_output_tokens"] == 5
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     """Rows carrying their own max_new_tokens get exactly that many tokens, the first tokens of the
     full-length run (greedy and sampled: keys are per row and position); a cache sized for 2048-token
@@ -321,7 +323,7 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     asking for more than --max-new-tokens is a one-line error before any model loads."""
     rng = np.random.default_rng(0)
     vocab = json.loads((tiny() / "target" / "config.json").read_text())["vocab_size"]
-    lengths = [5, 30, 3, 90, 12, 33, 7, 70, 200]
+    lengths = [5, 30, 3, 20, 12, 29, 7, 25, 200]  # two prompt buckets (few compilations) and one too long
     limits = [None, 3, 24, 1, 10, None, 17, 5, 8]
     rows = [{"id": f"r{i}", "input_ids": rng.integers(1, vocab, n).tolist()} for i, n in enumerate(lengths)]
     full = write_jsonl(tmp_path / "full.jsonl", rows)

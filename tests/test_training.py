@@ -255,6 +255,30 @@ def train_cli(tmp_path, name, *overrides, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
 
 
+def write_conversations(path, n, seed):
+    """Token-id conversations (no regeneration): enough for runs that test mechanics."""
+    rng = np.random.RandomState(seed)
+    path.write_text("".join(json.dumps({"prompt_ids": rng.randint(3, 500, int(rng.randint(4, 16))).tolist(),
+                                        "response_ids": rng.randint(3, 500, int(rng.randint(24, 64))).tolist()})
+                            + "\n" for _ in range(n)))
+    return path
+
+
+RESUME_RUN = ["data.generate_from=null", "data.eval_holdout=0", "train.steps=16", "train.save_every=4",
+              "train.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """16 steps of the tiny config on written conversations, checkpointed every 4: what the
+    resume and export tests need (the regenerate-train-evaluate run is `-m heavy`)."""
+    tmp = tmp_path_factory.mktemp("short")
+    conv = write_conversations(tmp / "conv.jsonl", 64, 5)
+    proc = train_cli(tmp, "straight", f"data.conversations={conv}", *RESUME_RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, conv
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The tiny config end to end: regenerate data with the demo target, train, evaluate."""
@@ -267,6 +291,7 @@ def trained(tmp_path_factory):
     return tmp, metrics
 
 
+@pytest.mark.heavy
 def test_regenerated_data_is_the_targets_own_output(trained):
     tmp, _ = trained
     convs = [json.loads(l) for l in (tmp / "conv.jsonl").read_text().splitlines()]
@@ -277,6 +302,7 @@ def test_regenerated_data_is_the_targets_own_output(trained):
         assert r.output_ids == c["response_ids"]
 
 
+@pytest.mark.heavy
 def test_training_lowers_loss_and_raises_real_tau(trained):
     _, metrics = trained
     losses = [m["loss"] for m in metrics if "loss" in m]
@@ -288,9 +314,9 @@ def test_training_lowers_loss_and_raises_real_tau(trained):
     assert all(m["tokens_per_second"] > 0 and 1.0 <= m["tau_estimate"] <= 8.0 for m in metrics if "loss" in m)
 
 
-def test_export_round_trip_gives_identical_drafts(trained, tmp_path):
-    tmp, _ = trained
-    run = tmp / "run"
+def test_export_round_trip_gives_identical_drafts(short_run, tmp_path):
+    tmp, _ = short_run
+    run = tmp / "straight"
     out = export(run, tmp_path / "hf", dtype="float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
@@ -312,22 +338,19 @@ def test_export_round_trip_gives_identical_drafts(trained, tmp_path):
     assert load_drafter(bf)[0].model.dtype == "bfloat16"
 
 
-def test_resume_after_kill_is_bit_identical(trained, tmp_path):
-    tmp, _ = trained
-    common = [f"data.conversations={tmp / 'conv.jsonl'}", "data.generate_from=null", "data.eval_holdout=0",
-              "train.steps=16", "train.save_every=4", "train.log_every=2"]
-    straight = train_cli(tmp_path, "straight", *common)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
+    tmp, conv = short_run
+    common = [f"data.conversations={conv}", *RESUME_RUN]
     killed = train_cli(tmp_path, "resumed", *common, env={"DFLASH_TRAIN_KILL_AT_STEP": "10"})
     assert killed.returncode == -9  # SIGKILL: no cleanup ran
     assert max(restore_params(tmp_path / "resumed")[1] for _ in [0]) == 8
     resumed = train_cli(tmp_path, "resumed", *common)
     assert resumed.returncode == 0 and "resumed from step 8" in resumed.stderr, resumed.stderr[-2000:]
-    a, step_a = restore_params(tmp_path / "straight")
+    a, step_a = restore_params(tmp / "straight")
     b, step_b = restore_params(tmp_path / "resumed")
     assert step_a == step_b == 16
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    m_a = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    m_a = (tmp / "straight" / "metrics.jsonl").read_text().splitlines()
     m_b = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_second"} for l in lines]
     assert strip(m_a) == strip(m_b)  # same losses at every logged step, none duplicated
