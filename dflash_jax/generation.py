@@ -375,7 +375,7 @@ def run_generation(args, make_record=None) -> int:
         drafts = f", {gen.spec.num_drafts} drafts verified" if args.draft_tokens else ""
         say(f"compiling (block size {block_size}{drafts}, batch {args.batch_size}, cache {gen.spec.cache_len}) ...")
         t0 = time.perf_counter()
-        gen.warmup([len(r.turn_ids[0]) for r in todo])
+        gen.warmup([len(r.turn_ids[0]) for r in todo], exact=True)
         say(f"compiled in {time.perf_counter() - t0:.1f}s")
         # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
         bar = tqdm(total=len(todo), desc="rows", unit="row", disable=args.quiet, file=sys.stderr,
@@ -486,7 +486,7 @@ def baseline_summary(gen, rows, args) -> dict:
     from dflash_jax.engine import GenerationStats, timed
 
     runnable = [r for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
-    gen.warmup([len(r.turn_ids[0]) for r in runnable])
+    gen.warmup([len(r.turn_ids[0]) for r in runnable], exact=True)
     stats = GenerationStats(1)
     results = gen.generate([r.turn_ids[0] for r in runnable], indices=list(range(len(runnable))), seed=args.seed,
                            max_new_tokens=[row_limit(r, args) for r in runnable])

@@ -442,8 +442,12 @@ def test_no_recompilation_after_warmup():
     assert any(r.finish_reason == "stop" for r in results)
     assert TRACE_COUNTS == warm
 
-    # A new bucket compiles prefill (at the widths it is admitted at), the cycle loop not at all.
+    # A new bucket compiles prefill (at the widths it is admitted at), the cycle loop not at all;
+    # warmup(exact=True) for the very prompts of a run compiles only the widths they can be
+    # admitted at: one prompt, width 1.
     assert bucket(20) == bucket(31) == 32
+    gen.warmup([20], exact=True)
+    assert TRACE_COUNTS == {**warm, "prefill": warm["prefill"] + 1}
     list(gen.generate([ids(20)]))
     list(gen.generate([ids(31), ids(4)]))
     assert TRACE_COUNTS == {**warm, "prefill": warm["prefill"] + 1}

@@ -168,11 +168,15 @@ class Generator:
         return self.admit(self.new_state(), range(len(prompts)), prompts, indices,
                           [self.spec.max_new_tokens] * len(prompts), seed)
 
-    def warmup(self, prompt_lengths: Sequence[int] = (1,)):
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False):
         """Compile prefill for the buckets of these lengths at every admission width, and the
-        cycle loop."""
-        for length in sorted({self._bucket([0] * n) for n in prompt_lengths}):
-            for width in self.widths:
+        cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry
+        per prompt), so a bucket with m prompts compiles only the widths up to m's, the most
+        it can be admitted at together."""
+        counts = collections.Counter(self._bucket([0] * n) for n in prompt_lengths)
+        for length in sorted(counts):
+            most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
+            for width in (w for w in self.widths if not exact or w <= most):
                 state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                    [1] * width)
                 jax.block_until_ready(self._run(state, 1))
