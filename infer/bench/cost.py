@@ -31,6 +31,7 @@ context K/V likewise). Rooflines are max(flops / peak, bytes / bandwidth).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -96,6 +97,7 @@ def embedding_bytes(tparams) -> int:
     return int(leaf.size * leaf.dtype.itemsize)
 
 
+@functools.cache
 def gather_counts_table(dtype: str) -> bool:
     """Whether this XLA counts a fused embedding lookup as a read of its whole table (it does
     on the CPU backend of jax 0.10; checked, not assumed)."""
@@ -114,14 +116,22 @@ def lookups(spec, batch: int) -> list[int]:
     return [batch * spec.verify_len] + ([batch * spec.block_size] if spec.uses_drafter else [])
 
 
-def lookup_correction(spec, tparams, batch: int, table_counted: bool) -> dict:
-    """Bytes to add to XLA's figure so that each lookup counts its rows, not its table
-    (negative; 0 where XLA already counts rows)."""
+def embedding_row_bytes(tparams) -> int:
     emb = tparams["model"]["embed_tokens"]["embedding"]
-    table, row = embedding_bytes(tparams), emb.shape[1] * emb.dtype.itemsize
+    return int(emb.shape[1] * emb.dtype.itemsize)
+
+
+def lookup_bytes(spec, tparams, batch: int) -> list[int]:
+    """Per lookup (as `lookups`), the bytes to add to XLA's figure so that it counts the rows
+    read, not the table (negative; 0 where this XLA already counts rows)."""
+    if not gather_counts_table(spec.target.dtype):
+        return [0] * len(lookups(spec, batch))
+    return [r * embedding_row_bytes(tparams) - embedding_bytes(tparams) for r in lookups(spec, batch)]
+
+
+def lookup_correction(spec, tparams, batch: int) -> dict:
     rows = lookups(spec, batch)
-    return dict(lookups=len(rows), lookup_rows=sum(rows),
-                lookup_bytes=sum(r * row - table for r in rows) if table_counted else 0)
+    return dict(lookups=len(rows), lookup_rows=sum(rows), lookup_bytes=sum(lookup_bytes(spec, tparams, batch)))
 
 
 def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
@@ -158,9 +168,8 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
     t = spec.target
     weights, embedding_rows = param_bytes(tparams), 0
     if not t.tie_word_embeddings:  # a lookup reads its rows; the LM head reads a tied table anyway
-        emb = tparams["model"]["embed_tokens"]["embedding"]
         weights -= embedding_bytes(tparams)
-        embedding_rows = sum(lookups(spec, batch)) * emb.shape[1] * emb.dtype.itemsize
+        embedding_rows = sum(lookups(spec, batch)) * embedding_row_bytes(tparams)
     out = dict(target_weights=weights, embedding_rows=embedding_rows, drafter_weights=0, lm_head_again=0,
                target_kv=t.num_hidden_layers * batch * context * t.num_key_value_heads * t.head_dim * 2
                * _dtype_bytes(t), drafter_kv=0)
@@ -173,7 +182,7 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
     return out
 
 
-def cycle_cost(spec, batch: int, context: int, table_counted: bool | None = None) -> dict:
+def cycle_cost(spec, batch: int, context: int) -> dict:
     """Lower and compile the engine's run_cycles for abstract inputs; XLA's figures of one
     cycle, the loop correction, the corrected figures, the ideal and the ratio."""
     import jax
@@ -189,9 +198,7 @@ def cycle_cost(spec, batch: int, context: int, table_counted: bool | None = None
     flops, nbytes = xla_cost(compiled)
     max_len = state.target_cache.max_len
     corr = loop_correction(spec, batch, context, max_len)
-    if table_counted is None:
-        table_counted = gather_counts_table(spec.target.dtype)
-    corr.update(lookup_correction(spec, tparams, batch, table_counted))
+    corr.update(lookup_correction(spec, tparams, batch))
     corr["bytes"] += corr["lookup_bytes"]
     ideal = ideal_bytes(spec, tparams, dparams, batch, context)
     corrected = nbytes + corr["bytes"]
@@ -220,11 +227,7 @@ def piece_costs(spec, batch: int, context: int) -> dict:
         out = ForwardOutput(logits=None, tap_features=f, cache=s.target_cache)
         return commit(dp, spec, s, tt, accept(d, tt), out, stop)
 
-    # each piece's lookup counted as its rows (lookups(): the verify's, then the drafter's)
-    emb = tparams["model"]["embed_tokens"]["embedding"]
-    table_counted = gather_counts_table(spec.target.dtype)
-    lookup = [(r * emb.shape[1] * emb.dtype.itemsize - embedding_bytes(tparams)) if table_counted else 0
-              for r in lookups(spec, batch)]
+    lookup = lookup_bytes(spec, tparams, batch)  # the verify's lookup, then the drafter's
     jobs = dict(
         draft=(lambda tp, dp, a, ctx: draft(tp, dp, spec, a, ctx), (tparams, dparams, state.anchor,
                                                                      state.context_cache), (),
