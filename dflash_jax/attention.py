@@ -103,7 +103,7 @@ def _update(carry, scores, mask, v):
 
 
 def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                     page_size=PAGE_SIZE):
+                     page_size=PAGE_SIZE, sinks=None):
     """The portable reference: see `attend`."""
     n, t, kv_heads, groups, d = q.shape
     max_len = k_buf.shape[2]
@@ -111,6 +111,11 @@ def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, ch
     assert max_len % page == 0, (max_len, page)
     carry = (jnp.full((n, kv_heads, groups, t), NEG, jnp.float32), jnp.zeros((n, kv_heads, groups, t), jnp.float32),
              jnp.zeros((n, kv_heads, groups, t, d), jnp.float32))
+    if sinks is not None:
+        # A sink is a key every query sees, with its own logit and a zero value: the softmax
+        # starts from it (running max = its logit, sum of weights = exp(0) = 1).
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], (n, kv_heads, groups, t))
+        carry = (m0, jnp.ones_like(m0), carry[2])
     if chunk is not None:
         ck, cv, cmask = chunk
         carry = _update(carry, _scores(q, ck.astype(q.dtype)), cmask, cv.astype(v_buf.dtype))
@@ -158,7 +163,7 @@ def implementation(backend: str | None = None) -> Callable:
 
 
 def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None = None, chunk=None, rows=None,
-           page_size: int = PAGE_SIZE):
+           page_size: int = PAGE_SIZE, sinks=None):
     """Grouped-query attention of queries over one layer of a paged cache.
 
     q: [n, T, kv_heads, groups, head_dim] (rotated); q_pos: [n, T] their positions.
@@ -169,7 +174,9 @@ def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None =
     chunk: optional (k [n, C, kv_heads, head_dim], v, mask [n, T, C]) of keys not in the cache.
     rows: [n] batch rows of the buffer the queries belong to (default 0..n-1).
     page_size: the buffer's page (static): the walk reads whole pages.
+    sinks: optional [kv_heads, groups] attention-sink logits (gpt-oss): one more term in each
+        softmax's denominator, with no value.
     Returns [n, T, kv_heads * groups * head_dim] in float32.
     """
     return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                            page_size=page_size)
+                            page_size=page_size, sinks=sinks)

@@ -30,55 +30,40 @@ from dflash_jax.errors import CheckpointError
 # ---------------------------------------------------------------------------- tables
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    hf: str  # HF tensor name; `{i}` stands for a layer index
-    flax: str  # "/"-joined Flax path, same `{i}`
-    transpose: bool = False  # HF Linear [out, in] <-> Flax kernel [in, out]
-
-    @property
-    def regex(self) -> re.Pattern:
-        return re.compile(re.escape(self.hf).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
-
-
-def _layer_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
-    rows = []
-    for block, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         ("mlp", ("gate_proj", "up_proj", "down_proj"))):
-        for p in projs:
-            rows.append(Row(f"{hf_prefix}{block}.{p}.weight", f"{flax_prefix}{block}/{p}/kernel", True))
-            rows.append(Row(f"{hf_prefix}{block}.{p}.bias", f"{flax_prefix}{block}/{p}/bias"))
-    for norm in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
-        rows.append(Row(f"{hf_prefix}{norm}.weight", f"{flax_prefix}{norm.replace('.', '/')}/weight"))
-    return rows
-
-
-TARGET_TABLE: tuple[Row, ...] = (
-    Row("model.embed_tokens.weight", "model/embed_tokens/embedding"),
-    *_layer_rows("model.layers.{i}.", "model/layers_{i}/"),
-    Row("model.norm.weight", "model/norm/weight"),
-    Row("lm_head.weight", "lm_head/kernel", True),
-)
+from dflash_jax.families.table import Row, layer_rows  # noqa: E402
 
 # z-lab DFlash drafters: no `model.` prefix, no embedding or head (borrowed from the target).
 DRAFTER_TABLE: tuple[Row, ...] = (
     Row("fc.weight", "fc/kernel", True),
     Row("hidden_norm.weight", "hidden_norm/weight"),
-    *_layer_rows("layers.{i}.", "layers_{i}/"),
+    *layer_rows("layers.{i}.", "layers_{i}/"),
     Row("norm.weight", "norm/weight"),
 )
 
 # Buffers some checkpoints carry that are derived, not learned.
 IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
-TABLES: dict[str, tuple[Row, ...]] = {"target": TARGET_TABLE, "drafter": DRAFTER_TABLE}
 
 
-def hf_to_flax(name: str, table) -> tuple[tuple[str, ...], Row] | None:
+def target_table(model_type: str) -> tuple[Row, ...]:
+    """The HF <-> Flax table of a target family (`dflash_jax.families`)."""
+    from dflash_jax.families import family
+
+    return family(model_type).table
+
+
+def table_for(kind: str, config) -> tuple[Row, ...]:
+    return DRAFTER_TABLE if kind == "drafter" else target_table(config.model_type)
+
+
+def hf_to_flax(name: str, table) -> tuple[tuple[str, ...], Row, int | None] | None:
+    """(Flax path, row, expert index or None) of an HF tensor name."""
     for row in table:
         m = row.regex.match(name)
         if m:
-            return tuple(row.flax.format(**m.groupdict()).split("/")), row
+            groups = m.groupdict()
+            expert = groups.pop("e", None)
+            return tuple(row.flax.format(**groups).split("/")), row, None if expert is None else int(expert)
     return None
 
 
@@ -87,8 +72,8 @@ def flax_to_hf(path: tuple[str, ...], table) -> str:
     for row in table:
         pattern = re.escape(row.flax).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$"
         m = re.match(pattern, joined)
-        if m:
-            return row.hf.format(**m.groupdict())
+        if m and row.part is None:
+            return row.hf.replace("{e}", "{expert}").format(**m.groupdict()).replace("{expert}", "{e}")
     return joined
 
 
@@ -173,6 +158,8 @@ def _read_transformed(tensor, transpose: bool, dtype, index=None) -> np.ndarray:
     Only the HF rows the block needs are read (HF axis 0 is Flax's last axis if transposed)."""
     if index is None:
         index = tuple(slice(None) for _ in tensor.shape)
+    if transpose and len(tensor.shape) > 2:  # stacked [.., out, in]: read whole, swap the last two
+        return np.ascontiguousarray(np.swapaxes(tensor.read(), -1, -2)[index].astype(dtype))
     hf_index = tuple(reversed(index)) if transpose else tuple(index)
     rows = hf_index[0].indices(tensor.shape[0]) if tensor.shape else (0, 1, 1)
     block = tensor.read_rows(rows[0], rows[1])[(slice(None, None, rows[2]),) + tuple(hf_index[1:])]
@@ -186,7 +173,7 @@ def load_hf_params(
     config: ModelConfig,
     abstract,
     *,
-    table=TARGET_TABLE,
+    table=None,
     mesh=None,
     progress: bool = False,
 ):
@@ -196,8 +183,13 @@ def load_hf_params(
     with its shape checked. Without a mesh each tensor is read, transformed and put on the
     default device before the next is read. With a mesh each lands straight in its
     sharding (dflash_jax.sharding rules), and for each device only its block is read.
+    Two kinds of parameter are built from several tensors on the host, then placed: an
+    expert-stacked one (one HF tensor per expert, e.g. Qwen3-MoE), held until its last expert
+    is read; and one stored in parts (MXFP4 blocks and scales), built by the family's
+    `combine` when its parts are read.
     """
     hf_dir = Path(hf_dir)
+    table = target_table(config.model_type) if table is None else table
     expected = _flatten(abstract)
     shardings = None
     if mesh is not None:
@@ -205,6 +197,13 @@ def load_hf_params(
 
         shardings = _flatten(param_shardings(abstract, mesh))
     filled: dict[tuple[str, ...], jax.Array] = {}
+    stacks: dict[tuple[str, ...], tuple[np.ndarray, set]] = {}  # path -> (host array, experts read)
+    parts: dict[tuple[str, ...], dict] = {}  # path -> {part: tensor}
+
+    def place(path, array):
+        array = np.ascontiguousarray(array.astype(expected[path].dtype))
+        filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
+
     tensors = iter_hf_tensors(hf_dir)
     if progress:
         from tqdm import tqdm
@@ -218,23 +217,58 @@ def load_hf_params(
         hit = hf_to_flax(name, table)
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
-        path, row = hit
+        path, row, expert = hit
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
         want = expected[path]
-        hf_shape = tuple(reversed(want.shape)) if row.transpose else tuple(want.shape)
+        if row.part is not None:
+            parts.setdefault(path, {})[row.part] = tensor
+            from dflash_jax.families import family
+
+            try:
+                array = family(config.model_type).combine(path, parts[path])
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name!r}: {e}") from None
+            if array is not None:
+                if tuple(array.shape) != tuple(want.shape):
+                    raise CheckpointError(f"tensor {name!r} gives shape {tuple(array.shape)}, expected {tuple(want.shape)}")
+                place(path, array)
+                del parts[path]
+            continue
+        shape = tuple(want.shape[1:]) if row.stacked else tuple(want.shape)
+        hf_shape = shape[:-2] + tuple(reversed(shape[-2:])) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
-        if shardings is None:
+        if row.stacked:
+            if not 0 <= expert < want.shape[0]:
+                raise CheckpointError(f"tensor {name!r}: expert {expert} of a model with {want.shape[0]} experts")
+            host, seen = stacks.setdefault(path, (np.empty(want.shape, want.dtype), set()))
+            if expert in seen:
+                raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+            host[expert] = _read_transformed(tensor, row.transpose, want.dtype)
+            seen.add(expert)
+            if len(seen) == want.shape[0]:
+                place(path, host)
+                del stacks[path]
+        elif shardings is None:
             filled[path] = jnp.asarray(_read_transformed(tensor, row.transpose, want.dtype))
         else:
             filled[path] = jax.make_array_from_callback(
                 tuple(want.shape), shardings[path],
                 lambda index, t=tensor, tr=row.transpose, dt=want.dtype: _read_transformed(t, tr, dt, index))
         del tensor
-    missing = [flax_to_hf(p, table) for p in expected if p not in filled]
+    missing = []
+    for p in expected:
+        if p in filled:
+            continue
+        name = flax_to_hf(p, table)
+        if p in stacks:
+            name = name.replace("{e}", str(min(set(range(expected[p].shape[0])) - stacks[p][1])))
+        elif p in parts:
+            name = f"{name} ({', '.join(sorted(parts[p]))} read, another part missing)"
+        missing.append(name)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint in {hf_dir} is missing tensor {missing[0]!r}{more}")
@@ -247,8 +281,8 @@ def save_hf_params(params, path: str | Path, *, table, dtype=None):
     for flax_path, leaf in _flatten(params).items():
         name = flax_to_hf(flax_path, table)
         hit = hf_to_flax(name, table)
-        if hit is None or hit[0] != flax_path:
-            raise CheckpointError(f"parameter {'/'.join(flax_path)} has no HF name in the table")
+        if hit is None or hit[0] != flax_path or hit[1].stacked:
+            raise CheckpointError(f"parameter {'/'.join(flax_path)} has no single HF tensor in the table")
         array = np.asarray(jax.device_get(leaf))
         if dtype is not None:
             array = array.astype(dtype)
@@ -376,7 +410,8 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
     if found != kind:
         raise CheckpointError(f"{path} holds a {found} checkpoint, not a {kind}")
     config, abstract, model_config = _config_and_abstract(kind, path / "config.json", dtype)
-    return config, load_hf_params(path, model_config, abstract, table=TABLES[kind], progress=progress, mesh=mesh)
+    return config, load_hf_params(path, model_config, abstract, table=table_for(kind, model_config),
+                                  progress=progress, mesh=mesh)
 
 
 def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):

@@ -1,8 +1,7 @@
 """Model configuration parsed from a Hugging Face `config.json`.
 
-One decoder implementation serves every family; a family is a row in `FAMILIES`
-that says which switches its checkpoints use. Adding Mistral-like families means
-adding a row, not a file.
+One decoder implementation serves every family; a family (`dflash_jax.families`) says
+which switches its checkpoints use and parses the fields only it has (experts, router).
 """
 
 from __future__ import annotations
@@ -15,20 +14,7 @@ from typing import Any
 
 from dflash_jax.errors import ConfigError
 
-# model_type -> how that family's config fields map onto our switches.
-#   qk_norm:   RMSNorm over head_dim on q and k (Qwen3).
-#   qkv_bias:  bias on q/k/v projections; True, False, or the name of a config field.
-#   o_bias:    bias on o_proj; same conventions.
-#   mlp_bias:  bias on gate/up/down; same conventions.
-#   all_sliding: a non-null `sliding_window` applies to every layer (Mistral).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3": dict(qk_norm=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False),
-    "llama": dict(qk_norm=False, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
-    "qwen2": dict(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False),
-    "mistral": dict(qk_norm=False, qkv_bias=False, o_bias=False, mlp_bias=False, all_sliding=True),
-}
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -40,6 +26,58 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (gpt-oss): the ramp between interpolated and extrapolated frequencies, and the
+    # factor cos and sin are multiplied by.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP block.
+
+    router: "softmax_topk" (softmax over all experts, then the top k; Qwen3-MoE, which
+        renormalises the k weights when `norm_topk_prob`) or "topk_softmax" (top k logits,
+        then a softmax over those k; gpt-oss).
+    activation: "silu" (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above
+        and up on both sides at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha * gate)).
+    fused_gate_up: gate and up live in one `gate_up_proj` [experts, hidden, 2 * inter],
+        interleaved (gate = [..., 0::2], up = [..., 1::2]) as gpt-oss stores them.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    fused_gate_up: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @classmethod
+    def parse(cls, cfg: dict[str, Any], model_type: str, *, experts: tuple[str, ...], **kw) -> "MoeConfig":
+        """Read and check the expert count (the first of the fields `experts` present),
+        `num_experts_per_tok` and the expert width (`moe_intermediate_size`, else
+        `intermediate_size`)."""
+        def positive(key):
+            value = cfg.get(key)
+            if value is None:
+                raise ConfigError(f"config.json ({model_type}) is missing required field {key!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config.json ({model_type}) field {key!r} must be a positive integer, got {value!r}")
+            return value
+
+        experts_field = next((key for key in experts if key in cfg), experts[0])
+        num_experts, top_k = positive(experts_field), positive("num_experts_per_tok")
+        if top_k > num_experts:
+            raise ConfigError(f"config.json ({model_type}): num_experts_per_tok {top_k} > {experts_field} {num_experts}")
+        width = positive("moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size")
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=width, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +102,13 @@ class ModelConfig:
     mlp_bias: bool = False
     # Per layer: None (full attention) or the sliding window length.
     sliding_windows: tuple[int | None, ...] = ()
+    # A learned per-head logit joins each softmax's denominator (gpt-oss).
+    attention_sinks: bool = False
+    # RMSNorm multiplies its weight in float32 before casting back (gpt-oss), not after.
+    norm_weight_in_float32: bool = False
+    # The sparse MLP block, and per layer whether it has one (else the dense MLP).
+    moe: MoeConfig | None = None
+    sparse_layers: tuple[bool, ...] = ()
     dtype: str = "float32"
 
     @property
@@ -73,21 +118,23 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, dtype: str | None = None) -> "ModelConfig":
+        from dflash_jax.families import family as find_family
+
         model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-            )
-        family = FAMILIES[model_type]
+        family = find_family(model_type)
 
         def need(key):
             if key not in cfg or cfg[key] is None:
                 raise ConfigError(f"config.json ({model_type}) is missing required field {key!r}")
             return cfg[key]
 
-        def switch(value):
+        def switch(name):
+            value = family.switches.get(name, False)
             return bool(cfg.get(value, False)) if isinstance(value, str) else bool(value)
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
@@ -101,6 +148,11 @@ class ModelConfig:
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
 
+        quant = (cfg.get("quantization_config") or {}).get("quant_method")
+        if quant is not None and quant not in family.quantizations:
+            raise ConfigError(f"quantization {quant!r} is not supported for {model_type}"
+                              + (f" (only {', '.join(family.quantizations)})" if family.quantizations else ""))
+        extra = family.parse(cfg, layers) if family.parse else {}
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -114,12 +166,15 @@ class ModelConfig:
             rope=_rope_from_config(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=family["qk_norm"],
-            qkv_bias=switch(family["qkv_bias"]),
-            o_bias=switch(family["o_bias"]),
-            mlp_bias=switch(family["mlp_bias"]),
-            sliding_windows=_sliding_windows(cfg, layers, family.get("all_sliding", False)),
+            qk_norm=switch("qk_norm"),
+            qkv_bias=switch("qkv_bias"),
+            o_bias=switch("o_bias"),
+            mlp_bias=switch("mlp_bias"),
+            attention_sinks=switch("attention_sinks"),
+            norm_weight_in_float32=switch("norm_weight_in_float32"),
+            sliding_windows=_sliding_windows(cfg, layers, switch("all_sliding")),
             dtype=dtype,
+            **extra,
         )
 
     @classmethod
@@ -166,7 +221,26 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeConfig:
         kw["low_freq_factor"] = float(params["low_freq_factor"])
         kw["high_freq_factor"] = float(params["high_freq_factor"])
         kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        if "original_max_position_embeddings" not in params:
+            raise ConfigError("rope type 'yarn' needs 'original_max_position_embeddings'")
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        kw.update(factor=float(factor), original_max_position_embeddings=original,
+                  beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                  truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
     return RopeConfig(**kw)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _sliding_windows(cfg: dict[str, Any], layers: int, all_sliding: bool) -> tuple[int | None, ...]:
@@ -204,4 +278,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
+    return inv.astype(np.float32)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int):
+    """YaRN (arXiv 2309.00071) as transformers computes it, in float32: interpolated
+    frequencies (divided by `factor`) for the long wavelengths, the original ones for the
+    short, and a linear ramp between the dimensions `beta_fast` and `beta_slow` rotations
+    mark over the original context."""
+    import numpy as np
+
+    def correction_dim(rotations):
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_weight = np.float32(1) - ramp.astype(np.float32)
+    inv = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     return inv.astype(np.float32)

@@ -1,7 +1,7 @@
 """Device meshes and the one table that says how every array is laid out on them.
 
-Axes: `data` (batch rows: data parallelism) and `model` (attention heads, MLP width and
-vocabulary: tensor parallelism). Every parameter, cache and activation names its
+Axes: `data` (batch rows: data parallelism) and `model` (attention heads, MLP width,
+vocabulary and experts: tensor and expert parallelism). Every parameter, cache and activation names its
 dimensions with *logical* axes (`batch`, `heads`, `kv_heads`, `mlp`, `vocab`, `embed`, ...);
 `LOGICAL_RULES` maps those onto mesh axes. Without a mesh everything here is a no-op, so
 the same code runs on one CPU and on a pod slice through jit + NamedSharding.
@@ -28,6 +28,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": "model",
     "mlp": "model",
     "vocab": "model",
+    "expert": "model",  # MoE: each device holds whole experts (its width is not split)
+    "expert_mlp": None,
     "embed": None,
     "taps_embed": None,
     "layers": None,
@@ -45,6 +47,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"q_proj/bias", ("heads",)),
     (r"[kv]_proj/bias", ("kv_heads",)),
     (r"o_proj/bias", ("embed",)),
+    (r"experts/(gate|up|gate_up)_proj", ("expert", "embed", "expert_mlp")),
+    (r"experts/down_proj", ("expert", "expert_mlp", "embed")),
+    (r"experts/\w+_bias", ("expert", None)),
+    (r"router/kernel", ("embed", None)),
+    (r"router/bias", (None,)),
+    (r"self_attn/sinks", ("heads",)),
     (r"(gate|up)_proj/kernel", ("embed", "mlp")),
     (r"(gate|up)_proj/bias", ("mlp",)),
     (r"down_proj/kernel", ("mlp", "embed")),

@@ -23,7 +23,20 @@ FAMILIES = {
                           high_freq_factor=4.0, original_max_position_embeddings=32))),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict()),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
+    # Mixture of experts: a dense layer (mlp_only_layers) among the sparse ones, and k of 6
+    # experts renormalised.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    # Sliding (window 8, shorter than the test prompts) and full layers alternating, sinks,
+    # YaRN, biases everywhere, top-2 of 4 experts with the clamped SwiGLU.
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+        max_position_embeddings=1024, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
+            original_max_position_embeddings=128, truncate=False))),
 }
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 def make_model(family: str, seed: int = 0, **overrides):
@@ -34,8 +47,10 @@ def make_model(family: str, seed: int = 0, **overrides):
     # Random init leaves norms at 1 and biases at 0; perturb them so parity tests see them.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif ".experts." in name and p.dim() == 3:  # experts start at std 0.02: make them count
+                p.mul_(10.0)
     return model
 
 

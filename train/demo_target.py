@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from dflash_jax.checkpoint import TARGET_TABLE, save_hf_params
+    from dflash_jax.checkpoint import save_hf_params, target_table
     from dflash_jax.config import ModelConfig
     from dflash_jax.model import init_params
 
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [hf["eos_token_id"], hf["pad_token_id"]], "pad_token_id": hf["pad_token_id"]}, indent=2) + "\n")
-    save_hf_params(params, tmp / "model.safetensors", table=TARGET_TABLE)
+    save_hf_params(params, tmp / "model.safetensors", table=target_table(config.model_type))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -1,4 +1,4 @@
-"""The target decoder: one Flax Linen implementation for every family in `config.FAMILIES`.
+"""The target decoder: one Flax Linen implementation for every family in `dflash_jax.families`.
 
 Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/kernel`
 for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
@@ -24,13 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.attention import PAGE_SIZE, attend, cache_length, write_kv
-from dflash_jax.config import ModelConfig, rope_inv_freq
+from dflash_jax.attention import PAGE_SIZE, cache_length
+from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
-
-
-def jnp_dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+from dflash_jax.model.layers import MLP, Attention, jnp_dtype, norm, rope_angles
+from dflash_jax.model.moe import MoE
 
 
 # --------------------------------------------------------------------------- cache
@@ -72,84 +70,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
 # --------------------------------------------------------------------------- layers
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; the weight multiplies in the input dtype (as HF)."""
-
-    eps: float
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight * x32.astype(x.dtype)
-
-
-def rope_angles(config: ModelConfig, positions):
-    """cos, sin of shape [*positions.shape, head_dim // 2]: one angle per rotated pair."""
-    inv_freq = jnp.asarray(rope_inv_freq(config.rope, config.head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(freqs), jnp.sin(freqs)
-
-
-def apply_rope(x, cos, sin):
-    """x [batch, T, heads, head_dim]; cos/sin [batch, T, head_dim // 2]. The half-split layout
-    of HF (dimension i pairs with i + head_dim / 2), written as one elementwise expression over
-    the two halves, which XLA fuses with its producer (a concatenate of a negated half, as
-    `rotate_half` does, is a separate pass over q and k on XLA's CPU backend)."""
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    pairs = x.reshape(*x.shape[:-1], 2, half)
-    x1, x2 = pairs[..., 0, :], pairs[..., 1, :]
-    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2).reshape(x.shape)
-
-
-class Attention(nn.Module):
-    config: ModelConfig
-    layer: int  # this layer's index into the cache buffers
-    window: int | None = None
-
-    @nn.compact
-    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows):
-        """x [n, T, hidden] at query_pos [n, T] of cache rows `rows` (None: rows 0..n-1).
-        Writes this chunk's K/V into the cache, then attends causally over it."""
-        c = self.config
-        dtype = jnp_dtype(c.dtype)
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
-        b, t, _ = x.shape
-        q = dense(c.num_attention_heads * c.head_dim, "q_proj", c.qkv_bias)(x)
-        k = dense(c.num_key_value_heads * c.head_dim, "k_proj", c.qkv_bias)(x)
-        v = dense(c.num_key_value_heads * c.head_dim, "v_proj", c.qkv_bias)(x)
-        q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
-        k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
-        if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        offsets = query_pos[:, 0]
-        cache = cache.replace(k=write_kv(cache.k, self.layer, k, offsets, rows),
-                              v=write_kv(cache.v, self.layer, v, offsets, rows))
-        q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
-        out = attend(q, query_pos, cache.k, cache.v, self.layer, query_pos + 1, window=self.window, rows=rows,
-                     page_size=cache.page_size)
-        return dense(c.hidden_size, "o_proj", c.o_bias)(out.astype(dtype)), cache
-
-
-class MLP(nn.Module):
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x):
-        c = self.config
-        dtype = jnp_dtype(c.dtype)
-        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=dtype, param_dtype=dtype, name=name)
-        h = jax.nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(c.intermediate_size, "up_proj")(x)
-        return dense(c.hidden_size, "down_proj")(h)
-
-
 class DecoderLayer(nn.Module):
     config: ModelConfig
     layer: int
@@ -158,12 +78,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows):
         c = self.config
-        dtype = jnp_dtype(c.dtype)
         h, cache = Attention(c, self.layer, self.window, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cache, query_pos, rows
+            norm(c, "input_layernorm")(x), cos, sin, cache, query_pos, rows
         )
         x = x + h
-        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
+        mlp = MoE(c, name="mlp") if c.is_sparse(self.layer) else MLP(c, name="mlp")
+        x = x + mlp(norm(c, "post_attention_layernorm")(x))
         return x, cache
 
 
@@ -180,7 +100,7 @@ class Decoder(nn.Module):
             DecoderLayer(c, i, c.sliding_windows[i] if c.sliding_windows else None, name=f"layers_{i}")
             for i in range(c.num_hidden_layers)
         ]
-        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+        self.norm = norm(c)
 
     def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None):
         offsets = cache.lengths if rows is None else row_lengths(cache, rows)

@@ -1,0 +1,17 @@
+"""The target decoder, as a package of shared layers configured per family.
+
+- `layers`: RMSNorm, RoPE (default, linear, Llama 3, YaRN), attention over the paged cache
+  (q/k norm, biases, sliding windows, sinks), the dense gated MLP.
+- `moe`: the sparse mixture-of-experts block (router, dispatch by expert, grouped matmuls).
+- `decoder`: the KV cache, the decoder layer and model, and `forward`, the one jit-compiled
+  entry point for prefill, decoding and verification.
+
+Which switches a checkpoint turns on is its family's business (`dflash_jax.families`).
+"""
+
+from dflash_jax.model.decoder import (  # noqa: F401
+    CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, forward, init_cache, init_params,
+    row_lengths,
+)
+from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles  # noqa: F401
+from dflash_jax.model.moe import MoE  # noqa: F401

@@ -1,0 +1,118 @@
+"""The sparse mixture-of-experts MLP block (Qwen3-MoE, gpt-oss).
+
+A router scores every token against every expert and keeps the top k (`route`). Tokens are
+then dispatched by sorting their k (token, expert) assignments by expert, so each expert's
+tokens are one contiguous group, and every projection is one grouped matmul
+(`jax.lax.ragged_dot`) over those groups: the work follows the tokens routed, k per token,
+not every expert on every token. The outputs go back to token order and are summed with the
+routing weights.
+
+On TPU and GPU, XLA runs `ragged_dot` as a grouped matmul. XLA's CPU backend expands it into a
+dense dot masked per group (every expert's weights against every routed row): correct, and
+the reason the CPU is no place to time MoE models.
+
+Parameters (Flax names; the family tables map the HF names onto them):
+  router/kernel [hidden, experts] (+ router/bias [experts])
+  experts/gate_proj, experts/up_proj [experts, hidden, inter], experts/down_proj [experts, inter, hidden]
+  or, with `fused_gate_up` (gpt-oss), experts/gate_up_proj [experts, hidden, 2 * inter],
+  gate and up interleaved, and with `expert_bias`, experts/gate_up_proj_bias, down_proj_bias.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ModelConfig, MoeConfig
+from dflash_jax.model.layers import jnp_dtype
+
+
+def route(logits, moe: MoeConfig):
+    """Router logits [N, experts] -> (weights [N, k] float32, expert ids [N, k] int32)."""
+    if moe.router == "softmax_topk":
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, moe.top_k)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        weights = weights.astype(logits.dtype)  # as transformers, which casts them back
+    elif moe.router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, moe.top_k)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        raise ValueError(f"unknown router {moe.router!r}")
+    return weights.astype(jnp.float32), experts.astype(jnp.int32)
+
+
+def dispatch(experts, num_experts: int):
+    """The grouping of k assignments per token, [N, k] expert ids, by expert.
+
+    Returns (order [N*k]: assignment indices sorted by expert, stable; group_sizes [experts]
+    int32: how many assignments each expert got; inverse [N*k]: where each assignment went)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return order, group_sizes, inverse
+
+
+def activate(gate, up, moe: MoeConfig):
+    if moe.activation == "silu":
+        return jax.nn.silu(gate) * up
+    if moe.activation == "clamped_swiglu":
+        gate = jnp.minimum(gate, moe.swiglu_limit)
+        up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
+    raise ValueError(f"unknown activation {moe.activation!r}")
+
+
+class Experts(nn.Module):
+    """The experts' projections applied to assignments already grouped by expert."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, xs, group_sizes, expert_of):
+        """xs [M, hidden] grouped by expert (group_sizes [experts]); expert_of [M] the expert
+        of each row (for the biases). Returns [M, hidden]."""
+        c, moe = self.config, self.config.moe
+        dtype = jnp_dtype(c.dtype)
+        e, h, i = moe.num_experts, c.hidden_size, moe.intermediate_size
+        init = nn.initializers.normal(0.02)
+
+        def grouped(x, name, shape):
+            w = self.param(name, init, shape, dtype)
+            y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(dtype)
+            if moe.expert_bias:
+                y = y + jnp.take(self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype),
+                                 expert_of, axis=0)
+            return y
+
+        if moe.fused_gate_up:
+            gate_up = grouped(xs, "gate_up_proj", (e, h, 2 * i))
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        else:
+            gate, up = grouped(xs, "gate_proj", (e, h, i)), grouped(xs, "up_proj", (e, h, i))
+        return grouped(activate(gate, up, moe), "down_proj", (e, i, h))
+
+
+class MoE(nn.Module):
+    """x [n, T, hidden] -> [n, T, hidden]: route, dispatch, grouped experts, combine."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c, moe = self.config, self.config.moe
+        dtype = jnp_dtype(c.dtype)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias, dtype=dtype, param_dtype=dtype,
+                          name="router")(tokens)
+        weights, experts = route(logits, moe)
+        order, group_sizes, inverse = dispatch(experts, moe.num_experts)
+        xs = jnp.take(tokens, order // moe.top_k, axis=0)
+        ys = Experts(c, name="experts")(xs, group_sizes, jnp.take(experts.reshape(-1), order))
+        ys = jnp.take(ys, inverse, axis=0).reshape(*weights.shape, shape[-1])  # back to [N, k, hidden]
+        out = (ys.astype(jnp.float32) * weights[..., None]).sum(1)
+        return out.astype(dtype).reshape(shape)
