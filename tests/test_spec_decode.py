@@ -30,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dataclasses
+
 from dflash_jax import DFlashError, ModelConfig, forward, init_cache
+from dflash_jax.config import MoeConfig, RopeConfig
 from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.engine import (
@@ -44,10 +47,25 @@ NEG = float(jnp.finfo(jnp.float32).min)
 # --------------------------------------------------------------------------- models
 
 
+# Mixture-of-experts targets (3 layers): Qwen3-MoE with a dense middle layer; gpt-oss with
+# sliding (window 6, shorter than most prompts) and full layers, sinks, YaRN and biases.
+MOE_SWITCHES = {
+    "qwen3_moe": dict(moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True),
+                      sparse_layers=(True, False, True)),
+    "gpt_oss": dict(qkv_bias=True, o_bias=True, attention_sinks=True, norm_weight_in_float32=True,
+                    sliding_windows=(6, None, 6), sparse_layers=(True, True, True),
+                    rope=RopeConfig(theta=150000.0, type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                    truncate=False, attention_factor=1.2079),
+                    moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, router="topk_softmax",
+                                  router_bias=True, expert_bias=True, fused_gate_up=True, activation="clamped_swiglu")),
+}
+
+
 def model_config(family: str, vocab: int, layers: int) -> ModelConfig:
     return ModelConfig(
         model_type=family, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family == "qwen3",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family in ("qwen3", "qwen3_moe"),
+        **MOE_SWITCHES.get(family, {}),
     )
 
 
@@ -64,6 +82,8 @@ SETUPS = {
     "llama-v8": ("llama", 8, 2, 1, (1,), 2),
     "qwen3-v128": ("qwen3", 128, 3, 2, (0, 2), 3),
     "llama-v128": ("llama", 128, 2, 1, (1,), 4),
+    "qwen3_moe-v8": ("qwen3_moe", 8, 3, 2, (0, 2), 5),
+    "gpt_oss-v8": ("gpt_oss", 8, 3, 2, (0, 2), 9),  # its drafter's first layer slides (window 6)
 }
 MAX_NEW = 24
 MAX_PROMPT = 40
@@ -75,8 +95,21 @@ def setup(name):
     family, vocab, layers, dlayers, taps, seed = SETUPS[name]
     target = model_config(family, vocab, layers)
     drafter = drafter_config(target, dlayers, taps)
-    return (target, init_params(target, jax.random.PRNGKey(seed)),
+    if family == "gpt_oss":
+        drafter = dataclasses.replace(drafter, model=drafter.model.replace(sliding_windows=(6, None)))
+    return (target, perturbed(init_params(target, jax.random.PRNGKey(seed))),
             drafter, init_drafter_params(drafter, jax.random.PRNGKey(seed + 100)))
+
+
+def perturbed(params):
+    """Random init leaves biases and sinks at 0 and experts at std 0.02: move them so every
+    switch matters."""
+    def one(path, p):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if name.endswith(("bias", "sinks")):
+            return p + 0.3 * jax.random.normal(jax.random.PRNGKey(len(name)), p.shape, p.dtype)
+        return p * 10 if "/experts/" in name else p
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 @functools.cache
@@ -165,8 +198,8 @@ def numpy_distribution(logits, sampling):
 
 heavy = lambda *args: pytest.param(*args, marks=pytest.mark.heavy)  # the full matrix: `-m heavy`
 
-GREEDY_CASES = [  # the everyday suite runs a Qwen3 and a Llama pair; `-m heavy` the rest
-    ("qwen3-v8", 4, 3), ("llama-v8", 8, 8),
+GREEDY_CASES = [  # the everyday suite runs a Qwen3, a Llama and the two MoE pairs; `-m heavy` the rest
+    ("qwen3-v8", 4, 3), ("llama-v8", 8, 8), ("qwen3_moe-v8", 4, 3), ("gpt_oss-v8", 8, 5),
     heavy("qwen3-v8", 2, 8), heavy("qwen3-v8", 4, 8), heavy("qwen3-v8", 8, 8), heavy("qwen3-v8", 4, 1),
     heavy("llama-v8", 2, 8), heavy("llama-v8", 4, 8), heavy("qwen3-v128", 4, 8), heavy("llama-v128", 8, 3),
 ]
@@ -463,21 +496,24 @@ SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5), Samp
 
 
 @functools.cache
-def sampling_setup():
+def sampling_setup(family="qwen3"):
     """A small-vocabulary target with its head scaled x2, so its distributions are peaked and
     depend on the context (a broken rule then shifts them measurably), and a drafter whose
     first draft the target samples about 35-45% of the time."""
-    target = model_config("qwen3", V, 2)
+    target = model_config(family, V, 2)
+    if target.moe is not None:
+        target = target.replace(sparse_layers=(True, True), sliding_windows=target.sliding_windows[:2])
     tparams = init_params(target, jax.random.PRNGKey(2))
     tparams = {**tparams, "lm_head": {"kernel": 2.0 * tparams["lm_head"]["kernel"]}}
     drafter = drafter_config(target, 1, (0, 1), block_size=4)
-    return target, tparams, drafter, init_drafter_params(drafter, jax.random.PRNGKey(52))
+    key = {"qwen3": 52, "gpt_oss": 60}[family]  # gpt-oss: ~30% first-draft acceptance (52 gives 13%)
+    return target, tparams, drafter, init_drafter_params(drafter, jax.random.PRNGKey(key))
 
 
 @functools.cache
-def exact_logits():
+def exact_logits(family="qwen3"):
     """Target logits for every continuation (t1, t2) of the prompt: [V, V, P + 2, V]."""
-    target, tparams, _, _ = sampling_setup()
+    target, tparams, _, _ = sampling_setup(family)
     p = len(SAMPLE_PROMPT)
     t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
     tokens = np.concatenate([np.tile(SAMPLE_PROMPT, (V * V, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
@@ -494,9 +530,9 @@ def exact_distribution(logits, sampling):
     return probs
 
 
-def exact_joint(sampling):
+def exact_joint(sampling, family="qwen3"):
     """p(t1, t2, t3) of plain autoregressive sampling from the target, [V, V, V]."""
-    logits = exact_logits()
+    logits = exact_logits(family)
     p = len(SAMPLE_PROMPT)
     p1 = exact_distribution(logits[0, 0, p - 1], sampling)  # [t1]
     p2 = exact_distribution(logits[:, 0, p], sampling)  # [t1, t2]
@@ -505,9 +541,9 @@ def exact_joint(sampling):
 
 
 @functools.cache
-def first_drafts():
+def first_drafts(family="qwen3"):
     """d_1 of the first cycle for each first token t1: the drafter's argmax, [V]."""
-    target, tparams, drafter, dparams = sampling_setup()
+    target, tparams, drafter, dparams = sampling_setup(family)
     p = len(SAMPLE_PROMPT)
     taps = forward(tparams, target, jnp.asarray([SAMPLE_PROMPT] * V, jnp.int32), init_cache(target, V, 32),
                    taps=drafter.target_layer_ids).tap_features
@@ -530,12 +566,12 @@ def tv(p, q):
 
 
 @functools.cache
-def speculative_samples(sampling):
+def speculative_samples(sampling, family="qwen3"):
     """The first three tokens of N_SAMPLES rows (row ids key the random streams) and each
     row's first acceptance length, from the block-4 engine. Three, not two: token 1 comes
     from the prefill and token 2 is always y_0, the target's own sample in the first verify
     pass, whatever was accepted; token 3 is the first one the acceptance rule decides."""
-    target, tparams, drafter, dparams = sampling_setup()
+    target, tparams, drafter, dparams = sampling_setup(family)
     gen = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
                     max_prompt_len=16, sampling=sampling)
     results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
@@ -543,14 +579,15 @@ def speculative_samples(sampling):
     return np.array([r.output_ids for r in results]), np.array([r.acceptance_lengths[0] for r in results])
 
 
-@pytest.mark.parametrize("sampling", [
-    pytest.param(SAMPLINGS[1], id="t0.7-topk5"),
-    pytest.param(SAMPLINGS[0], id="t1", marks=pytest.mark.heavy),
-    pytest.param(SAMPLINGS[2], id="t1-topp0.8", marks=pytest.mark.heavy),
+@pytest.mark.parametrize("sampling,family", [
+    pytest.param(SAMPLINGS[1], "qwen3", id="t0.7-topk5"),
+    pytest.param(SAMPLINGS[0], "qwen3", id="t1", marks=pytest.mark.heavy),
+    pytest.param(SAMPLINGS[2], "qwen3", id="t1-topp0.8", marks=pytest.mark.heavy),
+    pytest.param(SAMPLINGS[0], "gpt_oss", id="t1-gpt_oss", marks=pytest.mark.heavy),  # a MoE target
 ])
-def test_speculative_sampling_matches_target_distribution(sampling):
-    exact = exact_joint(sampling)
-    tokens, first_acceptance = speculative_samples(sampling)
+def test_speculative_sampling_matches_target_distribution(sampling, family):
+    exact = exact_joint(sampling, family)
+    tokens, first_acceptance = speculative_samples(sampling, family)
     counts = np.zeros((V, V, V))
     np.add.at(counts, tuple(tokens.T), 1)
     empirical = counts / N_SAMPLES
@@ -575,8 +612,8 @@ def test_speculative_sampling_matches_target_distribution(sampling):
 
     # Power: broken rules would fail these bounds (their samples would sit within their own
     # bound of their distribution, and that is farther than both bounds from the exact one).
-    d1 = first_drafts()
-    logits, p = exact_logits(), len(SAMPLE_PROMPT)
+    d1 = first_drafts(family)
+    logits, p = exact_logits(family), len(SAMPLE_PROMPT)
     p1 = exact.sum((1, 2))
     p2_given_1 = exact.sum(2) / np.where(p1 > 0, p1, 1)[:, None]
     # "Accept every draft": token 3 is sampled after [t1, d1(t1)] even when t2 != d1(t1).
