@@ -75,6 +75,37 @@ def training(meshes):
     return out
 
 
+def moe(meshes):
+    """Qwen3-MoE and gpt-oss pairs (8 experts) decode the same on every mesh: experts split
+    over `model`, rows over `data`."""
+    import dataclasses
+
+    from dflash_jax.engine import Generator
+    from dflash_jax.sharding import make_mesh, shard_params
+    from test_spec_decode import SETUPS, prompts, setup
+
+    out = {}
+    for name in ("qwen3_moe-v8", "gpt_oss-v8"):
+        target, tparams, drafter, dparams = setup(name)
+        target = target.replace(moe=dataclasses.replace(target.moe, num_experts=8))
+        from dflash_jax.model import init_params
+        from test_spec_decode import perturbed
+
+        tparams = perturbed(init_params(target, jax.random.PRNGKey(SETUPS[name][5])))
+        for spec in [None] + meshes:
+            mesh = make_mesh(spec) if spec else None
+            gen = Generator(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
+                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
+            res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
+            experts = gen.tparams["model"]["layers_0"]["mlp"]["experts"]
+            weight = experts.get("gate_proj", experts.get("gate_up_proj"))
+            out[f"{name} {spec or 'single'}"] = {
+                "outputs": [r.output_ids for r in res], "acceptance": [r.acceptance_lengths for r in res],
+                "experts_spec": str(weight.sharding.spec) if mesh else None,
+            }
+    return out
+
+
 if __name__ == "__main__":
     what, meshes = sys.argv[1], sys.argv[2:]
-    print(json.dumps({"devices": jax.device_count(), **{"inference": inference, "training": training}[what](meshes)}))
+    print(json.dumps({"devices": jax.device_count(), **{"inference": inference, "training": training, "moe": moe}[what](meshes)}))

@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from infer import bench
@@ -182,3 +183,38 @@ def test_xla_counts_a_lookup_as_its_whole_table():
     assert bench.gather_counts_table("float32")
     assert xla_bytes(8192, 8) - xla_bytes(4096, 8) == pytest.approx(4096 * 256 * 4, rel=0.01)
     assert xla_bytes(4096, 16) - xla_bytes(4096, 8) < 0.01 * 4096 * 256 * 4
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+def test_expected_experts_touched_matches_simulated_routing():
+    from infer.bench.moe_cost import expected_experts
+
+    rng = np.random.default_rng(0)
+    for experts, k, tokens in ((32, 4, 1), (32, 4, 16), (128, 8, 16), (128, 8, 128)):
+        touched = [len({e for _ in range(tokens) for e in rng.choice(experts, k, replace=False)}) for _ in range(300)]
+        assert abs(np.mean(touched) - expected_experts(experts, k, tokens)) < 0.02 * experts, (experts, k, tokens)
+    assert expected_experts(32, 4, 1) == pytest.approx(4.0)
+
+
+def test_moe_cost_report_adds_up_on_the_published_configs():
+    from infer.bench.moe_cost import PUBLISHED_MOE, kv_bytes, moe_report
+
+    r = moe_report("gpt-oss-20b", PUBLISHED_MOE["gpt-oss-20b"], batch=1, context=1024, block=16, tau=6.49)
+    # One gpt-oss-20b expert: gate_up 2880 x 5760 and down 2880 x 2880 with their biases, bfloat16.
+    assert r["expert_bytes"] == 2 * (2880 * 5760 + 5760 + 2880 * 2880 + 2880)
+    assert r["ar"]["experts_touched"] == pytest.approx(4.0)
+    from dflash_jax.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(PUBLISHED_MOE["gpt-oss-20b"])
+    want = (r["always_bytes"] + 24 * 4 * r["expert_bytes"] + r["lm_head_bytes"] + 2880 * 2
+            + kv_bytes(config, 1, 1024))
+    assert r["ar"]["bytes"] == pytest.approx(want)
+    assert config.sliding_windows[0] == 128 and kv_bytes(config, 1, 1024) < 24 * 1024 * 8 * 64 * 2 * 2
+    # A 16-token verify touches far more experts than a step, and the cycle costs several steps.
+    assert 20 < r["verify"]["experts_touched"] < 32
+    h200 = r["hardware"]["H200"]
+    assert h200["cost_ratio"] > 3 and h200["projected_speedup"] == pytest.approx(6.49 / h200["cost_ratio"])
+    qwen = moe_report("Qwen3-30B-A3B", PUBLISHED_MOE["Qwen3-30B-A3B"], batch=8, context=1024, block=16, tau=6.49)
+    assert qwen["verify"]["experts_touched"] == pytest.approx(128, abs=0.1)  # 128 tokens x top-8: nearly all

@@ -55,6 +55,20 @@ def test_sharded_inference_equals_one_device_on_the_fixture_pair():
     assert out["data=2,model=4"]["up_proj_spec"] == "P(None, 'model')"
 
 
+def test_sharded_moe_decoding_equals_one_device():
+    """Qwen3-MoE and gpt-oss targets with their drafters: the same tokens and acceptance
+    lengths on every mesh, with the experts split over the model axis."""
+    out = run_worker("moe")
+    for name in ("qwen3_moe-v8", "gpt_oss-v8"):
+        single = out[f"{name} single"]
+        assert max(a for row in single["acceptance"] for a in row) > 1
+        for mesh in MESHES:
+            assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
+            assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
+        assert out[f"{name} model=8"]["experts_spec"] == "P('model', None, None)"
+        assert out[f"{name} data=2,model=4"]["experts_spec"] == "P('model', None, None)"
+
+
 def test_sharded_training_equals_one_device():
     out = run_worker("training")
     single = out["single"]

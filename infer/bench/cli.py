@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--cost", action="store_true",
                       help="hardware-independent cost report of an AR step and a DFlash cycle at the published "
                            "shapes (abstract weights: nothing allocated, nothing run)")
+    mode.add_argument("--moe-cost", action="store_true",
+                      help="what a DFlash cycle costs against a decoding step for the published MoE targets "
+                           "(gpt-oss-20b, Qwen3-30B-A3B): experts touched per verify, bytes, projected speedup")
     mode.add_argument("--published-shapes", action="store_true",
                       help="time the engine's pieces on a Qwen3-8B-shaped target + 5-layer drafter with random "
                            "weights")
@@ -74,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--hf-batch-sizes", default=None, help="transformers batch sizes (default: --batch-sizes)")
     suite.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
 
-    shapes = p.add_argument_group("--cost and --published-shapes")
+    shapes = p.add_argument_group("--cost, --moe-cost and --published-shapes")
     shapes.add_argument("--scale", type=float, default=None,
                         help="shrink layers and widths (head_dim kept); default --cost 0.25, --published-shapes 1")
     shapes.add_argument("--context", type=int, default=1024, help="positions of context in use per row")
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.add_argument("--compare-cache-len", type=int, default=8192,
                         help="--cost: the same figures at this allocated cache too (0: skip)")
     shapes.add_argument("--batch-size", type=int, default=None,
-                        help="--cost (default 8), --published-shapes (default 1), workloads (default 8)")
+                        help="--cost (default 8), --moe-cost (default: 1 and 8), --published-shapes (default 1), "
+                             "workloads (default 8)")
     shapes.add_argument("--page-size", type=int, default=128, help="cache positions per page")
     shapes.add_argument("--no-pieces", action="store_true", help="--cost: skip the pieces compiled alone")
     shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, help="tau to project the speedup with")
@@ -112,7 +116,8 @@ def env_info() -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    modes = [m for m in ("cost", "published_shapes", "cache_scaling", "mixed_workload") if getattr(args, m)]
+    modes = [m for m in ("cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload")
+             if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
@@ -145,6 +150,10 @@ def run(args, mode: str) -> int:
         from infer.bench.cost import run_cost
 
         result["cost"] = run_cost(args)
+    elif mode == "moe_cost":
+        from infer.bench.moe_cost import run_moe_cost
+
+        result["moe_cost"] = run_moe_cost(args)
     elif mode == "published_shapes":
         from infer.bench.published import run_published_shapes
 
