@@ -293,3 +293,54 @@ def test_train_cli_regenerates_with_and_trains_on_a_moe_target(hf_moe, tmp_path)
     metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 6 and all(np.isfinite(losses))
+
+
+# --------------------------------------------------------------------------- with a drafter
+
+
+def moe_drafter(target_dir: Path, out: Path) -> Path:
+    """A random z-lab-format drafter for a MoE target, its first layer sliding (window 4)."""
+    from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
+    from dflash_jax.drafter import DrafterConfig, init_drafter_params
+
+    t = ModelConfig.from_json(target_dir / "config.json")
+    dense = ModelConfig(model_type="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=96,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
+                        sliding_windows=(4, None))
+    config = DrafterConfig(model=dense, block_size=4, mask_token_id=t.vocab_size - 1, target_layer_ids=(0, 3),
+                           num_target_layers=t.num_hidden_layers)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    save_hf_params(init_drafter_params(config, jax.random.PRNGKey(5)), out / "model.safetensors", table=DRAFTER_TABLE)
+    return out
+
+
+def test_drafters_for_moe_targets_load_and_pair(hf_moe, tmp_path):
+    from dflash_jax import load_drafter
+    from dflash_jax.drafter import check_pair
+
+    for family in MOE_FAMILIES:
+        target = hf_moe[family][1]
+        dcfg, _ = load_drafter(moe_drafter(target, tmp_path / family))
+        assert dcfg.model.sliding_windows == (4, None) and dcfg.target_layer_ids == (0, 3)
+        check_pair(load_target(target)[0], dcfg)
+
+
+@pytest.mark.heavy
+def test_infer_cli_with_a_moe_target_and_its_drafter_equals_plain_decoding(hf_moe, tmp_path):
+    from infer.cli import main
+
+    target = hf_moe["gpt_oss"][1]
+    drafter = moe_drafter(target, tmp_path / "drafter")
+    rs = np.random.RandomState(4)
+    prompts = [rs.randint(0, 159, n).tolist() for n in (5, 14, 9)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(target), "--drafter", str(drafter), "--input", str(inp), "--output", str(out),
+                 "--max-new-tokens", "10", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    config, params = load_target(target)
+    plain = Generator(config, params, max_new_tokens=10, max_prompt_len=16)
+    for i, prompt in enumerate(prompts):
+        assert rows[i]["output_ids"] == next(plain.generate([prompt])).output_ids, i
