@@ -72,6 +72,9 @@ class DrafterConfig:
         rope = {"rope_type": m.rope.type, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,
                 "high_freq_factor": m.rope.high_freq_factor,
                 "original_max_position_embeddings": m.rope.original_max_position_embeddings}
+        if m.rope.type == "yarn":  # a drafter trained for a gpt-oss target keeps its YaRN
+            rope.update(beta_fast=m.rope.beta_fast, beta_slow=m.rope.beta_slow, truncate=m.rope.truncate,
+                        attention_factor=m.rope.attention_factor)
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,

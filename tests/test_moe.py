@@ -344,3 +344,20 @@ def test_infer_cli_with_a_moe_target_and_its_drafter_equals_plain_decoding(hf_mo
     plain = Generator(config, params, max_new_tokens=10, max_prompt_len=16)
     for i, prompt in enumerate(prompts):
         assert rows[i]["output_ids"] == next(plain.generate([prompt])).output_ids, i
+
+
+def test_a_drafter_made_for_a_moe_target_is_dense_and_its_config_round_trips(hf_moe):
+    """`python -m train`'s new drafter for a gpt-oss target: Qwen3-style dense layers (no
+    experts, sinks or float32 norm weights), the target's YaRN, and an exported config that
+    reads back as the same drafter."""
+    from dflash_jax.drafter import DrafterConfig
+    from train.config import load_config
+    from train.trainer import new_drafter_config
+
+    tcfg = load_target(hf_moe["gpt_oss"][1])[0]
+    cfg = load_config(REPO / "configs" / "train" / "tiny.yaml", [f"target={hf_moe['gpt_oss'][1]}"])
+    drafter = new_drafter_config(cfg, tcfg, None, "float32")
+    m = drafter.model
+    assert m.moe is None and not m.sparse_layers and not m.attention_sinks and not m.norm_weight_in_float32
+    assert m.rope == tcfg.rope and m.rope.type == "yarn" and not m.rope.truncate
+    assert DrafterConfig.from_hf_dict(drafter.to_hf_dict()) == drafter
