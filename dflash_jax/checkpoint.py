@@ -201,7 +201,7 @@ def load_hf_params(
     parts: dict[tuple[str, ...], dict] = {}  # path -> {part: tensor}
 
     def place(path, array):
-        array = np.ascontiguousarray(array.astype(expected[path].dtype))
+        array = np.ascontiguousarray(array.astype(expected[path].dtype, copy=False))
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
     tensors = iter_hf_tensors(hf_dir)
@@ -228,7 +228,7 @@ def load_hf_params(
             from dflash_jax.families import family
 
             try:
-                array = family(config.model_type).combine(path, parts[path])
+                array = family(config.model_type).combine(path, parts[path], want.dtype)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name!r}: {e}") from None
             if array is not None:

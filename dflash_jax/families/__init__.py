@@ -29,7 +29,7 @@ class Family:
         `all_sliding` says a non-null `sliding_window` applies to every layer (Mistral).
     parse: (config.json dict, number of layers) -> further ModelConfig fields (MoE).
     table: the HF <-> Flax name table of the family's `*ForCausalLM`.
-    combine: (parameter path, {part: tensor}) -> the parameter, for rows with a `part`
+    combine: (parameter path, {part: tensor}, dtype) -> the parameter, for rows with a `part`
         (a parameter stored as several tensors, e.g. MXFP4 blocks and scales), or None
         while parts are still missing.
     quantizations: the `quantization_config.quant_method`s whose tensors it can read.
@@ -39,7 +39,7 @@ class Family:
     switches: Mapping[str, Any]
     table: tuple[Row, ...]
     parse: Callable[[dict, int], dict] | None = None
-    combine: Callable[[tuple[str, ...], dict], Any] | None = None
+    combine: Callable[[tuple[str, ...], dict, Any], Any] | None = None
     quantizations: tuple[str, ...] = ()
 
 

@@ -23,23 +23,28 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
                       np.float32)
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 -> float32, in the layout gpt-oss computes with.
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """MXFP4 -> `dtype`, in the layout gpt-oss computes with.
 
     blocks [experts, out, groups, 16] uint8: two FP4 codes a byte, the low nibble first, so a
     group of 16 bytes holds 32 consecutive input values. scales [experts, out, groups] uint8:
     the group's power of two, biased by 127. Returns [experts, in = groups * 32, out] (the
-    checkpoint's [out, in] transposed, as the bfloat16 gpt-oss weights are stored).
+    checkpoint's [out, in] transposed, as the bfloat16 gpt-oss weights are stored). Expert by
+    expert, so beside the result the host holds one expert's float32 values (gpt-oss-120b: a
+    128-expert tensor is 4.2 GB in bfloat16, 8.5 GB in float32).
     """
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape:
+    if blocks.ndim != 4 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
-    values = np.empty(blocks.shape[:-1] + (blocks.shape[-1] * 2,), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    *lead, groups, width = values.shape
-    return np.swapaxes(values.reshape(*lead, groups * width), -1, -2)
+    experts, rows, groups, width = blocks.shape
+    out = np.empty((experts, groups * width * 2, rows), dtype)
+    for e in range(experts):
+        values = np.empty((rows, groups, width * 2), np.float32)
+        values[..., 0::2] = FP4_VALUES[blocks[e] & 0x0F]
+        values[..., 1::2] = FP4_VALUES[blocks[e] >> 4]
+        values = np.ldexp(values, scales[e].astype(np.int32)[..., None] - 127)
+        out[e] = values.reshape(rows, groups * width * 2).T
+    return out
 
 
 def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
@@ -54,11 +59,11 @@ def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
     return rows
 
 
-def combine(path: tuple[str, ...], parts: dict) -> np.ndarray:
+def combine(path: tuple[str, ...], parts: dict, dtype) -> np.ndarray | None:
     """An expert projection from its MXFP4 parts (`blocks`, `scales`), once both are read."""
     if set(parts) != {"blocks", "scales"}:
         return None
-    return dequantize_mxfp4(parts["blocks"].read(), parts["scales"].read())
+    return dequantize_mxfp4(parts["blocks"].read(), parts["scales"].read(), dtype)
 
 
 def parse(cfg: dict, layers: int) -> dict:
