@@ -62,7 +62,7 @@ def test_sharded_moe_decoding_equals_one_device():
     for name in ("qwen3_moe-v8", "gpt_oss-v8"):
         single = out[f"{name} single"]
         assert max(a for row in single["acceptance"] for a in row) > 1
-        for mesh in MESHES:
+        for mesh in ("data=2,model=4", "model=8"):
             assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
             assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
         assert out[f"{name} model=8"]["experts_spec"] == "P('model', None, None)"
