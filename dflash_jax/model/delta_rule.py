@@ -1,0 +1,115 @@
+"""The gated delta rule (Qwen3.5 / Qwen3-Next linear-attention layers), with the state
+rollback speculative decoding needs.
+
+A gated delta-net layer keeps, per row and value head, a state S [k_dim, v_dim] instead of a
+KV cache. Each token t decays it and writes a correction:
+
+    S <- exp(g_t) S
+    S <- S + k_t (beta_t (v_t - k_t^T S))^T        (the delta rule: write what S mispredicts)
+    o_t = S^T q_t / sqrt(k_dim)
+
+`recurrent` runs that token by token (decoding, and the verify pass of a block). It can also
+return the state as it was after any position of the chunk, `keep[b]` tokens in, which is
+the rollback: a verify pass over a drafted block leaves each row's state after its last
+*accepted* token, exactly the state a run over the accepted tokens alone would leave.
+
+`chunked` computes the same in chunks (prefill): within a chunk the T sequential updates
+collapse into a unit-triangular solve and a few matmuls (the UT transform of DeltaNet), and
+only the chunk boundaries are sequential. Both work in float32, as transformers' reference
+and the FLA kernels do.
+
+Shapes: q, k [b, T, k_heads, k_dim]; v [b, T, v_heads, v_dim] (v_heads a multiple of
+k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, beta
+[b, T, v_heads]; state [b, v_heads, k_dim, v_dim].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, l2norm_qk: bool):
+    """float32, q/k repeated onto the value heads, normalised and q scaled; heads first:
+    [b, heads, T, ...]."""
+    groups = v.shape[2] // k.shape[2]
+    if groups > 1:
+        q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+    q, k, v, g, beta = (x.astype(jnp.float32).swapaxes(1, 2) for x in (q, k, v, g, beta))
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent(q, k, v, g, beta, state, *, keep=None, l2norm_qk: bool = True):
+    """Token by token. Returns (out [b, T, v_heads, v_dim] float32, state): the state after
+    all T tokens, or with `keep` [b] int32 (0..T) the state after the first keep[b] tokens of
+    each row (keep 0: the state given), for rolling a verify pass back to its accepted
+    prefix without running it again."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm_qk)
+    t = q.shape[2]
+    state = state.astype(jnp.float32)
+    kept = state
+
+    def step(carry, xs):
+        s, kept = carry
+        i, q_t, k_t, v_t, g_t, b_t = xs  # [b, h, d] / [b, h]
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        out = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        if keep is not None:
+            kept = jnp.where((keep == i + 1)[:, None, None, None], s, kept)
+        return (s, kept), out
+
+    xs = (jnp.arange(t), *(x.swapaxes(0, 2).swapaxes(1, 2) for x in (q, k, v)),
+          *(x.transpose(2, 0, 1) for x in (g, beta)))
+    (final, kept), out = jax.lax.scan(step, (state, kept), xs)
+    return out.transpose(1, 0, 2, 3), (final if keep is None else kept)
+
+
+def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True):
+    """The same as `recurrent` (its final state), in chunks of `chunk` positions: within a
+    chunk by a unit lower-triangular solve and matmuls, across chunks by a scan. The
+    sequence is padded to whole chunks with g = 0, beta = 0 (no decay, no write)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm_qk)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    n = (t + pad) // chunk
+    split = lambda x: x.reshape(b, h, n, chunk, *x.shape[3:])
+    q, k, v, g, beta = map(split, (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    cum = jnp.cumsum(g, axis=-1)  # log of the decay from the chunk's start through each position
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    pair = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # decay j -> i, i >= j
+    strictly = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    system = jnp.where(strictly, (k_beta @ k.swapaxes(-1, -2)) * pair, 0.0) + jnp.eye(chunk)
+    intra = jnp.where(causal, (q @ k.swapaxes(-1, -2)) * pair, 0.0)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    new_values = solve(v_beta)  # what each position writes, given the chunk's earlier writes
+    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # how each position reads the state at the chunk start
+
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def step(s, xs):
+        nv, kc, qd, ke, intra_i, decay_i = xs
+        v_new = nv - kc @ s
+        out = qd @ s + intra_i @ v_new
+        return s * decay_i + ke.swapaxes(-1, -2) @ v_new, out
+
+    move = lambda x: jnp.moveaxis(x, 2, 0)
+    final, out = jax.lax.scan(step, state.astype(jnp.float32),
+                              tuple(map(move, (new_values, k_cumdecay, q_decayed, k_to_end, intra, chunk_decay))))
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return out.swapaxes(1, 2), final

@@ -1,0 +1,73 @@
+"""The gated delta rule of Qwen3.5's linear-attention layers, against transformers' reference,
+and its rollback: a verify pass's state kept after the accepted prefix equals the state of a
+run over that prefix alone."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dflash_jax.model import delta_rule
+
+B, KH, VH, DK, DV = 2, 2, 4, 8, 6  # two value heads per q/k head
+
+
+def inputs(t, seed):
+    rs = np.random.RandomState(seed)
+    q, k = rs.randn(B, t, KH, DK).astype(np.float32), rs.randn(B, t, KH, DK).astype(np.float32)
+    v = rs.randn(B, t, VH, DV).astype(np.float32)
+    g = -np.abs(rs.randn(B, t, VH)).astype(np.float32) * 0.3  # log decay <= 0
+    beta = (1 / (1 + np.exp(-rs.randn(B, t, VH)))).astype(np.float32)
+    state = rs.randn(B, VH, DK, DV).astype(np.float32) * 0.5
+    return q, k, v, g, beta, state
+
+
+def torch_reference(fn, q, k, v, g, beta, state, **kw):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    out, final = getattr(m, fn)(*(torch.from_numpy(x) for x in (q, k, v, g, beta)), initial_state=torch.from_numpy(state),
+                                output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    return out.numpy(), final.numpy()
+
+
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_recurrent_equals_transformers(t):
+    x = inputs(t, t)
+    out, final = delta_rule.recurrent(*map(jnp.asarray, x))
+    ref_out, ref_final = torch_reference("torch_recurrent_gated_delta_rule", *x)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(final), ref_final, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,chunk", [(40, 16), (16, 16), (7, 16)])  # several chunks with a ragged end; one; less
+def test_chunked_equals_transformers_and_the_recurrent_form(t, chunk):
+    x = inputs(t, 100 + t)
+    out, final = delta_rule.chunked(*map(jnp.asarray, x), chunk=chunk)
+    ref_out, ref_final = torch_reference("torch_chunk_gated_delta_rule", *x, chunk_size=chunk)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=5e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(final), ref_final, atol=5e-5, rtol=1e-4)
+    rec_out, rec_final = delta_rule.recurrent(*map(jnp.asarray, x))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(rec_out), atol=5e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(rec_final), atol=5e-5, rtol=1e-4)
+
+
+def test_rollback_keeps_the_state_after_the_accepted_prefix():
+    """A verify pass over 8 tokens with rows accepting 3 and 0 (and all 8 in a second call):
+    the kept state is the state after the accepted tokens alone, and the outputs are the
+    full pass's."""
+    q, k, v, g, beta, state = inputs(8, 7)
+    x = tuple(map(jnp.asarray, (q, k, v, g, beta)))
+    out, kept = delta_rule.recurrent(*x, jnp.asarray(state), keep=jnp.array([3, 0]))
+    for row, accepted in ((0, 3), (1, 0)):
+        prefix = tuple(a[row:row + 1, :accepted] for a in x)
+        if accepted:
+            _, alone = delta_rule.recurrent(*prefix, jnp.asarray(state[row:row + 1]))
+        else:
+            alone = jnp.asarray(state[row:row + 1])
+        np.testing.assert_allclose(np.asarray(kept[row]), np.asarray(alone[0]), atol=1e-6, rtol=1e-6)
+    full_out, final = delta_rule.recurrent(*x, jnp.asarray(state))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(full_out))
+    _, all_kept = delta_rule.recurrent(*x, jnp.asarray(state), keep=jnp.array([8, 8]))
+    np.testing.assert_array_equal(np.asarray(all_kept), np.asarray(final))
+    # The rejected suffix did change the state: keeping it would be wrong.
+    assert np.abs(np.asarray(final[0]) - np.asarray(kept[0])).max() > 1e-2
