@@ -71,3 +71,43 @@ def test_rollback_keeps_the_state_after_the_accepted_prefix():
     np.testing.assert_array_equal(np.asarray(all_kept), np.asarray(final))
     # The rejected suffix did change the state: keeping it would be wrong.
     assert np.abs(np.asarray(final[0]) - np.asarray(kept[0])).max() > 1e-2
+
+
+# --------------------------------------------------------------------------- the short convolution
+
+C, K = 10, 4
+
+
+def conv_inputs(t, seed):
+    rs = np.random.RandomState(seed)
+    return (rs.randn(B, t, C).astype(np.float32), rs.randn(C, K).astype(np.float32),
+            rs.randn(C).astype(np.float32), rs.randn(B, K - 1, C).astype(np.float32))
+
+
+def test_causal_conv_equals_transformers_prefill_and_update():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    x, w, bias, tail = conv_inputs(9, 0)
+    y, new_tail = delta_rule.causal_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.zeros((B, K - 1, C)))
+    ref = m.causal_conv1d_fn(torch.from_numpy(x).transpose(1, 2), torch.from_numpy(w), torch.from_numpy(bias),
+                             activation="silu").transpose(1, 2).numpy()
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_tail), x[:, -(K - 1):])
+    # Decoding from a state: transformers' update keeps the state in [b, C, len] order.
+    state = torch.from_numpy(tail).transpose(1, 2).contiguous()
+    ref = m.causal_conv1d_update(torch.from_numpy(x[:, :3]).transpose(1, 2), state, torch.from_numpy(w),
+                                 torch.from_numpy(bias), activation="silu").transpose(1, 2).numpy()
+    y, new_tail = delta_rule.causal_conv(jnp.asarray(x[:, :3]), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(tail))
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_tail), state.transpose(1, 2).numpy())
+
+
+def test_causal_conv_rollback_keeps_the_tail_after_the_accepted_prefix():
+    x, w, bias, tail = conv_inputs(6, 1)
+    args = (jnp.asarray(w), jnp.asarray(bias))
+    _, kept = delta_rule.causal_conv(jnp.asarray(x), *args, jnp.asarray(tail), keep=jnp.array([4, 1]))
+    for row, accepted in ((0, 4), (1, 1)):
+        _, alone = delta_rule.causal_conv(jnp.asarray(x[row:row + 1, :accepted]), *args, jnp.asarray(tail[row:row + 1]))
+        np.testing.assert_array_equal(np.asarray(kept[row]), np.asarray(alone[0]))
+    _, none_kept = delta_rule.causal_conv(jnp.asarray(x), *args, jnp.asarray(tail), keep=jnp.array([0, 0]))
+    np.testing.assert_array_equal(np.asarray(none_kept), tail)

@@ -18,6 +18,9 @@ collapse into a unit-triangular solve and a few matmuls (the UT transform of Del
 only the chunk boundaries are sequential. Both work in float32, as transformers' reference
 and the FLA kernels do.
 
+`causal_conv` is the short depthwise convolution in front of the layer, whose state (the
+last K - 1 inputs) rolls back the same way.
+
 Shapes: q, k [b, T, k_heads, k_dim]; v [b, T, v_heads, v_dim] (v_heads a multiple of
 k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, beta
 [b, T, v_heads]; state [b, v_heads, k_dim, v_dim].
@@ -113,3 +116,30 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True)
                               tuple(map(move, (new_values, k_cumdecay, q_decayed, k_to_end, intra, chunk_decay))))
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return out.swapaxes(1, 2), final
+
+
+def causal_conv(x, weight, bias, tail, *, keep=None, activation: str | None = "silu"):
+    """The short depthwise causal convolution in front of a gated delta-net layer, with its
+    own rollback.
+
+    x [b, T, C]; weight [C, K]; bias [C] or None; tail [b, K - 1, C]: the layer's last K - 1
+    inputs (zeros before the first token). Output t sees inputs t - K + 1 .. t. Returns
+    (y [b, T, C] in x's dtype, new tail): the last K - 1 inputs of [tail ; x], or with `keep`
+    [b] (0..T) those ending at each row's keep[b]-th token, the tail after the accepted prefix.
+    """
+    k = weight.shape[-1]
+    t = x.shape[1]
+    full = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [b, K - 1 + T, C]
+    w = weight.astype(jnp.float32)
+    y = sum(full[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(k))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    if activation == "silu":
+        y = jax.nn.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unknown activation {activation!r}")
+    if keep is None:
+        new_tail = full[:, t:]
+    else:
+        new_tail = jax.vmap(lambda f, s: jax.lax.dynamic_slice_in_dim(f, s, k - 1, axis=0))(full, keep)
+    return y.astype(x.dtype), new_tail
