@@ -111,3 +111,50 @@ def test_causal_conv_rollback_keeps_the_tail_after_the_accepted_prefix():
         np.testing.assert_array_equal(np.asarray(kept[row]), np.asarray(alone[0]))
     _, none_kept = delta_rule.causal_conv(jnp.asarray(x), *args, jnp.asarray(tail), keep=jnp.array([0, 0]))
     np.testing.assert_array_equal(np.asarray(none_kept), tail)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
+    """Our layer with transformers' weights equals `Qwen3_5GatedDeltaNet` on a prompt (its
+    chunked path, from an empty state); running the same tokens as a prefill of 7, a verify of
+    5 rolled back to 2 and the rest token by token gives the same outputs and final state."""
+    import jax
+    import transformers
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from dflash_jax.model.delta_rule import GatedDeltaNet
+
+    cfg = transformers.Qwen3_5TextConfig(hidden_size=24, linear_num_value_heads=4, linear_num_key_heads=2,
+                                         linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                         num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    ref = m.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        ref.dt_bias.add_(0.3 * torch.randn_like(ref.dt_bias))
+        ref.norm.weight.add_(0.2 * torch.randn_like(ref.norm.weight))
+    sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    params = {name: {"kernel": sd[f"{name}.weight"].T} for name in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                      "in_proj_a", "out_proj")}
+    params.update(conv1d=sd["conv1d.weight"][:, 0], dt_bias=sd["dt_bias"], A_log=sd["A_log"], norm=sd["norm.weight"])
+    layer = GatedDeltaNet(hidden_size=24, k_heads=2, v_heads=4, k_dim=8, v_dim=6, conv_kernel=4)
+    apply = lambda x, tail, state, **kw: layer.apply({"params": params}, x, tail, state, **kw)
+
+    x = np.random.RandomState(0).randn(2, 20, 24).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(x)).numpy()
+    tail0, state0 = jnp.zeros((2, 3, layer.conv_dim)), jnp.zeros((2, 4, 8, 6))
+    full, _, final = apply(jnp.asarray(x), tail0, state0, chunked_rule=True, chunk=8)
+    np.testing.assert_allclose(np.asarray(full), want, atol=1e-5, rtol=1e-4)
+
+    # Prefill 7 (chunked); verify 5 but accept 2 (the other 3 are redone); then one at a time.
+    out, tail, state = apply(jnp.asarray(x[:, :7]), tail0, state0, chunked_rule=True, chunk=8)
+    pieces = [out]
+    verify, tail, state = apply(jnp.asarray(x[:, 7:12]), tail, state, keep=jnp.array([2, 2]))
+    pieces.append(verify[:, :2])
+    for i in range(9, 20):
+        out, tail, state = apply(jnp.asarray(x[:, i:i + 1]), tail, state)
+        pieces.append(out)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), want, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(state), np.asarray(final), atol=1e-5, rtol=1e-4)

@@ -19,7 +19,9 @@ only the chunk boundaries are sequential. Both work in float32, as transformers'
 and the FLA kernels do.
 
 `causal_conv` is the short depthwise convolution in front of the layer, whose state (the
-last K - 1 inputs) rolls back the same way.
+last K - 1 inputs) rolls back the same way. `GatedDeltaNet` is the whole layer
+(projections, convolution, the rule, the gated RMSNorm), equal to transformers'
+`Qwen3_5GatedDeltaNet`; no family uses it yet.
 
 Shapes: q, k [b, T, k_heads, k_dim]; v [b, T, v_heads, v_dim] (v_heads a multiple of
 k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, beta
@@ -28,6 +30,7 @@ k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, bet
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -143,3 +146,56 @@ def causal_conv(x, weight, bias, tail, *, keep=None, activation: str | None = "s
     else:
         new_tail = jax.vmap(lambda f, s: jax.lax.dynamic_slice_in_dim(f, s, k - 1, axis=0))(full, keep)
     return y.astype(x.dtype), new_tail
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (`Qwen3_5GatedDeltaNet`), parameters named as its HF
+    tensors: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Dense), conv1d [C, K] (HF
+    `conv1d.weight` [C, 1, K]), dt_bias and A_log [v_heads], norm/weight [v_dim], out_proj.
+
+    x [b, T, hidden] with the layer's state (tail [b, K - 1, C], state [b, v_heads, k_dim,
+    v_dim]) -> (out [b, T, hidden], tail, state). chunked: the chunked rule (prefill);
+    otherwise token by token, where `keep` [b] rolls the returned tail and state back to
+    each row's first keep[b] tokens (a verify pass)."""
+
+    hidden_size: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @nn.compact
+    def __call__(self, x, tail, state, *, keep=None, chunked_rule: bool = False, chunk: int = 64):
+        b, t, _ = x.shape
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        conv_w = self.param("conv1d", nn.initializers.normal(0.5), (self.conv_dim, self.conv_kernel), self.dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (self.v_heads,), self.dtype)
+        a_log = self.param("A_log", nn.initializers.zeros, (self.v_heads,), self.dtype)
+        norm_w = self.param("norm", nn.initializers.ones, (self.v_dim,), self.dtype)
+
+        mixed, tail = causal_conv(dense(self.conv_dim, "in_proj_qkv")(x), conv_w, None, tail, keep=keep)
+        q = mixed[..., :kd].reshape(b, t, self.k_heads, self.k_dim)
+        k = mixed[..., kd:2 * kd].reshape(b, t, self.k_heads, self.k_dim)
+        v = mixed[..., 2 * kd:].reshape(b, t, self.v_heads, self.v_dim)
+        z = dense(vd, "in_proj_z")(x).reshape(b, t, self.v_heads, self.v_dim)
+        beta = jax.nn.sigmoid(dense(self.v_heads, "in_proj_b")(x).astype(jnp.float32))
+        a = dense(self.v_heads, "in_proj_a")(x).astype(jnp.float32)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
+        if chunked_rule:
+            out, state = chunked(q, k, v, g, beta, state, chunk=chunk)
+        else:
+            out, state = recurrent(q, k, v, g, beta, state, keep=keep)
+        # Gated RMSNorm over each head's values: normed, weighted in the input dtype, times silu(z).
+        out = out.astype(x.dtype).astype(jnp.float32)
+        normed = (out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + self.eps)).astype(x.dtype)
+        gated = (norm_w * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        out = gated.astype(x.dtype).reshape(b, t, vd)
+        return dense(self.hidden_size, "out_proj")(out), tail, state
