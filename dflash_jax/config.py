@@ -14,7 +14,7 @@ from typing import Any
 
 from dflash_jax.errors import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -32,6 +32,9 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # Proportional (Gemma 4's full layers): only the first partial_rotary_factor of the pairs
+    # rotate, at frequencies set by the whole head_dim; the rest have frequency 0 (identity).
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,11 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeConfig:
         kw["low_freq_factor"] = float(params["low_freq_factor"])
         kw["high_freq_factor"] = float(params["high_freq_factor"])
         kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if rope_type == "proportional":
+        partial = float(params.get("partial_rotary_factor", 1.0))
+        if not 0 < partial <= 1:
+            raise ConfigError(f"rope type 'proportional' needs 0 < partial_rotary_factor <= 1, got {partial}")
+        kw.update(factor=float(params.get("factor", 1.0)), partial_rotary_factor=partial)
     if rope_type == "yarn":
         if "original_max_position_embeddings" not in params:
             raise ConfigError("rope type 'yarn' needs 'original_max_position_embeddings'")
@@ -280,6 +288,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         inv = np.where(medium, smoothed, scaled)
     elif rope.type == "yarn":
         return _yarn_inv_freq(rope, head_dim)
+    elif rope.type == "proportional":
+        rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
+        inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
+        inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated, np.float32)]) / np.float32(rope.factor)
     return inv.astype(np.float32)
 
 

@@ -75,6 +75,8 @@ class DrafterConfig:
         if m.rope.type == "yarn":  # a drafter trained for a gpt-oss target keeps its YaRN
             rope.update(beta_fast=m.rope.beta_fast, beta_slow=m.rope.beta_slow, truncate=m.rope.truncate,
                         attention_factor=m.rope.attention_factor)
+        if m.rope.type == "proportional":
+            rope["partial_rotary_factor"] = m.rope.partial_rotary_factor
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,

@@ -89,3 +89,21 @@ def test_converted_drafter_drafts_identically(tmp_path):
         Generator(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16).generate(prompts),
         key=lambda r: r.index)]
     assert run(c_cv, p_cv) == run(c_hf, p_hf)
+
+
+def test_drafter_config_round_trips_every_rope_type():
+    """A drafter keeps its target's RoPE; its exported config.json reads back the same for
+    each type (YaRN's ramp and factor, the proportional type's rotated share included)."""
+    from dflash_jax.config import ModelConfig, RopeConfig
+
+    ropes = [RopeConfig(theta=1e6), RopeConfig(theta=5e5, type="llama3", factor=8.0, original_max_position_embeddings=8192),
+             RopeConfig(theta=1.5e5, type="yarn", factor=32.0, original_max_position_embeddings=4096, truncate=False,
+                        attention_factor=1.3465735902799727),
+             RopeConfig(theta=1e6, type="proportional", partial_rotary_factor=0.25)]
+    for rope in ropes:
+        model = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            qk_norm=True, rope=rope, sliding_windows=(None, None))
+        config = DrafterConfig(model=model, block_size=4, mask_token_id=63, target_layer_ids=(0, 2),
+                               num_target_layers=3)
+        assert DrafterConfig.from_hf_dict(config.to_hf_dict()) == config, rope.type

@@ -23,6 +23,9 @@ FAMILIES = {
                           high_freq_factor=4.0, original_max_position_embeddings=32))),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict()),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
+    # Proportional partial RoPE (Gemma 4's full layers): a quarter of the pairs rotate.
+    "qwen3_prope": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        head_dim=16, rope_parameters=dict(rope_type="proportional", rope_theta=10000.0, partial_rotary_factor=0.25))),
     # Mixture of experts: a dense layer (mlp_only_layers) among the sparse ones, and k of 6
     # experts renormalised.
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
