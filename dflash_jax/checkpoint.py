@@ -11,7 +11,6 @@ device before the next one is read, so the host never holds a second copy of the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from dflash_jax.errors import CheckpointError
 # ---------------------------------------------------------------------------- tables
 
 
+from dflash_jax.families import FAMILIES  # noqa: E402
 from dflash_jax.families.table import Row, layer_rows  # noqa: E402
 
 # z-lab DFlash drafters: no `model.` prefix, no embedding or head (borrowed from the target).
@@ -73,7 +73,7 @@ def flax_to_hf(path: tuple[str, ...], table) -> str:
         pattern = re.escape(row.flax).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$"
         m = re.match(pattern, joined)
         if m and row.part is None:
-            return row.hf.replace("{e}", "{expert}").format(**m.groupdict()).replace("{expert}", "{e}")
+            return row.hf.format(**m.groupdict(), e="{e}")  # a stacked row keeps its `{e}`
     return joined
 
 
@@ -158,8 +158,6 @@ def _read_transformed(tensor, transpose: bool, dtype, index=None) -> np.ndarray:
     Only the HF rows the block needs are read (HF axis 0 is Flax's last axis if transposed)."""
     if index is None:
         index = tuple(slice(None) for _ in tensor.shape)
-    if transpose and len(tensor.shape) > 2:  # stacked [.., out, in]: read whole, swap the last two
-        return np.ascontiguousarray(np.swapaxes(tensor.read(), -1, -2)[index].astype(dtype))
     hf_index = tuple(reversed(index)) if transpose else tuple(index)
     rows = hf_index[0].indices(tensor.shape[0]) if tensor.shape else (0, 1, 1)
     block = tensor.read_rows(rows[0], rows[1])[(slice(None, None, rows[2]),) + tuple(hf_index[1:])]
@@ -190,6 +188,7 @@ def load_hf_params(
     """
     hf_dir = Path(hf_dir)
     table = target_table(config.model_type) if table is None else table
+    combine = FAMILIES[config.model_type].combine if config.model_type in FAMILIES else None
     expected = _flatten(abstract)
     shardings = None
     if mesh is not None:
@@ -225,10 +224,8 @@ def load_hf_params(
         want = expected[path]
         if row.part is not None:
             parts.setdefault(path, {})[row.part] = tensor
-            from dflash_jax.families import family
-
             try:
-                array = family(config.model_type).combine(path, parts[path], want.dtype)
+                array = combine(path, parts[path], want.dtype)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name!r}: {e}") from None
             if array is not None:
@@ -237,8 +234,8 @@ def load_hf_params(
                 place(path, array)
                 del parts[path]
             continue
-        shape = tuple(want.shape[1:]) if row.stacked else tuple(want.shape)
-        hf_shape = shape[:-2] + tuple(reversed(shape[-2:])) if row.transpose else shape
+        shape = tuple(want.shape[1:]) if row.stacked else tuple(want.shape)  # a stacked row: one expert
+        hf_shape = tuple(reversed(shape)) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
         if row.stacked:

@@ -137,7 +137,7 @@ def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
     sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     params = {name: {"kernel": sd[f"{name}.weight"].T} for name in ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                       "in_proj_a", "out_proj")}
-    params.update(conv1d=sd["conv1d.weight"][:, 0], dt_bias=sd["dt_bias"], A_log=sd["A_log"], norm=sd["norm.weight"])
+    params.update(conv1d=sd["conv1d.weight"][:, 0], dt_bias=sd["dt_bias"], A_log=sd["A_log"], norm={"weight": sd["norm.weight"]})
     layer = GatedDeltaNet(hidden_size=24, k_heads=2, v_heads=4, k_dim=8, v_dim=6, conv_kernel=4)
     apply = lambda x, tail, state, **kw: layer.apply({"params": params}, x, tail, state, **kw)
 

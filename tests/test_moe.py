@@ -116,8 +116,8 @@ def test_bfloat16_checkpoint_tracks_transformers_in_bfloat16(family, tmp_path):
     within a bfloat16 rounding, either side may pick the other expert (measured on these
     checkpoints: 1 or 2 of 60 positions, on ours or on transformers' side alike), so the
     bound holds at 9 positions in 10 and the typical position is within 2%."""
-    model = save_model(make_model(family, seed=7), tmp_path, dtype=torch.bfloat16) and make_model(family, seed=7)
-    ref = torch_logits(model.to(torch.bfloat16), IDS)
+    save_model(make_model(family, seed=7), tmp_path, dtype=torch.bfloat16)
+    ref = torch_logits(make_model(family, seed=7).to(torch.bfloat16), IDS)
     config, params = load_target(tmp_path)
     assert config.dtype == "bfloat16"
     experts = params["model"]["layers_0"]["mlp"]["experts"]

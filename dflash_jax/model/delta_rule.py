@@ -34,6 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.model.layers import RMSNorm
+
 
 def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
@@ -179,7 +181,6 @@ class GatedDeltaNet(nn.Module):
         conv_w = self.param("conv1d", nn.initializers.normal(0.5), (self.conv_dim, self.conv_kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (self.v_heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (self.v_heads,), self.dtype)
-        norm_w = self.param("norm", nn.initializers.ones, (self.v_dim,), self.dtype)
 
         mixed, tail = causal_conv(dense(self.conv_dim, "in_proj_qkv")(x), conv_w, None, tail, keep=keep)
         q = mixed[..., :kd].reshape(b, t, self.k_heads, self.k_dim)
@@ -193,9 +194,8 @@ class GatedDeltaNet(nn.Module):
             out, state = chunked(q, k, v, g, beta, state, chunk=chunk)
         else:
             out, state = recurrent(q, k, v, g, beta, state, keep=keep)
-        # Gated RMSNorm over each head's values: normed, weighted in the input dtype, times silu(z).
-        out = out.astype(x.dtype).astype(jnp.float32)
-        normed = (out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + self.eps)).astype(x.dtype)
-        gated = (norm_w * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        # Gated RMSNorm over each head's values: the shared RMSNorm, then times silu(z) in float32.
+        normed = RMSNorm(self.eps, self.dtype, name="norm")(out.astype(x.dtype))
+        gated = normed.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(x.dtype).reshape(b, t, vd)
         return dense(self.hidden_size, "out_proj")(out), tail, state
