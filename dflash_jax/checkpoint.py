@@ -189,6 +189,8 @@ def load_hf_params(
     hf_dir = Path(hf_dir)
     table = target_table(config.model_type) if table is None else table
     combine = FAMILIES[config.model_type].combine if config.model_type in FAMILIES else None
+    ignored = IGNORED + tuple(re.compile(p) for p in (FAMILIES[config.model_type].ignore
+                                                      if config.model_type in FAMILIES else ()))
     expected = _flatten(abstract)
     shardings = None
     if mesh is not None:
@@ -209,7 +211,7 @@ def load_hf_params(
 
         tensors = tqdm(tensors, total=len(expected), desc="loading tensors", unit="tensor")
     for name, tensor in tensors:
-        if any(p.match(name) for p in IGNORED):
+        if any(p.match(name) for p in ignored):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head saved anyway; the embedding is the head

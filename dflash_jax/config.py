@@ -34,7 +34,16 @@ class RopeConfig:
     attention_factor: float = 1.0
     # Proportional (Gemma 4's full layers): only the first partial_rotary_factor of the pairs
     # rotate, at frequencies set by the whole head_dim; the rest have frequency 0 (identity).
+    # Any other type (Qwen3.5): only the first partial_rotary_factor * head_dim dimensions
+    # rotate, as a head of that size would; the rest pass through.
     partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dimensions of a head the rotation covers (its half-split is
+        inside them)."""
+        if self.type == "proportional" or self.partial_rotary_factor == 1.0:
+            return head_dim
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +70,9 @@ class MoeConfig:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # A dense "shared expert" MLP of this width every token goes through, scaled by
+    # sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE); 0: none.
+    shared_expert_size: int = 0
 
     @classmethod
     def parse(cls, cfg: dict[str, Any], model_type: str, *, experts: tuple[str, ...], **kw) -> "MoeConfig":
@@ -81,6 +93,22 @@ class MoeConfig:
             raise ConfigError(f"config.json ({model_type}): num_experts_per_tok {top_k} > {experts_field} {num_experts}")
         width = positive("moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size")
         return cls(num_experts=num_experts, top_k=top_k, intermediate_size=width, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The gated delta-net layers of a hybrid decoder (Qwen3.5): q/k heads and their size,
+    value heads (a multiple of the q/k heads) and their size, the causal convolution's width."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +140,14 @@ class ModelConfig:
     # The sparse MLP block, and per layer whether it has one (else the dense MLP).
     moe: MoeConfig | None = None
     sparse_layers: tuple[bool, ...] = ()
+    # Hybrid decoders (Qwen3.5): per layer whether it is a gated delta-net linear-attention
+    # layer (a recurrent state, no KV cache) rather than attention.
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
+    # Attention output times sigmoid(gate), the gate a second half of each q_proj head (Qwen3.5).
+    attention_output_gate: bool = False
+    # RMSNorm weights are offsets from 1: x * (1 + w) (Qwen3.5, Gemma).
+    norm_zero_centered: bool = False
     dtype: str = "float32"
 
     @property
@@ -124,12 +160,35 @@ class ModelConfig:
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]
 
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (every layer but the linear-attention ones)."""
+        return self.num_hidden_layers - sum(self.linear_layers)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.linear_layers)
+
+    def cache_slot(self, layer: int) -> int:
+        """The layer's index among the layers of its kind: into the KV buffers for an attention
+        layer, into the recurrent state for a linear one."""
+        return sum(self.is_linear(i) == self.is_linear(layer) for i in range(layer))
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, dtype: str | None = None) -> "ModelConfig":
         from dflash_jax.families import family as find_family
 
         model_type = cfg.get("model_type")
         family = find_family(model_type)
+        if family.text_config:  # a multimodal checkpoint: the decoder is its text model
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"config.json ({model_type}) is missing required field 'text_config'")
+            top = {k: cfg[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype") if k in cfg}
+            cfg = {**text, **top, "model_type": model_type}
 
         def need(key):
             if key not in cfg or cfg[key] is None:
@@ -175,6 +234,8 @@ class ModelConfig:
             mlp_bias=switch("mlp_bias"),
             attention_sinks=switch("attention_sinks"),
             norm_weight_in_float32=switch("norm_weight_in_float32"),
+            attention_output_gate=switch("attention_output_gate"),
+            norm_zero_centered=switch("norm_zero_centered"),
             sliding_windows=_sliding_windows(cfg, layers, switch("all_sliding")),
             dtype=dtype,
             **extra,
@@ -224,11 +285,12 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeConfig:
         kw["low_freq_factor"] = float(params["low_freq_factor"])
         kw["high_freq_factor"] = float(params["high_freq_factor"])
         kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if not 0 < partial <= 1:
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {partial}")
+    kw["partial_rotary_factor"] = partial
     if rope_type == "proportional":
-        partial = float(params.get("partial_rotary_factor", 1.0))
-        if not 0 < partial <= 1:
-            raise ConfigError(f"rope type 'proportional' needs 0 < partial_rotary_factor <= 1, got {partial}")
-        kw.update(factor=float(params.get("factor", 1.0)), partial_rotary_factor=partial)
+        kw["factor"] = float(params.get("factor", 1.0))
     if rope_type == "yarn":
         if "original_max_position_embeddings" not in params:
             raise ConfigError("rope type 'yarn' needs 'original_max_position_embeddings'")
@@ -267,8 +329,11 @@ def _sliding_windows(cfg: dict[str, Any], layers: int, all_sliding: bool) -> tup
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int):
-    """Inverse frequencies [head_dim // 2], float32, with HF's scaling rules."""
+    """Inverse frequencies [rotary_dim // 2], float32, with HF's scaling rules."""
     import numpy as np
+
+    if rope.type != "proportional":
+        head_dim = rope.rotary_dim(head_dim)
 
     # float32 like transformers, so positions far out agree to the last bit we can.
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import ModelConfig, read_config_json
+from dflash_jax.config import ModelConfig, RopeConfig, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.attention import PAGE_SIZE, attend, cache_length, dense_attention, write_kv
 from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths
@@ -75,7 +75,7 @@ class DrafterConfig:
         if m.rope.type == "yarn":  # a drafter trained for a gpt-oss target keeps its YaRN
             rope.update(beta_fast=m.rope.beta_fast, beta_slow=m.rope.beta_slow, truncate=m.rope.truncate,
                         attention_factor=m.rope.attention_factor)
-        if m.rope.type == "proportional":
+        if m.rope.partial_rotary_factor != 1.0:
             rope["partial_rotary_factor"] = m.rope.partial_rotary_factor
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -83,7 +83,7 @@ class DrafterConfig:
             "num_hidden_layers": m.num_hidden_layers, "num_attention_heads": m.num_attention_heads,
             "num_key_value_heads": m.num_key_value_heads, "head_dim": m.head_dim,
             "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta,
-            "rope_scaling": None if m.rope.type == "default" else rope,
+            "rope_scaling": None if m.rope == RopeConfig(theta=m.rope.theta) else rope,
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
             "attention_bias": m.qkv_bias, "tie_word_embeddings": False, "hidden_act": "silu",
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,

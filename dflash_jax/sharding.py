@@ -53,6 +53,10 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"router/kernel", ("embed", None)),
     (r"router/bias", (None,)),
     (r"self_attn/sinks", ("heads",)),
+    # Gated delta-net layers: projections split by head like attention's (in_proj_qkv's
+    # [q | k | v] output is split as one axis; XLA regroups it after the convolution).
+    (r"in_proj_(qkv|z)/kernel", ("embed", "heads")),
+    (r"out_proj/kernel", ("heads", "embed")),
     (r"(gate|up)_proj/kernel", ("embed", "mlp")),
     (r"(gate|up)_proj/bias", ("mlp",)),
     (r"down_proj/kernel", ("mlp", "embed")),
@@ -62,6 +66,8 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # KVCache.k / .v
+STATE_AXES = ("layers", "batch", "heads", "head_dim", "head_dim")  # KVCache.state (linear layers)
+TAIL_AXES = ("layers", "batch", "length", None)  # KVCache.tail
 
 
 class MeshError(DFlashError):

@@ -73,6 +73,21 @@ def test_rollback_keeps_the_state_after_the_accepted_prefix():
     assert np.abs(np.asarray(final[0]) - np.asarray(kept[0])).max() > 1e-2
 
 
+def test_settle_advances_state_and_tail_by_each_rows_accepted_prefix_alone():
+    """A deferred block settled at keep = (3, 0): each row's state and tail equal those of a
+    run over its accepted tokens alone (the state by the recurrent form, to 1e-5)."""
+    q, k, v, g, beta, state = inputs(8, 11)
+    conv_in = np.random.RandomState(3).randn(B, 8, 5).astype(np.float32)
+    tail = np.random.RandomState(4).randn(B, 3, 5).astype(np.float32)
+    pending = delta_rule.Pending(*map(jnp.asarray, (conv_in, k, v, g, beta)))
+    new_tail, settled = delta_rule.settle(jnp.asarray(tail), jnp.asarray(state), pending, jnp.array([3, 0]))
+    _, alone = delta_rule.recurrent(*(jnp.asarray(a[:1, :3]) for a in (q, k, v, g, beta)), jnp.asarray(state[:1]))
+    np.testing.assert_allclose(np.asarray(settled[0]), np.asarray(alone[0]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(settled[1]), state[1], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new_tail[0]), np.concatenate([tail[0], conv_in[0]])[3:6])
+    np.testing.assert_array_equal(np.asarray(new_tail[1]), tail[1])
+
+
 # --------------------------------------------------------------------------- the short convolution
 
 C, K = 10, 4
@@ -137,7 +152,7 @@ def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
     sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     params = {name: {"kernel": sd[f"{name}.weight"].T} for name in ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                       "in_proj_a", "out_proj")}
-    params.update(conv1d=sd["conv1d.weight"][:, 0], dt_bias=sd["dt_bias"], A_log=sd["A_log"], norm={"weight": sd["norm.weight"]})
+    params.update(conv1d=sd["conv1d.weight"], dt_bias=sd["dt_bias"], A_log=sd["A_log"], norm={"weight": sd["norm.weight"]})
     layer = GatedDeltaNet(hidden_size=24, k_heads=2, v_heads=4, k_dim=8, v_dim=6, conv_kernel=4)
     apply = lambda x, tail, state, **kw: layer.apply({"params": params}, x, tail, state, **kw)
 
@@ -145,16 +160,20 @@ def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
     with torch.no_grad():
         want = ref(torch.from_numpy(x)).numpy()
     tail0, state0 = jnp.zeros((2, 3, layer.conv_dim)), jnp.zeros((2, 4, 8, 6))
-    full, _, final = apply(jnp.asarray(x), tail0, state0, chunked_rule=True, chunk=8)
+    full, _, final, _ = apply(jnp.asarray(x), tail0, state0, chunk=8)
     np.testing.assert_allclose(np.asarray(full), want, atol=1e-5, rtol=1e-4)
 
-    # Prefill 7 (chunked); verify 5 but accept 2 (the other 3 are redone); then one at a time.
-    out, tail, state = apply(jnp.asarray(x[:, :7]), tail0, state0, chunked_rule=True, chunk=8)
-    pieces = [out]
-    verify, tail, state = apply(jnp.asarray(x[:, 7:12]), tail, state, keep=jnp.array([2, 2]))
+    # Prefill 7 (chunked) of rows right-padded to 9; a deferred verify of 5 settled at 2 (the
+    # other 3 are redone); then one at a time.
+    padded = np.concatenate([x[:, :7], np.random.RandomState(1).randn(2, 2, 24).astype(np.float32)], 1)
+    out, tail, state, _ = apply(jnp.asarray(padded), tail0, state0, valid=jnp.array([7, 7]), chunk=4)
+    pieces = [out[:, :7]]
+    verify, same_tail, same_state, pending = apply(jnp.asarray(x[:, 7:12]), tail, state, defer=True)
+    assert same_tail is tail and same_state is state
+    tail, state = delta_rule.settle(tail, state, pending, jnp.array([2, 2]))
     pieces.append(verify[:, :2])
     for i in range(9, 20):
-        out, tail, state = apply(jnp.asarray(x[:, i:i + 1]), tail, state)
+        out, tail, state, _ = apply(jnp.asarray(x[:, i:i + 1]), tail, state)
         pieces.append(out)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), want, atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(state), np.asarray(final), atol=1e-5, rtol=1e-4)

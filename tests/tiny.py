@@ -13,6 +13,10 @@ BASE = dict(
     rms_norm_eps=1e-6,
 )
 
+LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16)),
     "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
@@ -38,8 +42,15 @@ FAMILIES = {
         max_position_embeddings=1024, rope_parameters=dict(
             rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
             original_max_position_embeddings=128, truncate=False))),
+    # Hybrid (Qwen3.5): gated delta-net layers around one gated full-attention layer, partial
+    # RoPE on a quarter of each head; two value heads per q/k head.
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, dict(LINEAR)),
+    # ... and its MoE variant: every layer sparse, top-2 of 6 experts plus a gated shared expert.
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(
+        LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 def make_model(family: str, seed: int = 0, **overrides):

@@ -31,8 +31,8 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
-from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache
-from dflash_jax.sharding import CACHE_AXES, constrain
+from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
+from dflash_jax.sharding import CACHE_AXES, STATE_AXES, TAIL_AXES, constrain
 
 # --------------------------------------------------------------------------- spec and state
 
@@ -117,8 +117,11 @@ TRACE_COUNTS: dict[str, int] = {"init_state": 0, "prefill": 0, "run_cycles": 0}
 def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
     if cache is None or mesh is None:
         return cache
-    return cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
-                         lengths=constrain(cache.lengths, mesh, ("batch",)))
+    cache = cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
+                          lengths=constrain(cache.lengths, mesh, ("batch",)))
+    if cache.state is not None:
+        cache = cache.replace(state=constrain(cache.state, mesh, STATE_AXES), tail=constrain(cache.tail, mesh, TAIL_AXES))
+    return cache
 
 
 def constrain_state(state: DecodeState, mesh) -> DecodeState:
@@ -184,7 +187,7 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     is wider than a page nor taller than a chunk. One compilation per (n, bucket)."""
     TRACE_COUNTS["prefill"] += 1
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
-    fresh = lambda cache: cache.replace(lengths=cache.lengths.at[slots].set(0, mode="drop"))
+    fresh = lambda cache: cache.reset_rows(slots)
     n, bucket_len = tokens.shape
     chunk = min(bucket_len, spec.prefill_chunk)
     last = prompt_lens - 1  # the position whose logits give the first new token
@@ -235,7 +238,8 @@ def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Ar
     """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
     Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
     P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
-    out = forward(tparams, spec.target, block, state.target_cache, taps=spec.taps)
+    out = forward(tparams, spec.target, block, state.target_cache, taps=spec.taps,
+                  defer_recurrent=bool(spec.target.num_linear_layers))
     start = state.target_cache.lengths
     keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
     return sample(out.logits, keys, spec.sampling), out
@@ -251,8 +255,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
            stop_ids) -> DecodeState:
     """Keep the accepted tokens of every active row: the accepted drafts equal
     target_tokens[:, :a] and target_tokens[:, a] is the new anchor, so the output grows by
-    target_tokens[:, :a+1]; the target cache keeps positions <= P + a (a length update), and
-    the taps of those positions, which the verify produced, join the drafter's context."""
+    target_tokens[:, :a+1]; the target cache keeps positions <= P + a (a length update; the
+    linear-attention layers of a hybrid target settle their deferred states at a + 1
+    positions), and the taps of those positions, which the verify produced, join the
+    drafter's context."""
     b = target_tokens.shape[1]
     active = ~state.done
     start = state.target_cache.lengths
@@ -275,8 +281,9 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     lengths = jnp.where(done, 0, start + n_new)
     if context_cache is not None:
         context_cache = context_cache.replace(lengths=jnp.where(done, 0, context_cache.lengths))
+    target_cache = settle(verified.cache, verified.pending, n_new)
     return state.replace(
-        target_cache=verified.cache.replace(lengths=lengths),
+        target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
         num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
         done=done, stopped=state.stopped | stopped,

@@ -10,6 +10,7 @@ table. Adding a family that reuses existing layers is a module here, not a new d
 | llama, qwen2, qwen3, mistral | `dense` | q/k norm, biases, sliding windows |
 | qwen3_moe | `qwen3_moe` | sparse MoE block (softmax then top-k) on some layers |
 | gpt_oss | `gpt_oss` | attention sinks, MoE with biases and clamped SwiGLU, MXFP4 experts |
+| qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe | `qwen3_5` | gated delta-net linear-attention layers, gated attention, partial RoPE, (1 + w) norms, MoE with a shared expert |
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Family:
         (a parameter stored as several tensors, e.g. MXFP4 blocks and scales), or None
         while parts are still missing.
     quantizations: the `quantization_config.quant_method`s whose tensors it can read.
+    ignore: regexes of checkpoint tensors that are not the text decoder's (a vision tower,
+        a multi-token-prediction head); they are skipped.
+    text_config: the decoder's config is config.json's `text_config` (a multimodal checkpoint).
     """
 
     model_type: str
@@ -41,6 +45,8 @@ class Family:
     parse: Callable[[dict, int], dict] | None = None
     combine: Callable[[tuple[str, ...], dict, Any], Any] | None = None
     quantizations: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    text_config: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
@@ -59,4 +65,4 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
-from dflash_jax.families import dense, gpt_oss, qwen3_moe  # noqa: E402,F401  (they register)
+from dflash_jax.families import dense, gpt_oss, qwen3_5, qwen3_moe  # noqa: E402,F401  (they register)

@@ -3,6 +3,8 @@
 - `layers`: RMSNorm, RoPE (default, linear, Llama 3, YaRN), attention over the paged cache
   (q/k norm, biases, sliding windows, sinks), the dense gated MLP.
 - `moe`: the sparse mixture-of-experts block (router, dispatch by expert, grouped matmuls).
+- `delta_rule`: the gated delta rule and Qwen3.5's gated delta-net layer (linear attention
+  with a recurrent state), chunked and per token, and the settling of a verify pass's state.
 - `decoder`: the KV cache, the decoder layer and model, and `forward`, the one jit-compiled
   entry point for prefill, decoding and verification.
 
@@ -11,7 +13,7 @@ Which switches a checkpoint turns on is its family's business (`dflash_jax.famil
 
 from dflash_jax.model.decoder import (  # noqa: F401
     CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, forward, init_cache, init_params,
-    row_lengths,
+    row_lengths, settle,
 )
 from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles  # noqa: F401
 from dflash_jax.model.moe import MoE  # noqa: F401

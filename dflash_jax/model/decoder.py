@@ -12,6 +12,13 @@ used, so one entry point serves batched prefill (prompts right-padded to a bucke
 (T=K+1). Rollback is a length update: entries at or past a row's length are stale, and the
 causal limit (key position <= query position, with every position below the query written
 in this or an earlier call) guarantees they are never read.
+
+Hybrid decoders (Qwen3.5) mix in gated delta-net linear-attention layers, which keep a
+recurrent state and a convolution tail per row instead of KV entries; the cache holds those
+too (`KVCache.state`, `.tail`, one slot per linear layer; the KV buffers have one slot per
+attention layer). A recurrent state cannot be rolled back by a length, so a verify pass runs
+with `defer_recurrent`: it reads the states but leaves them, returns what the block would
+write (`ForwardOutput.pending`), and `settle` advances each row by its accepted prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from dflash_jax.attention import PAGE_SIZE, cache_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
 from dflash_jax.model.layers import MLP, Attention, jnp_dtype, norm, rope_angles
+from dflash_jax.model.delta_rule import GatedDeltaNet, Pending
+from dflash_jax.model.delta_rule import settle as delta_settle
 from dflash_jax.model.moe import MoE
 
 
@@ -38,19 +47,33 @@ from dflash_jax.model.moe import MoE
 class KVCache:
     """Static-shape paged KV cache with a length per row.
 
-    k, v:    [layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
+    k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
     lengths: [batch] int32, number of valid (committed) positions of each row.
+    state:   [linear layers, batch, v_heads, k_dim, v_dim] float32, the gated delta-net
+             layers' recurrent states (None when the decoder has none).
+    tail:    [linear layers, batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
     page_size: positions per page (static), the unit attention walks in.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    state: jax.Array | None = None
+    tail: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    def reset_rows(self, rows) -> "KVCache":
+        """Rows `rows` [n] (out of range: ignored) emptied for a new sequence: length 0 and,
+        in a hybrid decoder, zero recurrent state and tail."""
+        out = self.replace(lengths=self.lengths.at[rows].set(0, mode="drop"))
+        if self.state is not None:
+            out = out.replace(state=self.state.at[:, rows].set(0, mode="drop"),
+                              tail=self.tail.at[:, rows].set(0, mode="drop"))
+        return out
 
 
 def row_lengths(cache: KVCache, rows):
@@ -61,13 +84,24 @@ def row_lengths(cache: KVCache, rows):
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE) -> KVCache:
     """An empty cache for at least max_len positions per row (rounded up to whole pages)."""
     dtype = dtype or jnp_dtype(config.dtype)
-    shape = (config.num_hidden_layers, batch, cache_length(max_len, page_size), config.num_key_value_heads,
+    shape = (config.num_attention_layers, batch, cache_length(max_len, page_size), config.num_key_value_heads,
              config.head_dim)
+    state = tail = None
+    if config.num_linear_layers:
+        lin, n = config.linear_attention, config.num_linear_layers
+        state = jnp.zeros((n, batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32)
+        tail = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), dtype)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   page_size=page_size)
+                   state=state, tail=tail, page_size=page_size)
 
 
 # --------------------------------------------------------------------------- layers
+
+
+def _linear_layer(c: ModelConfig, name: str) -> GatedDeltaNet:
+    lin = c.linear_attention
+    return GatedDeltaNet(c.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.conv_kernel,
+                         eps=c.rms_norm_eps, dtype=jnp_dtype(c.dtype), name=name)
 
 
 class DecoderLayer(nn.Module):
@@ -76,15 +110,27 @@ class DecoderLayer(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows):
+    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False):
+        """Returns (x, cache, pending): pending is the linear layer's deferred `Pending`
+        (defer), else None."""
         c = self.config
-        h, cache = Attention(c, self.layer, self.window, name="self_attn")(
-            norm(c, "input_layernorm")(x), cos, sin, cache, query_pos, rows
-        )
+        slot = c.cache_slot(self.layer)
+        pending = None
+        h = norm(c, "input_layernorm")(x)
+        if c.is_linear(self.layer):
+            take = (lambda a: a[slot]) if rows is None else (lambda a: jnp.take(a[slot], rows, axis=0, mode="clip"))
+            h, tail, state, pending = _linear_layer(c, "linear_attn")(h, take(cache.tail), take(cache.state),
+                                                                     valid=valid, defer=defer)
+            if not defer:
+                put = ((lambda a, new: a.at[slot].set(new)) if rows is None
+                       else (lambda a, new: a.at[slot, rows].set(new, mode="drop")))
+                cache = cache.replace(tail=put(cache.tail, tail), state=put(cache.state, state))
+        else:
+            h, cache = Attention(c, slot, self.window, name="self_attn")(h, cos, sin, cache, query_pos, rows)
         x = x + h
         mlp = MoE(c, name="mlp") if c.is_sparse(self.layer) else MLP(c, name="mlp")
         x = x + mlp(norm(c, "post_attention_layernorm")(x))
-        return x, cache
+        return x, cache, pending
 
 
 class Decoder(nn.Module):
@@ -102,14 +148,16 @@ class Decoder(nn.Module):
         ]
         self.norm = norm(c)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None):
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None, valid=None, defer=False):
         offsets = cache.lengths if rows is None else row_lengths(cache, rows)
         query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
         cos, sin = rope_angles(self.config, query_pos)
         x = self.embed_tokens(tokens)
-        tapped = {}
+        tapped, pending = {}, []
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, cache, query_pos, rows)
+            x, cache, p = layer(x, cos, sin, cache, query_pos, rows, valid, defer)
+            if p is not None:
+                pending.append(p)
             if i in taps:
                 tapped[i] = x
         x = self.norm(x)
@@ -118,7 +166,8 @@ class Decoder(nn.Module):
             # HF's hidden_states[L] is taken after the final norm; DFlash drafters were
             # trained on exactly hidden_states[l + 1], so the last tap follows HF.
             tapped[last] = x
-        return x, cache, tapped
+        pending = Pending(*(jnp.stack(parts) for parts in zip(*pending))) if pending else None
+        return x, cache, tapped, pending
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -139,8 +188,8 @@ class CausalLM(nn.Module):
             dtype = jnp_dtype(c.dtype)
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None):
-        return self.model(tokens, cache, taps, rows)
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None, valid=None, defer=False):
+        return self.model(tokens, cache, taps, rows, valid, defer)
 
     def logits(self, h):
         """h [..., hidden] -> float32 logits [..., vocab]."""
@@ -164,11 +213,14 @@ class ForwardOutput:
     tap_features: [batch, T, len(taps) * hidden], taps concatenated in the order given
         (the DFlash drafter's context input), or None when no taps.
     cache: the cache with the chunk written and lengths advanced by num_tokens.
+    pending: with defer_recurrent, the linear-attention layers' deferred writes (`Pending`,
+        each field stacked over the linear layers) for `settle`; else None.
     """
 
     logits: jax.Array | None
     tap_features: jax.Array | None
     cache: KVCache
+    pending: Pending | None = None
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -195,6 +247,7 @@ def forward(
     logits_indices=None,
     return_logits: bool = True,
     rows=None,
+    defer_recurrent: bool = False,
 ) -> ForwardOutput:
     """Process a chunk of tokens per row at each row's own offset.
 
@@ -207,20 +260,26 @@ def forward(
         (for the last layer that is after the final norm, as in HF).
     logits_indices: [batch, K] int32 chunk indices at which to compute logits (e.g. the
         last real token of each prompt) instead of all T, to save memory at large vocab.
+    defer_recurrent: linear-attention layers (hybrid decoders) read their states but leave
+        them as they were, and the output's `pending` says what the chunk would write;
+        `settle` then commits each row's accepted prefix (the verify pass of speculative
+        decoding). Otherwise their states advance by num_tokens per row.
     The caller guarantees cache.lengths + T <= cache.max_len.
-    Jit-compiled (config, taps and return_logits are static); callable inside other jits.
+    Jit-compiled (config, taps, return_logits and defer_recurrent are static); callable inside other jits.
     """
     taps = tuple(int(l) for l in taps)
     bad = [l for l in taps if not 0 <= l < config.num_hidden_layers]
     if bad:
         raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
-    return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows)
+    return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows,
+                    defer_recurrent)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "taps", "return_logits"))
-def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows):
+@functools.partial(jax.jit, static_argnames=("config", "taps", "return_logits", "defer_recurrent"))
+def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows, defer_recurrent):
     model = CausalLM(config)
-    h, new_cache, tapped = model.apply({"params": params}, tokens, cache, taps, rows)
+    valid = None if num_tokens is None or not config.num_linear_layers else num_tokens.astype(jnp.int32)
+    h, new_cache, tapped, pending = model.apply({"params": params}, tokens, cache, taps, rows, valid, defer_recurrent)
     logits = None
     if return_logits:
         if logits_indices is not None:
@@ -235,4 +294,16 @@ def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, re
     else:
         lengths = cache.lengths.at[rows].add(num_tokens, mode="drop")
     new_cache = new_cache.replace(lengths=lengths)
-    return ForwardOutput(logits=logits, tap_features=features, cache=new_cache)
+    return ForwardOutput(logits=logits, tap_features=features, cache=new_cache, pending=pending)
+
+
+@jax.jit
+def settle(cache: KVCache, pending: Pending | None, keep) -> KVCache:
+    """Commit the first keep[b] (0..T) positions of a deferred chunk (`forward(...,
+    defer_recurrent=True)`) into each row's linear-attention states and convolution tails:
+    afterwards they are what a run over those positions alone would have left. Lengths are
+    the caller's (attention layers roll back by length). A no-op without linear layers."""
+    if pending is None:
+        return cache
+    tail, state = jax.vmap(delta_settle, in_axes=(0, 0, 0, None))(cache.tail, cache.state, pending, keep)
+    return cache.replace(tail=tail, state=state)

@@ -21,7 +21,15 @@ and the FLA kernels do.
 `causal_conv` is the short depthwise convolution in front of the layer, whose state (the
 last K - 1 inputs) rolls back the same way. `GatedDeltaNet` is the whole layer
 (projections, convolution, the rule, the gated RMSNorm), equal to transformers'
-`Qwen3_5GatedDeltaNet`; no family uses it yet.
+`Qwen3_5GatedDeltaNet`.
+
+In the decoder a verify pass cannot know how much of its block will be accepted, so the
+layer can `defer` its state: it computes the block's outputs from the state it was given,
+leaves the state and tail as they were, and returns what the block would write (`Pending`:
+its convolution inputs, keys, values, decays and write strengths). `settle` then advances
+state and tail by each row's accepted prefix alone: the chunked rule with the rejected
+suffix's decay and write strength zeroed (a masked position neither decays nor writes), and
+the tail sliced at the prefix's end. No per-position copy of the state is ever kept.
 
 Shapes: q, k [b, T, k_heads, k_dim]; v [b, T, v_heads, v_dim] (v_heads a multiple of
 k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, beta
@@ -29,6 +37,8 @@ k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, bet
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -43,7 +53,9 @@ def l2norm(x, eps: float = 1e-6):
 
 def _prepare(q, k, v, g, beta, l2norm_qk: bool):
     """float32, q/k repeated onto the value heads, normalised and q scaled; heads first:
-    [b, heads, T, ...]."""
+    [b, heads, T, ...]. q may be None (only the state is wanted)."""
+    if q is None:
+        q = k
     groups = v.shape[2] // k.shape[2]
     if groups > 1:
         q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
@@ -83,7 +95,9 @@ def recurrent(q, k, v, g, beta, state, *, keep=None, l2norm_qk: bool = True):
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True):
     """The same as `recurrent` (its final state), in chunks of `chunk` positions: within a
     chunk by a unit lower-triangular solve and matmuls, across chunks by a scan. The
-    sequence is padded to whole chunks with g = 0, beta = 0 (no decay, no write)."""
+    sequence is padded to whole chunks with g = 0, beta = 0 (no decay, no write). With q
+    None only the final state is computed (out is None)."""
+    want_out = q is not None
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm_qk)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
@@ -113,12 +127,14 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True)
     def step(s, xs):
         nv, kc, qd, ke, intra_i, decay_i = xs
         v_new = nv - kc @ s
-        out = qd @ s + intra_i @ v_new
+        out = qd @ s + intra_i @ v_new if want_out else None
         return s * decay_i + ke.swapaxes(-1, -2) @ v_new, out
 
     move = lambda x: jnp.moveaxis(x, 2, 0)
     final, out = jax.lax.scan(step, state.astype(jnp.float32),
                               tuple(map(move, (new_values, k_cumdecay, q_decayed, k_to_end, intra, chunk_decay))))
+    if not want_out:
+        return None, final
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return out.swapaxes(1, 2), final
 
@@ -150,15 +166,43 @@ def causal_conv(x, weight, bias, tail, *, keep=None, activation: str | None = "s
     return y.astype(x.dtype), new_tail
 
 
+class Pending(NamedTuple):
+    """What a deferred block of T positions would write into a gated delta-net layer's state:
+    conv_in [b, T, C] (the convolution's inputs), k [b, T, k_heads, k_dim] and v [b, T,
+    v_heads, v_dim] (after the convolution), g and beta [b, T, v_heads]."""
+
+    conv_in: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+def settle(tail, state, pending: Pending, keep):
+    """The tail and state after the first keep[b] (0..T) positions of a deferred block: the
+    chunked rule over the block with the later positions masked out (g = 0: no decay,
+    beta = 0: no write), and the convolution tail ending at the keep[b]-th input."""
+    t = pending.k.shape[1]
+    mask = (jnp.arange(t)[None, :] < keep[:, None])[..., None]
+    _, state = chunked(None, pending.k, pending.v, jnp.where(mask, pending.g, 0.0), jnp.where(mask, pending.beta, 0.0),
+                       state, chunk=t)
+    kernel = tail.shape[1] + 1
+    full = jnp.concatenate([tail, pending.conv_in.astype(tail.dtype)], axis=1)
+    tail = jax.vmap(lambda f, s: jax.lax.dynamic_slice_in_dim(f, s, kernel - 1, axis=0))(full, keep)
+    return tail, state
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention layer (`Qwen3_5GatedDeltaNet`), parameters named as its HF
-    tensors: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Dense), conv1d [C, K] (HF
-    `conv1d.weight` [C, 1, K]), dt_bias and A_log [v_heads], norm/weight [v_dim], out_proj.
+    tensors: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Dense), conv1d [C, 1, K] (as HF's
+    depthwise `conv1d.weight`), dt_bias and A_log [v_heads], norm/weight [v_dim], out_proj.
 
     x [b, T, hidden] with the layer's state (tail [b, K - 1, C], state [b, v_heads, k_dim,
-    v_dim]) -> (out [b, T, hidden], tail, state). chunked: the chunked rule (prefill);
-    otherwise token by token, where `keep` [b] rolls the returned tail and state back to
-    each row's first keep[b] tokens (a verify pass)."""
+    v_dim]) -> (out [b, T, hidden], tail, state, pending). One token runs the recurrent form
+    (as transformers decodes), more the chunked one (chunks of `chunk`). valid [b]: only the
+    first valid[b] positions are real (a right-padded prefill): the state and tail stop
+    there. defer: leave tail and state as given and return the block's `Pending` for
+    `settle` (a verify pass); otherwise pending is None."""
 
     hidden_size: int
     k_heads: int
@@ -174,15 +218,16 @@ class GatedDeltaNet(nn.Module):
         return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
 
     @nn.compact
-    def __call__(self, x, tail, state, *, keep=None, chunked_rule: bool = False, chunk: int = 64):
+    def __call__(self, x, tail, state, *, valid=None, defer: bool = False, chunk: int = 64):
         b, t, _ = x.shape
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
         kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        conv_w = self.param("conv1d", nn.initializers.normal(0.5), (self.conv_dim, self.conv_kernel), self.dtype)
+        conv_w = self.param("conv1d", nn.initializers.normal(0.5), (self.conv_dim, 1, self.conv_kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (self.v_heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (self.v_heads,), self.dtype)
 
-        mixed, tail = causal_conv(dense(self.conv_dim, "in_proj_qkv")(x), conv_w, None, tail, keep=keep)
+        conv_in = dense(self.conv_dim, "in_proj_qkv")(x)
+        mixed, new_tail = causal_conv(conv_in, conv_w[:, 0], None, tail, keep=valid)
         q = mixed[..., :kd].reshape(b, t, self.k_heads, self.k_dim)
         k = mixed[..., kd:2 * kd].reshape(b, t, self.k_heads, self.k_dim)
         v = mixed[..., 2 * kd:].reshape(b, t, self.v_heads, self.v_dim)
@@ -190,12 +235,18 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(dense(self.v_heads, "in_proj_b")(x).astype(jnp.float32))
         a = dense(self.v_heads, "in_proj_a")(x).astype(jnp.float32)
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
-        if chunked_rule:
-            out, state = chunked(q, k, v, g, beta, state, chunk=chunk)
+        if valid is not None:  # padding positions neither decay nor write the state
+            real = (jnp.arange(t)[None, :] < valid[:, None])[..., None]
+            g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+        if t == 1:
+            out, new_state = recurrent(q, k, v, g, beta, state)
         else:
-            out, state = recurrent(q, k, v, g, beta, state, keep=keep)
+            out, new_state = chunked(q, k, v, g, beta, state, chunk=min(chunk, t))
+        pending = None
+        if defer:
+            pending, new_tail, new_state = Pending(conv_in, k, v, g, beta), tail, state
         # Gated RMSNorm over each head's values: the shared RMSNorm, then times silu(z) in float32.
         normed = RMSNorm(self.eps, self.dtype, name="norm")(out.astype(x.dtype))
         gated = normed.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(x.dtype).reshape(b, t, vd)
-        return dense(self.hidden_size, "out_proj")(out), tail, state
+        return dense(self.hidden_size, "out_proj")(out), new_tail, new_state.astype(state.dtype), pending

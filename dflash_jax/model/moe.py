@@ -15,7 +15,8 @@ Parameters (Flax names; the family tables map the HF names onto them):
   router/kernel [hidden, experts] (+ router/bias [experts])
   experts/gate_proj, experts/up_proj [experts, hidden, inter], experts/down_proj [experts, inter, hidden]
   or, with `fused_gate_up` (gpt-oss), experts/gate_up_proj [experts, hidden, 2 * inter],
-  gate and up interleaved, and with `expert_bias`, experts/gate_up_proj_bias, down_proj_bias.
+  gate and up interleaved, and with `expert_bias`, experts/gate_up_proj_bias, down_proj_bias;
+  with a shared expert, shared_expert/{gate,up,down}_proj and shared_expert_gate/kernel [hidden, 1].
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, MoeConfig
-from dflash_jax.model.layers import jnp_dtype
+from dflash_jax.model.layers import MLP, jnp_dtype
 
 
 def route(logits, moe: MoeConfig):
@@ -97,7 +98,9 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """x [n, T, hidden] -> [n, T, hidden]: route, dispatch, grouped experts, combine."""
+    """x [n, T, hidden] -> [n, T, hidden]: route, dispatch, grouped experts, combine; plus,
+    with `shared_expert_size`, a dense MLP every token takes, gated by
+    sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE)."""
 
     config: ModelConfig
 
@@ -114,5 +117,9 @@ class MoE(nn.Module):
         xs = jnp.take(tokens, order // moe.top_k, axis=0)
         ys = Experts(c, name="experts")(xs, group_sizes, jnp.take(experts.reshape(-1), order))
         ys = jnp.take(ys, inverse, axis=0).reshape(*weights.shape, shape[-1])  # back to [N, k, hidden]
-        out = (ys.astype(jnp.float32) * weights[..., None]).sum(1)
-        return out.astype(dtype).reshape(shape)
+        out = (ys.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
+        if moe.shared_expert_size:
+            shared = MLP(c, moe.shared_expert_size, name="shared_expert")(tokens)
+            gate = nn.Dense(1, use_bias=False, dtype=dtype, param_dtype=dtype, name="shared_expert_gate")(tokens)
+            out = out + jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype) * shared
+        return out.reshape(shape)
