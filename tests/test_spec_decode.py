@@ -33,7 +33,7 @@ import pytest
 import dataclasses
 
 from dflash_jax import DFlashError, ModelConfig, forward, init_cache
-from dflash_jax.config import MoeConfig, RopeConfig
+from dflash_jax.config import LinearAttentionConfig, MoeConfig, RopeConfig
 from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.engine import (
@@ -49,6 +49,9 @@ NEG = float(jnp.finfo(jnp.float32).min)
 
 # Mixture-of-experts targets (3 layers): Qwen3-MoE with a dense middle layer; gpt-oss with
 # sliding (window 6, shorter than most prompts) and full layers, sinks, YaRN and biases.
+HYBRID = dict(linear_attention=LinearAttentionConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=8),
+              linear_layers=(True, False, True), attention_output_gate=True, norm_zero_centered=True,
+              rope=RopeConfig(partial_rotary_factor=0.5))
 MOE_SWITCHES = {
     "qwen3_moe": dict(moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True),
                       sparse_layers=(True, False, True)),
@@ -58,13 +61,20 @@ MOE_SWITCHES = {
                                     truncate=False, attention_factor=1.2079),
                     moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, router="topk_softmax",
                                   router_bias=True, expert_bias=True, fused_gate_up=True, activation="clamped_swiglu")),
+    # Hybrid (Qwen3.5): gated delta-net layers around a gated full-attention layer, partial
+    # RoPE, (1 + w) norms; its MoE variant adds a shared expert. The verify pass defers the
+    # linear layers' states, which commit settles at each row's accepted prefix.
+    "qwen3_5": dict(HYBRID),
+    "qwen3_5_moe": dict(HYBRID, sparse_layers=(True, True, True),
+                        moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True,
+                                      shared_expert_size=24)),
 }
 
 
 def model_config(family: str, vocab: int, layers: int) -> ModelConfig:
     return ModelConfig(
         model_type=family, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family in ("qwen3", "qwen3_moe"),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
         **MOE_SWITCHES.get(family, {}),
     )
 
@@ -84,6 +94,8 @@ SETUPS = {
     "llama-v128": ("llama", 128, 2, 1, (1,), 4),
     "qwen3_moe-v8": ("qwen3_moe", 8, 3, 2, (0, 2), 5),
     "gpt_oss-v8": ("gpt_oss", 8, 3, 2, (0, 2), 9),  # its drafter's first layer slides (window 6)
+    "qwen3_5-v8": ("qwen3_5", 8, 3, 2, (0, 2), 13),
+    "qwen3_5_moe-v8": ("qwen3_5_moe", 8, 3, 2, (0, 2), 14),
 }
 MAX_NEW = 24
 MAX_PROMPT = 40
@@ -200,6 +212,7 @@ heavy = lambda *args: pytest.param(*args, marks=pytest.mark.heavy)  # the full m
 
 GREEDY_CASES = [  # the everyday suite runs a Qwen3, a Llama and the two MoE pairs; `-m heavy` the rest
     ("qwen3-v8", 4, 3), ("llama-v8", 8, 8), ("qwen3_moe-v8", 4, 3), ("gpt_oss-v8", 8, 5),
+    ("qwen3_5-v8", 4, 3), ("qwen3_5-v8", 8, 8), ("qwen3_5_moe-v8", 4, 5), heavy("qwen3_5-v8", 2, 1),
     heavy("qwen3-v8", 2, 8), heavy("qwen3-v8", 4, 8), heavy("qwen3-v8", 8, 8), heavy("qwen3-v8", 4, 1),
     heavy("llama-v8", 2, 8), heavy("llama-v8", 4, 8), heavy("qwen3-v128", 4, 8), heavy("llama-v128", 8, 3),
 ]

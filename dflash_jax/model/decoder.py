@@ -297,7 +297,6 @@ def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, re
     return ForwardOutput(logits=logits, tap_features=features, cache=new_cache, pending=pending)
 
 
-@jax.jit
 def settle(cache: KVCache, pending: Pending | None, keep) -> KVCache:
     """Commit the first keep[b] (0..T) positions of a deferred chunk (`forward(...,
     defer_recurrent=True)`) into each row's linear-attention states and convolution tails:
@@ -305,5 +304,8 @@ def settle(cache: KVCache, pending: Pending | None, keep) -> KVCache:
     the caller's (attention layers roll back by length). A no-op without linear layers."""
     if pending is None:
         return cache
-    tail, state = jax.vmap(delta_settle, in_axes=(0, 0, 0, None))(cache.tail, cache.state, pending, keep)
+    tail, state = _settle_layers(cache.tail, cache.state, pending, keep)
     return cache.replace(tail=tail, state=state)
+
+
+_settle_layers = jax.jit(jax.vmap(delta_settle, in_axes=(0, 0, 0, None)))

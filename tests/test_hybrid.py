@@ -1,0 +1,189 @@
+"""Hybrid decoders (Qwen3.5 / Qwen3.6): gated delta-net linear-attention layers among
+attention layers, against transformers, and the rollback a verify pass needs.
+
+- Logits equal transformers for a prompt longer than one delta-rule chunk, prefilled whole
+  and in right-padded pieces; the multimodal checkpoints' text model loads and equals it.
+- Rollback: after a verify pass over a drafted block whose suffix is rejected (rows keeping
+  different prefixes), the linear layers' states and convolution tails, the KV entries and
+  the next logits equal those of a run over the accepted tokens alone; for sliding-window
+  attention layers too.
+- Plain greedy decoding equals transformers' `generate`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from dflash_jax import forward, init_cache, load_target
+from dflash_jax.config import LinearAttentionConfig, ModelConfig, RopeConfig
+from dflash_jax.engine import Generator
+from dflash_jax.errors import ConfigError
+from dflash_jax.model import init_params, settle
+from tiny import BASE, HYBRID_FAMILIES, LINEAR, make_model, save_model
+
+
+@pytest.fixture(scope="module")
+def hf_hybrid(tmp_path_factory):
+    """{family: (torch model, HF directory)} of the tiny hybrid checkpoints."""
+    root = tmp_path_factory.mktemp("hybrid")
+    return {f: (m, save_model(m, root / f)) for f in HYBRID_FAMILIES for m in [make_model(f, seed=5)]}
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_prompt_longer_than_a_chunk_whole_and_in_padded_pieces_equals_transformers(family, hf_hybrid):
+    """150 tokens: three chunks of the delta rule (64) with a ragged end. Then the same prompt
+    as two right-padded prefill chunks per row (rows of different lengths), whose padding
+    must neither decay nor write the states."""
+    model, path = hf_hybrid[family]
+    config, params = load_target(path)
+    ids = np.random.RandomState(2).randint(0, 160, (2, 150))
+    ref = torch_logits(model, ids)
+    out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 2, 160))
+    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
+
+    cache = init_cache(config, 2, 192)
+    lengths = np.array([[70, 80], [60, 80]])  # rows' real tokens per piece (the pieces are 80 wide)
+    got = [[], []]
+    start = np.zeros(2, int)
+    for piece in range(2):
+        tokens = np.zeros((2, 80), np.int32)
+        for r in range(2):
+            n = lengths[r, piece]
+            tokens[r, :n] = ids[r, start[r]:start[r] + n]
+            tokens[r, n:] = 7  # padding that would change a state if it were written
+        out = forward(params, config, jnp.asarray(tokens), cache, num_tokens=jnp.asarray(lengths[:, piece]))
+        cache = out.cache
+        for r in range(2):
+            got[r].append(np.asarray(out.logits[r, :lengths[r, piece]]))
+        start += lengths[:, piece]
+    for r in range(2):
+        n = start[r]
+        np.testing.assert_allclose(np.concatenate(got[r]), torch_logits(model, ids[r:r + 1, :n])[0], atol=1e-4,
+                                   rtol=0, err_msg=f"row {r}")
+
+
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A `qwen3_5` (image-text) checkpoint: the config's text_config and the
+    model.language_model.* weights make the decoder; the vision tower is not read."""
+    text = dict(BASE, **LINEAR)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4))
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    config, params = load_target(tmp_path)
+    assert config.model_type == "qwen3_5" and config.num_linear_layers == 3 and config.num_attention_layers == 1
+    ids = np.random.RandomState(4).randint(0, 160, (1, 20))
+    out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 1, 32))
+    np.testing.assert_allclose(np.asarray(out.logits), torch_logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["linear_attention", "mamba"]), "layer_types has unsupported kind(s) ['mamba']"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    (dict(linear_conv_kernel_dim=None), "field 'linear_conv_kernel_dim' must be a positive integer, got None"),
+    (dict(model_type="qwen3_5", text_config=None), "missing required field 'text_config'"),
+])
+def test_bad_hybrid_config_is_a_one_line_error(change, message):
+    good = {**BASE, **LINEAR, "model_type": "qwen3_5_text", "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"]}
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_hf_dict({**good, **change})
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+def hybrid_config(sliding: bool) -> ModelConfig:
+    """linear, attention (sliding window 4 when asked: shorter than the prompts), linear."""
+    return ModelConfig(
+        model_type="qwen3_5_text", vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, attention_output_gate=True,
+        norm_zero_centered=True, rope=RopeConfig(partial_rotary_factor=0.5),
+        linear_attention=LinearAttentionConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=8),
+        linear_layers=(True, False, True), sliding_windows=(None, 4 if sliding else None, None))
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_a_verify_rolled_back_to_its_accepted_prefix_equals_running_only_those_tokens(sliding):
+    """Prefill 11 and 6 tokens; verify a block of 6 per row, keep 3 and 0 of it (settle, and
+    lengths cut); then 4 more tokens. Caches and logits equal a run that only ever saw the
+    kept tokens. Without the settle (the state after the whole block) they would not."""
+    config = hybrid_config(sliding)
+    params = init_params(config, jax.random.PRNGKey(3))
+    rs = np.random.RandomState(0)
+    prompt_lens, keep = np.array([11, 6]), np.array([3, 0])
+    prompts = rs.randint(0, 32, (2, 11)).astype(np.int32)
+    block, after = rs.randint(0, 32, (2, 6)).astype(np.int32), rs.randint(0, 32, (2, 4)).astype(np.int32)
+
+    cache = forward(params, config, jnp.asarray(prompts), init_cache(config, 2, 32),
+                    num_tokens=jnp.asarray(prompt_lens)).cache
+    verified = forward(params, config, jnp.asarray(block), cache, defer_recurrent=True)
+    assert verified.pending is not None and verified.pending.k.shape[:3] == (2, 2, 6)  # [linear layers, rows, T]
+    np.testing.assert_array_equal(np.asarray(verified.cache.state), np.asarray(cache.state))  # deferred: untouched
+    rolled = settle(verified.cache, verified.pending, jnp.asarray(keep)).replace(
+        lengths=jnp.asarray(prompt_lens + keep, jnp.int32))
+    unsettled = verified.cache.replace(lengths=rolled.lengths)
+
+    # The reference: every row's prompt and kept tokens, one prefill.
+    kept = np.zeros((2, 14), np.int32)
+    for r in range(2):
+        kept[r, :prompt_lens[r] + keep[r]] = np.concatenate([prompts[r, :prompt_lens[r]], block[r, :keep[r]]])
+    ref_cache = forward(params, config, jnp.asarray(kept), init_cache(config, 2, 32),
+                        num_tokens=jnp.asarray(prompt_lens + keep)).cache
+
+    np.testing.assert_allclose(np.asarray(rolled.state), np.asarray(ref_cache.state), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rolled.tail), np.asarray(ref_cache.tail), atol=1e-5, rtol=1e-5)
+    for r in range(2):
+        n = prompt_lens[r] + keep[r]
+        np.testing.assert_allclose(np.asarray(rolled.k[:, r, :n]), np.asarray(ref_cache.k[:, r, :n]), atol=1e-5)
+    nxt = forward(params, config, jnp.asarray(after), rolled)
+    ref = forward(params, config, jnp.asarray(after), ref_cache)
+    np.testing.assert_allclose(np.asarray(nxt.logits), np.asarray(ref.logits), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(nxt.cache.state), np.asarray(ref.cache.state), atol=1e-5, rtol=1e-5)
+    # The test can fail: the state after the whole block gives other logits.
+    wrong = forward(params, config, jnp.asarray(after), unsettled)
+    assert np.abs(np.asarray(wrong.logits) - np.asarray(ref.logits)).max() > 1e-2
+
+
+def test_settle_of_a_decoder_without_linear_layers_is_a_no_op():
+    config = dataclasses.replace(hybrid_config(False), linear_attention=None, linear_layers=())
+    params = init_params(config, jax.random.PRNGKey(0))
+    out = forward(params, config, jnp.zeros((1, 3), jnp.int32), init_cache(config, 1, 8), defer_recurrent=True)
+    assert out.pending is None and out.cache.state is None
+    assert settle(out.cache, out.pending, jnp.array([1])) is out.cache
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_plain_greedy_decoding_equals_transformers_generate(family, hf_hybrid):
+    model, path = hf_hybrid[family]
+    config, params = load_target(path)
+    rs = np.random.RandomState(11)
+    prompts = [rs.randint(0, 160, n).tolist() for n in (3, 19, 11)]
+    gen = Generator(config, params, batch_size=2, max_new_tokens=12, max_prompt_len=24, page_size=16)
+    ours = sorted(gen.generate(prompts), key=lambda r: r.index)
+    for prompt, result in zip(prompts, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
