@@ -105,6 +105,23 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
+def dense_drafter_model(target: ModelConfig, num_layers: int, intermediate_size: int | None = None,
+                        dtype: str | None = None) -> ModelConfig:
+    """The layers of a new drafter for `target`: dense Qwen3-style, whatever the target (no
+    experts, sinks, biases, linear attention or output gates), with the target's widths and
+    RoPE (positions are the target's) rotating whole heads: a Qwen3 layer, as vLLM and SGLang
+    serve it, has no partial rotary (Gemma's proportional type is a frequency table any RoPE
+    layer reads, so it stays)."""
+    rope = target.rope if target.rope.type == "proportional" else dataclasses.replace(target.rope,
+                                                                                     partial_rotary_factor=1.0)
+    return target.replace(
+        model_type="qwen3", num_hidden_layers=num_layers, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+        tie_word_embeddings=False, sliding_windows=(None,) * num_layers, attention_sinks=False,
+        norm_weight_in_float32=False, moe=None, sparse_layers=(), linear_attention=None, linear_layers=(),
+        attention_output_gate=False, norm_zero_centered=False, rope=rope,
+        intermediate_size=intermediate_size or target.intermediate_size, dtype=dtype or target.dtype)
+
+
 def check_pair(target: ModelConfig, drafter: DrafterConfig):
     """Refuse a target/drafter pair that cannot work together, naming the mismatch."""
     d = drafter.model

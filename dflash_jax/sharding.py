@@ -66,8 +66,8 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # KVCache.k / .v
-STATE_AXES = ("layers", "batch", "heads", "head_dim", "head_dim")  # KVCache.state (linear layers)
-TAIL_AXES = ("layers", "batch", "length", None)  # KVCache.tail
+STATE_AXES = ("batch", "heads", "head_dim", "head_dim")  # each of KVCache.state (a linear layer's)
+TAIL_AXES = ("batch", "length", None)  # each of KVCache.tail
 
 
 class MeshError(DFlashError):

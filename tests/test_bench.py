@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dflash_jax.drafter import default_target_layer_ids as default_taps
+
 from infer import bench
 
 MAX_NEW = 12
@@ -268,6 +270,27 @@ def test_published_configs_at_full_scale():
             target.head_dim, target.intermediate_size, target.vocab_size) == (4096, 36, 32, 8, 128, 12288, 151936)
     assert drafter.model.num_hidden_layers == 5 and drafter.block_size == 16
     assert drafter.target_layer_ids == (1, 9, 17, 25, 33) and drafter.mask_token_id == 151669
+
+
+def test_published_hybrid_shape_at_full_scale_and_scaled():
+    """Qwen3.5-27B: 64 layers, every fourth full attention (24/4 heads x 256, a quarter of each
+    rotating), 48 gated delta-net layers (16 q/k heads, 48 value heads, x 128); its drafter is
+    dense with whole-head RoPE. Scaled, the layer pattern stays whole."""
+    target, drafter = bench.published_configs(1.0, shape="qwen3.5-27b")
+    assert (target.hidden_size, target.num_hidden_layers, target.num_attention_heads, target.num_key_value_heads,
+            target.head_dim, target.intermediate_size, target.vocab_size) == (5120, 64, 24, 4, 256, 17408, 248320)
+    assert target.num_linear_layers == 48 and target.linear_layers[:4] == (True, True, True, False)
+    lin = target.linear_attention
+    assert (lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.conv_kernel) == (16, 48, 128, 128, 4)
+    assert target.rope.rotary_dim(target.head_dim) == 64 and target.rope.theta == 1e7
+    m = drafter.model
+    assert (m.num_hidden_layers, m.num_linear_layers, m.rope.partial_rotary_factor) == (5, 0, 1.0)
+    assert drafter.block_size == 16 and drafter.target_layer_ids == default_taps(64, 5)
+    small, _ = bench.published_configs(0.25, shape="qwen3.5-27b")
+    assert small.num_hidden_layers == 16 and small.linear_layers == (True, True, True, False) * 4
+    assert small.linear_attention.v_heads == 3 * small.linear_attention.k_heads
+    with pytest.raises(ValueError, match="unknown published shape 'llama-70b'"):
+        bench.published_configs(1.0, shape="llama-70b")
 
 
 def test_heldout_snippets_are_deterministic_source_excerpts():

@@ -218,3 +218,41 @@ def test_moe_cost_report_adds_up_on_the_published_configs():
     assert h200["cost_ratio"] > 3 and h200["projected_speedup"] == pytest.approx(6.49 / h200["cost_ratio"])
     qwen = moe_report("Qwen3-30B-A3B", PUBLISHED_MOE["Qwen3-30B-A3B"], batch=8, context=1024, block=16, tau=6.49)
     assert qwen["verify"]["experts_touched"] == pytest.approx(128, abs=0.1)  # 128 tokens x top-8: nearly all
+
+
+def test_hybrid_cost_report_counts_attention_pages_and_recurrent_states(tmp_path):
+    """--cost --shape qwen3.5-27b (scaled): only the attention layers have pages and K/V; the
+    ideal adds the gated delta-net states and tails, read and written once per step and per
+    cycle; the figures add up as for a dense target."""
+    import contextlib
+    import io
+
+    from dflash_jax.engine import EngineSpec, Sampling
+    from infer.bench.cost import recurrent_state_bytes
+
+    out = tmp_path / "cost.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(["--cost", "--shape", "qwen3.5-27b", "--scale", "0.0625", "--context", "256",
+                           "--batch-size", "2", "--compare-cache-len", "0", "--no-pieces", "--json", str(out)]) == 0
+    c = json.loads(out.read_text())["cost"]
+    target, drafter = bench.published_configs(0.0625, "float32", "qwen3.5-27b")
+    assert c["shape"] == "qwen3.5-27b" and target.num_hidden_layers == 4 and target.num_linear_layers == 3
+    lin = target.linear_attention
+    per_row = lin.v_heads * lin.k_dim * lin.v_dim * 4 + (lin.conv_kernel - 1) * lin.conv_dim * 4
+    assert recurrent_state_bytes(target, 2) == 2 * 3 * 2 * per_row
+    for key in ("ar", "dflash"):
+        f = c[key]
+        corr, ideal = f["correction"], f["ideal"]
+        spec = EngineSpec(target=target, drafter=drafter if key == "dflash" else None,
+                          block_size=16 if key == "dflash" else 1, sampling=Sampling(), max_new_tokens=16,
+                          cache_len=384)
+        attention = target.num_attention_layers  # 1 of the 4 layers
+        kv_position = target.num_key_value_heads * target.head_dim * 4
+        assert ideal["target_kv"] == attention * 2 * 256 * kv_position * 2
+        assert ideal["target_state"] == recurrent_state_bytes(target, 2)
+        assert corr["target_page_bytes"] == attention * (corr["target_pages"] - 1) * 2 * 128 * kv_position * 2
+        assert f["ideal_bytes"] == sum(v for k, v in ideal.items() if k != "bytes")
+        assert f["corrected_bytes"] == f["xla_bytes"] + corr["bytes"]
+        assert f["verify_len"] == spec.verify_len
+    assert c["dflash"]["ideal"]["drafter_kv"] == drafter.model.num_hidden_layers * 2 * 256 * (
+        drafter.model.num_key_value_heads * drafter.model.head_dim * 4) * 2

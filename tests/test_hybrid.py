@@ -136,7 +136,7 @@ def test_a_verify_rolled_back_to_its_accepted_prefix_equals_running_only_those_t
     cache = forward(params, config, jnp.asarray(prompts), init_cache(config, 2, 32),
                     num_tokens=jnp.asarray(prompt_lens)).cache
     verified = forward(params, config, jnp.asarray(block), cache, defer_recurrent=True)
-    assert verified.pending is not None and verified.pending.k.shape[:3] == (2, 2, 6)  # [linear layers, rows, T]
+    assert len(verified.pending) == 2 and verified.pending[0].k.shape[:2] == (2, 6)  # per linear layer: [rows, T]
     np.testing.assert_array_equal(np.asarray(verified.cache.state), np.asarray(cache.state))  # deferred: untouched
     rolled = settle(verified.cache, verified.pending, jnp.asarray(keep)).replace(
         lengths=jnp.asarray(prompt_lens + keep, jnp.int32))

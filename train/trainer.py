@@ -5,7 +5,6 @@ orbax checkpoints that resume bit-identically."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -18,7 +17,8 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.data import encode, make_dataset, read_jsonl
-from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids, init_drafter_params
+from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model,
+                                init_drafter_params)
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
 from dflash_jax.engine import GenerationStats, Generator
@@ -71,17 +71,7 @@ def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> Drafte
         first_free = len(tokenizer) if tokenizer is not None else tcfg.vocab_size - 1
         mask = first_free if first_free < tcfg.vocab_size else tcfg.vocab_size - 1
     taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
-    # A drafter is dense Qwen3-style layers whatever the target: no experts, sinks, biases,
-    # linear attention or output gates; it keeps the target's widths and RoPE (positions are
-    # the target's), rotating whole heads (a Qwen3 layer, as vLLM and SGLang serve it, has no
-    # partial rotary; Gemma's proportional type is a frequency table any RoPE layer reads).
-    rope = tcfg.rope if tcfg.rope.type == "proportional" else dataclasses.replace(tcfg.rope, partial_rotary_factor=1.0)
-    model = tcfg.replace(model_type="qwen3", num_hidden_layers=n, qk_norm=True, qkv_bias=False, o_bias=False,
-                         mlp_bias=False, tie_word_embeddings=False, sliding_windows=(None,) * n,
-                         attention_sinks=False, norm_weight_in_float32=False, moe=None, sparse_layers=(),
-                         linear_attention=None, linear_layers=(), attention_output_gate=False,
-                         norm_zero_centered=False, rope=rope,
-                         intermediate_size=d["intermediate_size"] or tcfg.intermediate_size, dtype=compute_dtype)
+    model = dense_drafter_model(tcfg, n, d["intermediate_size"], compute_dtype)
     return DrafterConfig(model=model, block_size=d["block_size"], mask_token_id=int(mask),
                          target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers)
 

@@ -120,7 +120,8 @@ def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
     cache = cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
                           lengths=constrain(cache.lengths, mesh, ("batch",)))
     if cache.state is not None:
-        cache = cache.replace(state=constrain(cache.state, mesh, STATE_AXES), tail=constrain(cache.tail, mesh, TAIL_AXES))
+        cache = cache.replace(state=tuple(constrain(s, mesh, STATE_AXES) for s in cache.state),
+                              tail=tuple(constrain(t, mesh, TAIL_AXES) for t in cache.tail))
     return cache
 
 
@@ -238,8 +239,10 @@ def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Ar
     """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
     Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
     P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
+    # A hybrid target's linear layers defer their states to commit (settled at the accepted
+    # prefix); plain decoding (one token, always kept while the row runs) lets them advance.
     out = forward(tparams, spec.target, block, state.target_cache, taps=spec.taps,
-                  defer_recurrent=bool(spec.target.num_linear_layers))
+                  defer_recurrent=bool(spec.target.num_linear_layers) and spec.uses_drafter)
     start = state.target_cache.lengths
     keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
     return sample(out.logits, keys, spec.sampling), out

@@ -15,8 +15,8 @@ in this or an earlier call) guarantees they are never read.
 
 Hybrid decoders (Qwen3.5) mix in gated delta-net linear-attention layers, which keep a
 recurrent state and a convolution tail per row instead of KV entries; the cache holds those
-too (`KVCache.state`, `.tail`, one slot per linear layer; the KV buffers have one slot per
-attention layer). A recurrent state cannot be rolled back by a length, so a verify pass runs
+too (`KVCache.state`, `.tail`: one array per linear layer, since each step rewrites a whole
+state, where the KV buffers stack the attention layers, whose steps write a few positions). A recurrent state cannot be rolled back by a length, so a verify pass runs
 with `defer_recurrent`: it reads the states but leaves them, returns what the block would
 write (`ForwardOutput.pending`), and `settle` advances each row by its accepted prefix.
 """
@@ -49,17 +49,19 @@ class KVCache:
 
     k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
     lengths: [batch] int32, number of valid (committed) positions of each row.
-    state:   [linear layers, batch, v_heads, k_dim, v_dim] float32, the gated delta-net
-             layers' recurrent states (None when the decoder has none).
-    tail:    [linear layers, batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
+    state:   per linear layer [batch, v_heads, k_dim, v_dim] float32, the gated delta-net
+             layers' recurrent states (None when the decoder has none). Separate arrays, not one
+             stacked buffer: a step rewrites each whole, and an update of one slice of a stacked
+             buffer that reads the same slice is copied whole by XLA.
+    tail:    per linear layer [batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
     page_size: positions per page (static), the unit attention walks in.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
-    state: jax.Array | None = None
-    tail: jax.Array | None = None
+    state: tuple[jax.Array, ...] | None = None
+    tail: tuple[jax.Array, ...] | None = None
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
 
     @property
@@ -71,8 +73,8 @@ class KVCache:
         in a hybrid decoder, zero recurrent state and tail."""
         out = self.replace(lengths=self.lengths.at[rows].set(0, mode="drop"))
         if self.state is not None:
-            out = out.replace(state=self.state.at[:, rows].set(0, mode="drop"),
-                              tail=self.tail.at[:, rows].set(0, mode="drop"))
+            zero = lambda arrays: tuple(a.at[rows].set(0, mode="drop") for a in arrays)
+            out = out.replace(state=zero(self.state), tail=zero(self.tail))
         return out
 
 
@@ -89,8 +91,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     state = tail = None
     if config.num_linear_layers:
         lin, n = config.linear_attention, config.num_linear_layers
-        state = jnp.zeros((n, batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32)
-        tail = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), dtype)
+        state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
+        tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
                    state=state, tail=tail, page_size=page_size)
 
@@ -122,8 +124,8 @@ class DecoderLayer(nn.Module):
             h, tail, state, pending = _linear_layer(c, "linear_attn")(h, take(cache.tail), take(cache.state),
                                                                      valid=valid, defer=defer)
             if not defer:
-                put = ((lambda a, new: a.at[slot].set(new)) if rows is None
-                       else (lambda a, new: a.at[slot, rows].set(new, mode="drop")))
+                put = ((lambda a, new: a[:slot] + (new,) + a[slot + 1:]) if rows is None
+                       else (lambda a, new: a[:slot] + (a[slot].at[rows].set(new, mode="drop"),) + a[slot + 1:]))
                 cache = cache.replace(tail=put(cache.tail, tail), state=put(cache.state, state))
         else:
             h, cache = Attention(c, slot, self.window, name="self_attn")(h, cos, sin, cache, query_pos, rows)
@@ -166,7 +168,7 @@ class Decoder(nn.Module):
             # HF's hidden_states[L] is taken after the final norm; DFlash drafters were
             # trained on exactly hidden_states[l + 1], so the last tap follows HF.
             tapped[last] = x
-        pending = Pending(*(jnp.stack(parts) for parts in zip(*pending))) if pending else None
+        pending = tuple(pending) or None
         return x, cache, tapped, pending
 
     def embed(self, tokens):
@@ -213,14 +215,14 @@ class ForwardOutput:
     tap_features: [batch, T, len(taps) * hidden], taps concatenated in the order given
         (the DFlash drafter's context input), or None when no taps.
     cache: the cache with the chunk written and lengths advanced by num_tokens.
-    pending: with defer_recurrent, the linear-attention layers' deferred writes (`Pending`,
-        each field stacked over the linear layers) for `settle`; else None.
+    pending: with defer_recurrent, the linear-attention layers' deferred writes (a `Pending`
+        per linear layer) for `settle`; else None.
     """
 
     logits: jax.Array | None
     tap_features: jax.Array | None
     cache: KVCache
-    pending: Pending | None = None
+    pending: tuple[Pending, ...] | None = None
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -297,15 +299,17 @@ def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, re
     return ForwardOutput(logits=logits, tap_features=features, cache=new_cache, pending=pending)
 
 
-def settle(cache: KVCache, pending: Pending | None, keep) -> KVCache:
+def settle(cache: KVCache, pending: tuple[Pending, ...] | None, keep) -> KVCache:
     """Commit the first keep[b] (0..T) positions of a deferred chunk (`forward(...,
     defer_recurrent=True)`) into each row's linear-attention states and convolution tails:
     afterwards they are what a run over those positions alone would have left. Lengths are
     the caller's (attention layers roll back by length). A no-op without linear layers."""
     if pending is None:
         return cache
-    tail, state = _settle_layers(cache.tail, cache.state, pending, keep)
-    return cache.replace(tail=tail, state=state)
+    tail, state = zip(*_settle_layers(cache.tail, cache.state, pending, keep))
+    return cache.replace(tail=tuple(tail), state=tuple(state))
 
 
-_settle_layers = jax.jit(jax.vmap(delta_settle, in_axes=(0, 0, 0, None)))
+@jax.jit
+def _settle_layers(tails, states, pending, keep):
+    return [delta_settle(t, s, p, keep) for t, s, p in zip(tails, states, pending)]

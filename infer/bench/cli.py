@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import infer.bench as package
+from infer.bench.pairs import SHAPES
 from infer.bench.published import PAPER_TAU
 from infer.bench.report import write_outputs
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
 
     shapes = p.add_argument_group("--cost, --moe-cost and --published-shapes")
+    shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b",
+                        help="--cost and --published-shapes: the published target (with a 5-layer block-16 drafter)")
     shapes.add_argument("--scale", type=float, default=None,
                         help="shrink layers and widths (head_dim kept); default --cost 0.25, --published-shapes 1")
     shapes.add_argument("--context", type=int, default=1024, help="positions of context in use per row")

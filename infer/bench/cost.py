@@ -1,7 +1,7 @@
 """--cost: a hardware-independent cost report of one autoregressive step and one DFlash cycle.
 
-Nothing is allocated and nothing runs: the published Qwen3-8B + 5-layer block-16 drafter shapes
-(scaled) become abstract parameters (`jax.eval_shape`) and an abstract DecodeState (every row
+Nothing is allocated and nothing runs: a published target (`--shape`: Qwen3-8B by default, or
+Qwen3.5-27B, a gated delta-net hybrid) + 5-layer block-16 drafter shapes (scaled) become abstract parameters (`jax.eval_shape`) and an abstract DecodeState (every row
 running at --context committed positions), and the engine's own `run_cycles` is lowered and
 compiled for them. XLA's `cost_analysis()` then gives the flops and bytes accessed of one cycle
 (the cycle loop's body is counted once: one cycle).
@@ -152,27 +152,38 @@ def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
         kv_position = c.num_key_value_heads * c.head_dim * _dtype_bytes(c)  # K or V, one position, one layer
         extra = max(pages - 1, 0)
         out[f"{name}_pages"] = pages
-        out[f"{name}_page_bytes"] = c.num_hidden_layers * extra * batch * page * kv_position * 2
+        layers = c.num_attention_layers  # a hybrid's linear layers have no pages
+        out[f"{name}_page_bytes"] = layers * extra * batch * page * kv_position * 2
         # K and V, the other rows, the verify's positions each: the update read and written
-        out[f"{name}_write_bytes"] = c.num_hidden_layers * 2 * (batch - 1) * v * kv_position * 2
-        out[f"{name}_page_flops"] = (c.num_hidden_layers * extra * 4 * batch * c.num_attention_heads * queries
-                                     * page * c.head_dim)
+        out[f"{name}_write_bytes"] = layers * 2 * (batch - 1) * v * kv_position * 2
+        out[f"{name}_page_flops"] = layers * extra * 4 * batch * c.num_attention_heads * queries * page * c.head_dim
     out["bytes"] = sum(out[f"{n}_{k}_bytes"] for n in ("target", "drafter") for k in ("page", "write"))
     out["flops"] = out["target_page_flops"] + out["drafter_page_flops"]
     return out
 
 
+def recurrent_state_bytes(config, batch: int) -> int:
+    """A hybrid target's linear-attention states (float32) and convolution tails, read once and
+    written once per step or cycle; 0 for a decoder without linear layers."""
+    lin = config.linear_attention
+    if not config.num_linear_layers:
+        return 0
+    state = lin.v_heads * lin.k_dim * lin.v_dim * 4
+    tail = (lin.conv_kernel - 1) * lin.conv_dim * _dtype_bytes(config)
+    return 2 * config.num_linear_layers * batch * (state + tail)
+
+
 def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
     """Weights once (DFlash: target + drafter + the borrowed LM head once more) + the K/V in use
-    read once."""
+    read once (+ a hybrid's recurrent states read and written once)."""
     t = spec.target
     weights, embedding_rows = param_bytes(tparams), 0
     if not t.tie_word_embeddings:  # a lookup reads its rows; the LM head reads a tied table anyway
         weights -= embedding_bytes(tparams)
         embedding_rows = sum(lookups(spec, batch)) * embedding_row_bytes(tparams)
     out = dict(target_weights=weights, embedding_rows=embedding_rows, drafter_weights=0, lm_head_again=0,
-               target_kv=t.num_hidden_layers * batch * context * t.num_key_value_heads * t.head_dim * 2
-               * _dtype_bytes(t), drafter_kv=0)
+               target_kv=t.num_attention_layers * batch * context * t.num_key_value_heads * t.head_dim * 2
+               * _dtype_bytes(t), target_state=recurrent_state_bytes(t, batch), drafter_kv=0)
     if spec.uses_drafter:
         d = spec.drafter.model
         out.update(drafter_weights=param_bytes(dparams), lm_head_again=lm_head_bytes(spec, tparams),
@@ -256,7 +267,7 @@ def run_cost(args) -> dict:
     context = args.context
     if context < 1:
         raise SystemExit("error: --context must be >= 1")
-    target, drafter = published_configs(scale, dtype)
+    target, drafter = published_configs(scale, dtype, args.shape)
     b = drafter.block_size
     asked = args.cache_len or context + 2 * b
     if asked < context + b:
@@ -308,6 +319,7 @@ def run_cost(args) -> dict:
         ("  embedding rows looked up", lambda f: fmt_gb(f["ideal"]["embedding_rows"])),
         ("  LM head again (drafter)", lambda f: fmt_gb(f["ideal"]["lm_head_again"]) if f["block_size"] > 1 else "-"),
         ("  K/V in use, read once", lambda f: fmt_gb(f["ideal"]["target_kv"] + f["ideal"]["drafter_kv"])),
+        ("  recurrent states, read + written", lambda f: fmt_gb(f["ideal"]["target_state"])),
         ("corrected / ideal", lambda f: f"{f['corrected_over_ideal']:.2f}x"),
     ]
     for hw in HARDWARE:
@@ -363,7 +375,8 @@ def run_cost(args) -> dict:
     tparams = abstract_inputs(specs(cache_len)["ar"], 1, 1)[0]
     emb = embedding_bytes(tparams)
     return dict(
-        scale=scale, dtype=dtype, batch_size=batch, context=context, cache_len_asked=asked, cache_len=cache_len,
+        shape=args.shape, scale=scale, dtype=dtype, batch_size=batch, context=context, cache_len_asked=asked,
+        cache_len=cache_len,
         page_size=args.page_size, block_size=b, paper_tau=tap,
         target=dataclasses.asdict(target),
         drafter=dict(layers=drafter.model.num_hidden_layers, block_size=b, taps=list(drafter.target_layer_ids)),

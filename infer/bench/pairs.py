@@ -86,39 +86,86 @@ def random_pair(args) -> Pair:
     return Pair(name, target, tparams, drafter, dparams, random=True, load_seconds=time.perf_counter() - t)
 
 
-def published_configs(scale: float = 1.0, dtype: str = "bfloat16"):
-    """Qwen3-8B target and z-lab Qwen3-8B-DFlash-b16 drafter shapes (SPEC section 2), scaled:
-    layers, heads and widths times `scale` (head_dim 128 kept; at least 1 head, 2 target layers,
-    1 drafter layer; widths rounded to multiples of 128)."""
-    from dflash_jax.config import ModelConfig, RopeConfig
-    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids
+# Published targets besides Qwen3-8B (config.json fields our parser reads), with the drafter
+# shape the z-lab recipe gives them (dense layers of the target's widths, block 16).
+PUBLISHED_TARGETS = {
+    "qwen3.5-27b": dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+}
+SHAPES = ("qwen3-8b", *PUBLISHED_TARGETS)
 
-    head_dim = 128
-    heads = max(1, round(32 * scale))
-    kv = max(1, min(heads, round(8 * scale)))
-    while heads % kv:
-        kv -= 1
+
+def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = "qwen3-8b"):
+    """A published target and its 5-layer block-16 drafter, scaled: layers, heads and widths
+    times `scale` (head dims kept; at least 1 head, 2 target layers, 1 drafter layer; widths
+    rounded to multiples of 128; a hybrid's layer pattern kept whole).
+    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (SPEC section 2)."""
+    from dflash_jax.config import ModelConfig, RopeConfig
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
+
     mult = lambda n: max(128, round(n * scale / 128) * 128)
-    layers, dlayers = max(2, round(36 * scale)), max(1, round(5 * scale))
-    vocab = mult(151936)
-    target = ModelConfig(
-        model_type="qwen3", vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=mult(12288),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
-        sliding_windows=(None,) * layers, dtype=dtype,
-    )
+    dlayers = max(1, round(5 * scale))
+    if shape == "qwen3-8b":
+        head_dim = 128
+        heads = max(1, round(32 * scale))
+        kv = max(1, min(heads, round(8 * scale)))
+        while heads % kv:
+            kv -= 1
+        layers = max(2, round(36 * scale))
+        vocab = mult(151936)
+        target = ModelConfig(
+            model_type="qwen3", vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=mult(12288),
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+            rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+            sliding_windows=(None,) * layers, dtype=dtype,
+        )
+        mask = min(151669, vocab - 1)
+    elif shape in PUBLISHED_TARGETS:
+        target = ModelConfig.from_hf_dict(_scaled(PUBLISHED_TARGETS[shape], scale, mult), dtype=dtype)
+        layers, mask = target.num_hidden_layers, target.vocab_size - 1
+    else:
+        raise ValueError(f"unknown published shape {shape!r}; choose one of {', '.join(SHAPES)}")
     drafter = DrafterConfig(
-        model=target.replace(num_hidden_layers=dlayers, sliding_windows=(None,) * dlayers),
-        block_size=16, mask_token_id=min(151669, vocab - 1),
+        model=dense_drafter_model(target, dlayers), block_size=16, mask_token_id=mask,
         target_layer_ids=default_target_layer_ids(layers, dlayers), num_target_layers=layers,
     )
     return target, drafter
 
 
+def _scaled(hf: dict, scale: float, mult) -> dict:
+    """A published config.json scaled: heads (key/value heads dividing them; a delta-net's
+    value heads a multiple of its key heads), hidden, MLP and vocabulary widths, and layers as
+    whole repeats of the layer_types pattern."""
+    out = dict(hf)
+    heads = max(1, round(hf["num_attention_heads"] * scale))
+    kv = max(1, min(heads, round(hf["num_key_value_heads"] * scale)))
+    while heads % kv:
+        kv -= 1
+    out.update(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=mult(hf["hidden_size"]),
+               intermediate_size=mult(hf["intermediate_size"]), vocab_size=mult(hf["vocab_size"]))
+    if "linear_num_key_heads" in hf:
+        k = max(1, round(hf["linear_num_key_heads"] * scale))
+        out.update(linear_num_key_heads=k,
+                   linear_num_value_heads=k * (hf["linear_num_value_heads"] // hf["linear_num_key_heads"]))
+    pattern = hf.get("layer_types") or [None]
+    repeats = max(1, round(hf["num_hidden_layers"] * scale / len(pattern)))
+    layers = max(2, repeats * len(pattern))
+    out["num_hidden_layers"] = layers
+    if hf.get("layer_types"):
+        out["layer_types"] = (pattern * layers)[:layers]
+    return out
+
+
 def describe_published(target, drafter, scale: float, dtype: str) -> str:
     t, d = target, drafter.model
-    return (f"published shapes x {scale:g}: target qwen3 hidden {t.hidden_size}, {t.num_hidden_layers} layers, "
-            f"{t.num_attention_heads}/{t.num_key_value_heads} heads x {t.head_dim}, intermediate "
+    hybrid = f" ({t.num_linear_layers} gated delta-net)" if t.num_linear_layers else ""
+    return (f"published shapes x {scale:g}: target {t.model_type} hidden {t.hidden_size}, {t.num_hidden_layers} "
+            f"layers{hybrid}, {t.num_attention_heads}/{t.num_key_value_heads} heads x {t.head_dim}, intermediate "
             f"{t.intermediate_size}, vocab {t.vocab_size}; drafter {d.num_hidden_layers} layers, block "
             f"{drafter.block_size}, taps {list(drafter.target_layer_ids)}; {dtype}")
 

@@ -23,7 +23,7 @@ def run_published_shapes(args) -> dict:
     dtype = args.dtype or "bfloat16"
     scale = 1.0 if args.scale is None else args.scale
     batch = args.batch_size or 1
-    target, drafter = published_configs(scale, dtype)
+    target, drafter = published_configs(scale, dtype, args.shape)
     print(describe_published(target, drafter, scale, dtype) + f", random weights; context {args.context}, "
           f"batch {batch}")
     t0 = time.perf_counter()
