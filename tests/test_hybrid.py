@@ -192,6 +192,7 @@ def test_plain_greedy_decoding_equals_transformers_generate(family, hf_hybrid):
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.heavy
 def test_train_cli_regenerates_with_and_trains_a_drafter_for_a_hybrid_target(hf_hybrid, tmp_path):
     """`python -m train` with a Qwen3.5 target: it regenerates responses with the target (its
     states settle every cycle), trains against its taps, and exports a dense Qwen3 drafter
