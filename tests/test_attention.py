@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.attention import attend, cache_length, write_kv
-from dflash_jax.drafter import DrafterConfig, init_drafter_params
+from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import Generator, run_cycles
 from dflash_jax.model import init_params
 from test_spec_decode import drafter_config, model_config

@@ -135,7 +135,6 @@ def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
     """Our layer with transformers' weights equals `Qwen3_5GatedDeltaNet` on a prompt (its
     chunked path, from an empty state); running the same tokens as a prefill of 7, a verify of
     5 rolled back to 2 and the rest token by token gives the same outputs and final state."""
-    import jax
     import transformers
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 

@@ -24,7 +24,8 @@ from dflash_jax.config import LinearAttentionConfig, ModelConfig, RopeConfig
 from dflash_jax.engine import Generator
 from dflash_jax.errors import ConfigError
 from dflash_jax.model import init_params, settle
-from tiny import BASE, HYBRID_FAMILIES, LINEAR, make_model, save_model
+from tiny import (BASE, HYBRID_FAMILIES, LINEAR, assert_plain_greedy_equals_generate, make_model, save_model,
+                  train_cli_on_regenerated)
 
 
 @pytest.fixture(scope="module")
@@ -176,17 +177,7 @@ def test_settle_of_a_decoder_without_linear_layers_is_a_no_op():
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_plain_greedy_decoding_equals_transformers_generate(family, hf_hybrid):
-    model, path = hf_hybrid[family]
-    config, params = load_target(path)
-    rs = np.random.RandomState(11)
-    prompts = [rs.randint(0, 160, n).tolist() for n in (3, 19, 11)]
-    gen = Generator(config, params, batch_size=2, max_new_tokens=12, max_prompt_len=24, page_size=16)
-    ours = sorted(gen.generate(prompts), key=lambda r: r.index)
-    for prompt, result in zip(prompts, ours):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-        assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+    assert_plain_greedy_equals_generate(*hf_hybrid[family])
 
 
 # --------------------------------------------------------------------------- training
@@ -198,41 +189,20 @@ def test_train_cli_regenerates_with_and_trains_a_drafter_for_a_hybrid_target(hf_
     states settle every cycle), trains against its taps, and exports a dense Qwen3 drafter
     (whole-head RoPE, no linear layers or gates) that pairs with the target and decodes it
     losslessly."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from dflash_jax import load_drafter
     from dflash_jax.drafter import check_pair
-
-    repo = Path(__file__).resolve().parent.parent
-    rs = np.random.RandomState(0)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": rs.randint(0, 159, int(rs.randint(4, 12))).tolist()}) + "\n"
-                               for _ in range(16)))
-    target = hf_hybrid["qwen3_5"][1]
-    cmd = [sys.executable, "-m", "train", "--config", str(repo / "configs" / "train" / "tiny.yaml"), "--quiet",
-           f"target={target}", f"train.output_dir={tmp_path / 'run'}", f"data.generate_from={prompts}",
-           f"data.conversations={tmp_path / 'conv.jsonl'}", "data.generate_max_new_tokens=24", "data.seq_len=48",
-           "data.eval_holdout=0", "train.steps=4", "train.save_every=2", "train.log_every=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(l) for l in (tmp_path / "conv.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and all(len(r["response_ids"]) > 0 for r in rows)
-    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == 4 and all(np.isfinite(losses))
-
     from train.export import export
 
+    target = hf_hybrid["qwen3_5"][1]
+    losses = train_cli_on_regenerated(target, tmp_path, steps=4, save_every=2)
+    assert len(losses) == 4 and all(np.isfinite(losses))
     dcfg, dparams = load_drafter(export(tmp_path / "run", tmp_path / "drafter", dtype="float32"))
     tcfg, tparams = load_target(target)
     check_pair(tcfg, dcfg)
     m = dcfg.model
     assert (m.num_linear_layers, m.attention_output_gate, m.norm_zero_centered) == (0, False, False)
     assert m.rope.partial_rotary_factor == 1.0 and m.rope.theta == tcfg.rope.theta
+    rs = np.random.RandomState(1)
     prompts = [rs.randint(0, 159, n).tolist() for n in (5, 14)]
     spec = Generator(tcfg, tparams, dcfg, dparams, batch_size=2, max_new_tokens=10, max_prompt_len=16)
     plain = Generator(tcfg, tparams, batch_size=2, max_new_tokens=10, max_prompt_len=16)

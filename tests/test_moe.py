@@ -7,9 +7,6 @@ test_scale.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,7 +21,7 @@ from dflash_jax.engine import Generator
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from dflash_jax.model import MoE
-from tiny import FAMILIES, MOE_FAMILIES, make_model, save_model
+from tiny import MOE_FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = np.random.RandomState(3).randint(0, 160, (2, 30))
@@ -230,17 +227,7 @@ def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_plain_greedy_decoding_equals_transformers_generate(family, hf_moe):
-    model, path = hf_moe[family]
-    config, params = load_target(path)
-    rs = np.random.RandomState(11)
-    prompts = [rs.randint(0, 160, n).tolist() for n in (3, 19, 11)]  # 19 > gpt-oss's window 8
-    gen = Generator(config, params, batch_size=2, max_new_tokens=12, max_prompt_len=24, page_size=16)
-    ours = sorted(gen.generate(prompts), key=lambda r: r.index)
-    for prompt, result in zip(prompts, ours):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-        assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+    assert_plain_greedy_equals_generate(*hf_moe[family])  # 19 tokens: longer than gpt-oss's window 8
 
 
 # --------------------------------------------------------------------------- bad input
@@ -281,21 +268,7 @@ def test_gpt_oss_accepts_mxfp4_and_qwen3_moe_hub_and_transformers_field_names():
 def test_train_cli_regenerates_with_and_trains_on_a_moe_target(hf_moe, tmp_path):
     """`python -m train` with a gpt-oss target: it regenerates responses with the target and
     trains a drafter against its taps; the drafter it exports pairs with that target."""
-    rs = np.random.RandomState(0)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": rs.randint(0, 159, int(rs.randint(4, 12))).tolist()}) + "\n"
-                               for _ in range(16)))
-    target = hf_moe["gpt_oss"][1]
-    cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs" / "train" / "tiny.yaml"), "--quiet",
-           f"target={target}", f"train.output_dir={tmp_path / 'run'}", f"data.generate_from={prompts}",
-           f"data.conversations={tmp_path / 'conv.jsonl'}", "data.generate_max_new_tokens=24", "data.seq_len=48",
-           "data.eval_holdout=0", "train.steps=6", "train.save_every=3", "train.log_every=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(l) for l in (tmp_path / "conv.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and all(len(r["response_ids"]) > 0 for r in rows)
-    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [m["loss"] for m in metrics if "loss" in m]
+    losses = train_cli_on_regenerated(hf_moe["gpt_oss"][1], tmp_path, steps=6, save_every=3)
     assert len(losses) == 6 and all(np.isfinite(losses))
 
 

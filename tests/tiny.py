@@ -73,3 +73,52 @@ def save_model(model, path: Path, dtype=None, **kw) -> Path:
         model = model.to(dtype)
     model.save_pretrained(path, **kw)
     return path
+
+
+def train_cli_on_regenerated(target: Path, tmp_path: Path, steps: int, save_every: int) -> list[float]:
+    """`python -m train` (configs/train/tiny.yaml) with `target`: it regenerates responses to 16
+    random prompts with the target, then trains a new drafter for `steps` steps. Checks the
+    regenerated data and returns the logged losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    repo = Path(__file__).resolve().parent.parent
+    rs = np.random.RandomState(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": rs.randint(0, 159, int(rs.randint(4, 12))).tolist()}) + "\n"
+                               for _ in range(16)))
+    cmd = [sys.executable, "-m", "train", "--config", str(repo / "configs" / "train" / "tiny.yaml"), "--quiet",
+           f"target={target}", f"train.output_dir={tmp_path / 'run'}", f"data.generate_from={prompts}",
+           f"data.conversations={tmp_path / 'conv.jsonl'}", "data.generate_max_new_tokens=24", "data.seq_len=48",
+           "data.eval_holdout=0", f"train.steps={steps}", f"train.save_every={save_every}", "train.log_every=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(l) for l in (tmp_path / "conv.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(len(r["response_ids"]) > 0 for r in rows)
+    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in metrics if "loss" in m]
+
+
+def assert_plain_greedy_equals_generate(model, path: Path, lengths=(3, 19, 11), max_new_tokens: int = 12):
+    """Our plain greedy decoding (2 slots for len(lengths) random prompts, 16-position pages)
+    of the checkpoint at `path` equals transformers' `generate` of its PyTorch `model`."""
+    import numpy as np
+
+    from dflash_jax import load_target
+    from dflash_jax.engine import Generator
+
+    config, params = load_target(path)
+    rs = np.random.RandomState(11)
+    prompts = [rs.randint(0, config.vocab_size, n).tolist() for n in lengths]
+    gen = Generator(config, params, batch_size=2, max_new_tokens=max_new_tokens, max_prompt_len=max(lengths) + 5,
+                    page_size=16)
+    ours = sorted(gen.generate(prompts), key=lambda r: r.index)
+    for prompt, result in zip(prompts, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
