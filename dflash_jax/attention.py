@@ -81,10 +81,11 @@ def _page(buf, layer, start, size, rows):
     return page if rows is None else jnp.take(page, rows, axis=0, mode="clip")
 
 
-def _scores(q, k):
-    """q [n, T, kv, groups, d], k [n, S, kv, d] -> [n, kv, groups, T, S] float32, scaled."""
+def _scores(q, k, scale=None):
+    """q [n, T, kv, groups, d], k [n, S, kv, d] -> [n, kv, groups, T, S] float32, scaled
+    (by d ** -0.5 unless given)."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    return s * (q.shape[-1] ** -0.5)
+    return s * (q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def _update(carry, scores, mask, v):
@@ -103,7 +104,7 @@ def _update(carry, scores, mask, v):
 
 
 def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                     page_size=PAGE_SIZE, sinks=None):
+                     page_size=PAGE_SIZE, sinks=None, scale=None):
     """The portable reference: see `attend`."""
     n, t, kv_heads, groups, d = q.shape
     max_len = k_buf.shape[2]
@@ -118,7 +119,7 @@ def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, ch
         carry = (m0, jnp.ones_like(m0), carry[2])
     if chunk is not None:
         ck, cv, cmask = chunk
-        carry = _update(carry, _scores(q, ck.astype(q.dtype)), cmask, cv.astype(v_buf.dtype))
+        carry = _update(carry, _scores(q, ck.astype(q.dtype), scale), cmask, cv.astype(v_buf.dtype))
 
     # Pages that can hold a visible key: key positions < kv_limit, and (sliding window)
     # > q_pos - window. Bounds over the whole batch; the mask does the per-row work.
@@ -135,7 +136,7 @@ def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, ch
         mask = key_pos[None, None, :] < kv_limit[:, :, None]
         if window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
-        return _update(carry, _scores(q, k.astype(q.dtype)), mask, v)
+        return _update(carry, _scores(q, k.astype(q.dtype), scale), mask, v)
 
     m, l, acc = jax.lax.fori_loop(first_page, last_page, body, carry)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [n, kv, g, T, d]
@@ -163,7 +164,7 @@ def implementation(backend: str | None = None) -> Callable:
 
 
 def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None = None, chunk=None, rows=None,
-           page_size: int = PAGE_SIZE, sinks=None):
+           page_size: int = PAGE_SIZE, sinks=None, scale: float | None = None):
     """Grouped-query attention of queries over one layer of a paged cache.
 
     q: [n, T, kv_heads, groups, head_dim] (rotated); q_pos: [n, T] their positions.
@@ -176,7 +177,8 @@ def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None =
     page_size: the buffer's page (static): the walk reads whole pages.
     sinks: optional [kv_heads, groups] attention-sink logits (gpt-oss): one more term in each
         softmax's denominator, with no value.
+    scale: the scores' scale (default head_dim ** -0.5; Gemma 4: 1, its q/k norms set the scale).
     Returns [n, T, kv_heads * groups * head_dim] in float32.
     """
     return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                            page_size=page_size, sinks=sinks)
+                            page_size=page_size, sinks=sinks, scale=scale)

@@ -155,15 +155,20 @@ def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
 
 def _read_transformed(tensor, transpose: bool, dtype, index=None) -> np.ndarray:
     """The Flax-layout array (or the block `index` of it) of an HF tensor, cast to dtype.
-    Only the HF rows the block needs are read (HF axis 0 is Flax's last axis if transposed)."""
+    Only the HF rows the block needs are read. `transpose` swaps the last two axes (an HF
+    Linear's [out, in] is a Flax kernel's [in, out]; a stack of them keeps its leading axes)."""
     if index is None:
         index = tuple(slice(None) for _ in tensor.shape)
-    hf_index = tuple(reversed(index)) if transpose else tuple(index)
+    hf_index = _swap_last_two(tuple(index)) if transpose else tuple(index)
     rows = hf_index[0].indices(tensor.shape[0]) if tensor.shape else (0, 1, 1)
     block = tensor.read_rows(rows[0], rows[1])[(slice(None, None, rows[2]),) + tuple(hf_index[1:])]
     if transpose:
-        block = block.T
+        block = np.swapaxes(block, -1, -2)
     return np.ascontiguousarray(block.astype(dtype))
+
+
+def _swap_last_two(items: tuple) -> tuple:
+    return items[:-2] + (items[-1], items[-2])
 
 
 def load_hf_params(
@@ -237,7 +242,7 @@ def load_hf_params(
                 del parts[path]
             continue
         shape = tuple(want.shape[1:]) if row.stacked else tuple(want.shape)  # a stacked row: one expert
-        hf_shape = tuple(reversed(shape)) if row.transpose else shape
+        hf_shape = _swap_last_two(shape) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
         if row.stacked:
@@ -285,7 +290,7 @@ def save_hf_params(params, path: str | Path, *, table, dtype=None):
         array = np.asarray(jax.device_get(leaf))
         if dtype is not None:
             array = array.astype(dtype)
-        tensors[name] = array.T if hit[1].transpose else array
+        tensors[name] = np.swapaxes(array, -1, -2) if hit[1].transpose else array
     safetensors_io.save_file(tensors, path, metadata={"format": "pt"})
 
 

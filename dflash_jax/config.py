@@ -53,8 +53,8 @@ class MoeConfig:
     router: "softmax_topk" (softmax over all experts, then the top k; Qwen3-MoE, which
         renormalises the k weights when `norm_topk_prob`) or "topk_softmax" (top k logits,
         then a softmax over those k; gpt-oss).
-    activation: "silu" (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above
-        and up on both sides at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha * gate)).
+    activation: "silu" (silu(gate) * up), "gelu_tanh" (Gemma 4) or "clamped_swiglu" (gpt-oss:
+        gate clamped above and up on both sides at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha * gate)).
     fused_gate_up: gate and up live in one `gate_up_proj` [experts, hidden, 2 * inter],
         interleaved (gate = [..., 0::2], up = [..., 1::2]) as gpt-oss stores them.
     """
@@ -73,6 +73,12 @@ class MoeConfig:
     # A dense "shared expert" MLP of this width every token goes through, scaled by
     # sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE); 0: none.
     shared_expert_size: int = 0
+    # Gemma 4: gate and up are the two halves of `gate_up_proj` (not interleaved); the router's
+    # input is RMS-normed without weight, times a learned scale and hidden ** -0.5; each
+    # expert's routing weight is times a learned per-expert scale.
+    gate_up_halves: bool = False
+    router_input_norm: bool = False
+    per_expert_scale: bool = False
 
     @classmethod
     def parse(cls, cfg: dict[str, Any], model_type: str, *, experts: tuple[str, ...], **kw) -> "MoeConfig":
@@ -146,8 +152,31 @@ class ModelConfig:
     linear_layers: tuple[bool, ...] = ()
     # Attention output times sigmoid(gate), the gate a second half of each q_proj head (Qwen3.5).
     attention_output_gate: bool = False
-    # RMSNorm weights are offsets from 1: x * (1 + w) (Qwen3.5, Gemma).
+    # RMSNorm weights are offsets from 1: x * (1 + w) (Qwen3.5).
     norm_zero_centered: bool = False
+    # Gemma 4. Full-attention ("global") layers with their own head_dim, KV heads and RoPE
+    # (None: the config's); their values may be their keys (attention_k_eq_v: the key
+    # projection before k_norm, then the value norm).
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    global_rope: RopeConfig | None = None
+    attention_k_eq_v: bool = False
+    # Per layer: the earlier layer whose K/V it reads instead of its own (KV sharing), or None.
+    kv_shared_from: tuple[int | None, ...] = ()
+    value_norm: bool = False  # an RMSNorm without weight on the values
+    attention_scale: float | None = None  # the softmax's scale (None: head_dim ** -0.5)
+    # "pre": input_layernorm before attention, post_attention_layernorm before the MLP (Llama);
+    # "sandwich": each block's input and output normed (Gemma: post_attention_layernorm on the
+    # attention output, pre_/post_feedforward_layernorm around the MLP).
+    block_norms: str = "pre"
+    embed_scale: bool = False  # embeddings times sqrt(hidden) (rounded to the dtype, as HF)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    mlp_activation: str = "silu"  # "silu" or "gelu_tanh" (the gated MLP's and the experts')
+    layer_scalar: bool = False  # a learned scalar multiplies each layer's output
+    # Per-layer inputs (Gemma 4 E2B/E4B): a per_layer_input_size slice of a second embedding
+    # (and of a projection of the first) feeds each layer through a small gated projection.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     dtype: str = "float32"
 
     @property
@@ -165,17 +194,46 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers with a KV cache (every layer but the linear-attention ones)."""
+        """Attention layers (every layer but the linear-attention ones)."""
         return self.num_hidden_layers - sum(self.linear_layers)
 
     @property
     def num_linear_layers(self) -> int:
         return sum(self.linear_layers)
 
+    def is_global(self, layer: int) -> bool:
+        """A full-attention layer with its own head shape (Gemma 4's global layers)."""
+        return (self.global_head_dim is not None or self.global_kv_heads is not None) and not (
+            self.sliding_windows and self.sliding_windows[layer]) and not self.is_linear(layer)
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(head_dim, KV heads) of an attention layer."""
+        if self.is_global(layer):
+            return self.global_head_dim or self.head_dim, self.global_kv_heads or self.num_key_value_heads
+        return self.head_dim, self.num_key_value_heads
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        return self.global_rope if self.is_global(layer) and self.global_rope is not None else self.rope
+
+    def kv_producer(self, layer: int) -> int:
+        """The layer whose K/V this layer attends over: itself, or the one it shares."""
+        shared = self.kv_shared_from[layer] if self.kv_shared_from else None
+        return layer if shared is None else shared
+
     def cache_slot(self, layer: int) -> int:
-        """The layer's index among the layers of its kind: into the KV buffers for an attention
-        layer, into the recurrent state for a linear one."""
-        return sum(self.is_linear(i) == self.is_linear(layer) for i in range(layer))
+        """The layer's index into its cache: into the KV buffers of its group (`is_global`) for
+        an attention layer (a layer sharing K/V: its producer's), into the recurrent states
+        for a linear one."""
+        if self.is_linear(layer):
+            return sum(self.is_linear(i) for i in range(layer))
+        layer = self.kv_producer(layer)
+        return sum(self.kv_producer(i) == i and not self.is_linear(i) and self.is_global(i) == self.is_global(layer)
+                   for i in range(layer))
+
+    def num_kv_slots(self, global_group: bool) -> int:
+        """KV buffer slots of a group: its attention layers that keep their own K/V."""
+        return sum(self.kv_producer(i) == i and not self.is_linear(i) and self.is_global(i) == global_group
+                   for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, dtype: str | None = None) -> "ModelConfig":
@@ -215,7 +273,7 @@ class ModelConfig:
             raise ConfigError(f"quantization {quant!r} is not supported for {model_type}"
                               + (f" (only {', '.join(family.quantizations)})" if family.quantizations else ""))
         extra = family.parse(cfg, layers) if family.parse else {}
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -238,8 +296,8 @@ class ModelConfig:
             norm_zero_centered=switch("norm_zero_centered"),
             sliding_windows=_sliding_windows(cfg, layers, switch("all_sliding")),
             dtype=dtype,
-            **extra,
         )
+        return cls(**{**fields, **extra})  # a family's parse may override a generic field (Gemma 4: rope)
 
     @classmethod
     def from_json(cls, path: str | Path, *, dtype: str | None = None) -> "ModelConfig":

@@ -48,6 +48,15 @@ FAMILIES = {
     # ... and its MoE variant: every layer sparse, top-2 of 6 experts plus a gated shared expert.
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(
         LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    # Gemma 4: sliding (window 8) and global layers of their own head shape (32 x 1 KV head, k = v,
+    # proportional RoPE), the last two layers sharing K/V, per-layer inputs, experts beside the
+    # MLP, soft-capped logits.
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=8, num_hidden_layers=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, attention_k_eq_v=True,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
+        final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16)),
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -60,8 +69,9 @@ def make_model(family: str, seed: int = 0, **overrides):
     model = model_cls(config).eval()
     # Random init leaves norms at 1 and biases at 0; perturb them so parity tests see them.
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
+        learned = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar"))]
+        for name, p in learned:
+            if "norm" in name or name.endswith(("bias", "sinks", "scale", "layer_scalar")):
                 p.add_(0.1 * torch.randn_like(p))
             elif ".experts." in name and p.dim() == 3:  # experts start at std 0.02: make them count
                 p.mul_(10.0)

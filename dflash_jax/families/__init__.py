@@ -10,6 +10,7 @@ table. Adding a family that reuses existing layers is a module here, not a new d
 | llama, qwen2, qwen3, mistral | `dense` | q/k norm, biases, sliding windows |
 | qwen3_moe | `qwen3_moe` | sparse MoE block (softmax then top-k) on some layers |
 | gpt_oss | `gpt_oss` | attention sinks, MoE with biases and clamped SwiGLU, MXFP4 experts |
+| gemma4_text, gemma4 | `gemma4` | sliding and global layers of two head shapes and RoPEs, k = v, shared K/V, sandwich norms, scaled embeddings, per-layer inputs, MoE beside the MLP, soft-capped logits |
 | qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe | `qwen3_5` | gated delta-net linear-attention layers, gated attention, partial RoPE, (1 + w) norms, MoE with a shared expert |
 """
 
@@ -28,7 +29,8 @@ class Family:
     switches: fields of `ModelConfig` the family fixes. A bool, or the name of a config.json
         field that holds the bool (e.g. `attention_bias`). Besides ModelConfig fields,
         `all_sliding` says a non-null `sliding_window` applies to every layer (Mistral).
-    parse: (config.json dict, number of layers) -> further ModelConfig fields (MoE).
+    parse: (config.json dict, number of layers) -> further ModelConfig fields (MoE), or ones
+        that replace the generic parse's (Gemma 4's RoPE per layer type).
     table: the HF <-> Flax name table of the family's `*ForCausalLM`.
     combine: (parameter path, {part: tensor}, dtype) -> the parameter, for rows with a `part`
         (a parameter stored as several tensors, e.g. MXFP4 blocks and scales), or None
@@ -65,4 +67,4 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
-from dflash_jax.families import dense, gpt_oss, qwen3_5, qwen3_moe  # noqa: E402,F401  (they register)
+from dflash_jax.families import dense, gemma4, gpt_oss, qwen3_5, qwen3_moe  # noqa: E402,F401  (they register)

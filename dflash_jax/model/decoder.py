@@ -34,7 +34,7 @@ from flax import struct
 from dflash_jax.attention import PAGE_SIZE, cache_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
-from dflash_jax.model.layers import MLP, Attention, jnp_dtype, norm, rope_angles
+from dflash_jax.model.layers import ACTIVATIONS, MLP, Attention, jnp_dtype, norm, rope_angles
 from dflash_jax.model.delta_rule import GatedDeltaNet, Pending
 from dflash_jax.model.delta_rule import settle as delta_settle
 from dflash_jax.model.moe import MoE
@@ -48,6 +48,9 @@ class KVCache:
     """Static-shape paged KV cache with a length per row.
 
     k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
+    k_global, v_global: the same for the full-attention layers with their own head_dim and KV
+             heads (Gemma 4's global layers), None when there are none. A layer that shares
+             another's K/V has no slot of its own.
     lengths: [batch] int32, number of valid (committed) positions of each row.
     state:   per linear layer [batch, v_heads, k_dim, v_dim] float32, the gated delta-net
              layers' recurrent states (None when the decoder has none). Separate arrays, not one
@@ -60,6 +63,8 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    k_global: jax.Array | None = None
+    v_global: jax.Array | None = None
     state: tuple[jax.Array, ...] | None = None
     tail: tuple[jax.Array, ...] | None = None
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
@@ -86,15 +91,21 @@ def row_lengths(cache: KVCache, rows):
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE) -> KVCache:
     """An empty cache for at least max_len positions per row (rounded up to whole pages)."""
     dtype = dtype or jnp_dtype(config.dtype)
-    shape = (config.num_attention_layers, batch, cache_length(max_len, page_size), config.num_key_value_heads,
-             config.head_dim)
+    length = cache_length(max_len, page_size)
+    shape = (config.num_kv_slots(False), batch, length, config.num_key_value_heads, config.head_dim)
+    k_global = v_global = None
+    if config.num_kv_slots(True):
+        g = next(i for i in range(config.num_hidden_layers) if config.is_global(i))
+        head_dim, kv_heads = config.attention_shape(g)
+        global_shape = (config.num_kv_slots(True), batch, length, kv_heads, head_dim)
+        k_global, v_global = jnp.zeros(global_shape, dtype), jnp.zeros(global_shape, dtype)
     state = tail = None
     if config.num_linear_layers:
         lin, n = config.linear_attention, config.num_linear_layers
         state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
         tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   state=state, tail=tail, page_size=page_size)
+                   k_global=k_global, v_global=v_global, state=state, tail=tail, page_size=page_size)
 
 
 # --------------------------------------------------------------------------- layers
@@ -107,12 +118,14 @@ def _linear_layer(c: ModelConfig, name: str) -> GatedDeltaNet:
 
 
 class DecoderLayer(nn.Module):
+    """One layer: token mixing (attention, or a gated delta-net), then the MLP (dense, sparse,
+    or for Gemma 4 both side by side), with the config's block norms."""
+
     config: ModelConfig
     layer: int
-    window: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False):
+    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False, per_layer_input=None):
         """Returns (x, cache, pending): pending is the linear layer's deferred `Pending`
         (defer), else None."""
         c = self.config
@@ -128,10 +141,26 @@ class DecoderLayer(nn.Module):
                        else (lambda a, new: a[:slot] + (a[slot].at[rows].set(new, mode="drop"),) + a[slot + 1:]))
                 cache = cache.replace(tail=put(cache.tail, tail), state=put(cache.state, state))
         else:
-            h, cache = Attention(c, slot, self.window, name="self_attn")(h, cos, sin, cache, query_pos, rows)
-        x = x + h
-        mlp = MoE(c, name="mlp") if c.is_sparse(self.layer) else MLP(c, name="mlp")
-        x = x + mlp(norm(c, "post_attention_layernorm")(x))
+            h, cache = Attention(c, self.layer, name="self_attn")(h, cos, sin, cache, query_pos, rows)
+        if c.block_norms == "sandwich":
+            x = x + norm(c, "post_attention_layernorm")(h)
+            h = MLP(c, name="mlp")(norm(c, "pre_feedforward_layernorm")(x))
+            if c.is_sparse(self.layer):  # Gemma 4: experts beside the MLP, routed on the block's input
+                experts = MoE(c, name="moe")(norm(c, "pre_feedforward_layernorm_2")(x), router_x=x)
+                h = norm(c, "post_feedforward_layernorm_1")(h) + norm(c, "post_feedforward_layernorm_2")(experts)
+            x = x + norm(c, "post_feedforward_layernorm")(h)
+        else:
+            x = x + h
+            mlp = MoE(c, name="mlp") if c.is_sparse(self.layer) else MLP(c, name="mlp")
+            x = x + mlp(norm(c, "post_attention_layernorm")(x))
+        if c.per_layer_input_size:
+            dtype = jnp_dtype(c.dtype)
+            dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+            gate = ACTIVATIONS[c.mlp_activation](dense(c.per_layer_input_size, "per_layer_input_gate")(x))
+            h = dense(c.hidden_size, "per_layer_projection")(gate * per_layer_input)
+            x = x + norm(c, "post_per_layer_input_norm")(h)
+        if c.layer_scalar:
+            x = x * self.param("layer_scalar", nn.initializers.ones, (1,), jnp_dtype(c.dtype))
         return x, cache, pending
 
 
@@ -144,20 +173,28 @@ class Decoder(nn.Module):
         c = self.config
         dtype = jnp_dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype)
-        self.layers = [
-            DecoderLayer(c, i, c.sliding_windows[i] if c.sliding_windows else None, name=f"layers_{i}")
-            for i in range(c.num_hidden_layers)
-        ]
+        self.layers = [DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
         self.norm = norm(c)
+        if c.per_layer_input_size:
+            width = c.num_hidden_layers * c.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embed(c.per_layer_vocab_size, width, dtype=dtype, param_dtype=dtype)
+            self.per_layer_model_projection = nn.Dense(width, use_bias=False, dtype=dtype, param_dtype=dtype)
+            self.per_layer_projection_norm = norm(c)
 
     def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None, valid=None, defer=False):
+        c = self.config
         offsets = cache.lengths if rows is None else row_lengths(cache, rows)
         query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
-        cos, sin = rope_angles(self.config, query_pos)
-        x = self.embed_tokens(tokens)
+        # One RoPE table per kind of layer (Gemma 4's global layers have their own).
+        angles = {kind: rope_angles(c, query_pos, next(i for i in range(c.num_hidden_layers) if c.is_global(i) == kind))
+                  for kind in {c.is_global(i) for i in range(c.num_hidden_layers)}}
+        x = self.embed(tokens)
+        per_layer = self.per_layer_inputs(tokens, x) if c.per_layer_input_size else None
         tapped, pending = {}, []
         for i, layer in enumerate(self.layers):
-            x, cache, p = layer(x, cos, sin, cache, query_pos, rows, valid, defer)
+            cos, sin = angles[c.is_global(i)]
+            x, cache, p = layer(x, cos, sin, cache, query_pos, rows, valid, defer,
+                                None if per_layer is None else per_layer[:, :, i])
             if p is not None:
                 pending.append(p)
             if i in taps:
@@ -172,7 +209,24 @@ class Decoder(nn.Module):
         return x, cache, tapped, pending
 
     def embed(self, tokens):
-        return self.embed_tokens(tokens)
+        """Token embeddings; with `embed_scale` times sqrt(hidden) rounded to the dtype, as
+        transformers' scaled embedding (the drafter borrows exactly these)."""
+        x = self.embed_tokens(tokens)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        return x
+
+    def per_layer_inputs(self, tokens, x):
+        """[n, T, layers, per_layer_input_size]: each layer's slice of the per-layer embedding
+        (times sqrt of its width) and of the normed projection of the embeddings, summed and
+        times 2 ** -0.5 (Gemma 4's per-layer inputs)."""
+        c = self.config
+        shape = (*tokens.shape, c.num_hidden_layers, c.per_layer_input_size)
+        table = self.embed_tokens_per_layer(tokens)
+        identity = (table * jnp.asarray(c.per_layer_input_size ** 0.5, table.dtype)).reshape(shape)
+        context = self.per_layer_model_projection(x) * jnp.asarray(c.hidden_size ** -0.5, x.dtype)
+        context = self.per_layer_projection_norm(context.reshape(shape))
+        return (context + identity) * jnp.asarray(2 ** -0.5, x.dtype)
 
     def attend(self, h):
         return self.embed_tokens.attend(h)
@@ -194,9 +248,12 @@ class CausalLM(nn.Module):
         return self.model(tokens, cache, taps, rows, valid, defer)
 
     def logits(self, h):
-        """h [..., hidden] -> float32 logits [..., vocab]."""
+        """h [..., hidden] -> float32 logits [..., vocab] (soft-capped: cap * tanh(logits / cap),
+        with `final_logit_softcap`)."""
         out = self.model.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)
 
     def embed(self, tokens):
         return self.model.embed(tokens)

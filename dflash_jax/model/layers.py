@@ -27,13 +27,16 @@ class RMSNorm(nn.Module):
     dtype: jnp.dtype = jnp.float32
     weight_in_float32: bool = False
     zero_centered: bool = False
+    with_weight: bool = True  # False: no weight at all (Gemma 4's value norm)
 
     @nn.compact
     def __call__(self, x):
-        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if not self.with_weight:
+            return x32.astype(x.dtype)
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
         if self.zero_centered:
             return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
         if self.weight_in_float32:
@@ -41,14 +44,17 @@ class RMSNorm(nn.Module):
         return weight * x32.astype(x.dtype)
 
 
-def rope_angles(config: ModelConfig, positions):
+def rope_angles(config: ModelConfig, positions, layer: int | None = None):
     """cos, sin of shape [*positions.shape, rotary_dim // 2]: one angle per rotated pair (YaRN
-    scales both by its attention factor, as transformers does)."""
-    inv_freq = jnp.asarray(rope_inv_freq(config.rope, config.head_dim))
+    scales both by its attention factor, as transformers does). With `layer`, that layer's
+    RoPE and head_dim (Gemma 4's global layers have their own)."""
+    rope = config.rope if layer is None else config.layer_rope(layer)
+    head_dim = config.head_dim if layer is None else config.attention_shape(layer)[0]
+    inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    if config.rope.attention_factor != 1.0:
-        cos, sin = cos * config.rope.attention_factor, sin * config.rope.attention_factor
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
     return cos, sin
 
 
@@ -75,55 +81,72 @@ def norm(config: ModelConfig, name: str | None = None) -> RMSNorm:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the paged cache. With `attention_output_gate` (Qwen3.5)
-    q_proj gives each head a query and a gate of head_dim each, and the attention output is
-    multiplied by sigmoid(gate) before o_proj."""
+    """Grouped-query attention over the paged cache, configured per layer by the config: its
+    head shape, window and RoPE, and its cache slot (`ModelConfig.cache_slot`).
+
+    With `attention_output_gate` (Qwen3.5) q_proj gives each head a query and a gate of
+    head_dim each, and the output is multiplied by sigmoid(gate) before o_proj. A layer that
+    shares an earlier layer's K/V (Gemma 4) has no k/v projections: it writes nothing and
+    attends over its producer's slot. Gemma 4's global layers keep their K/V in the cache's
+    second group (`k_global`, `v_global`); with `attention_k_eq_v` their values are the key
+    projection (normed by the weightless value norm, not rotated)."""
 
     config: ModelConfig
-    layer: int  # this layer's index into the cache buffers (its slot among the attention layers)
-    window: int | None = None
+    layer: int
 
     @nn.compact
     def __call__(self, x, cos, sin, cache, query_pos, rows):
         """x [n, T, hidden] at query_pos [n, T] of cache rows `rows` (None: rows 0..n-1).
         Writes this chunk's K/V into the cache, then attends causally over it."""
-        c = self.config
+        c, i = self.config, self.layer
         dtype = jnp_dtype(c.dtype)
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
         b, t, _ = x.shape
+        head_dim, kv_heads = c.attention_shape(i)
+        heads, window = c.num_attention_heads, c.sliding_windows[i] if c.sliding_windows else None
         gated = 2 if c.attention_output_gate else 1
-        q = dense(c.num_attention_heads * c.head_dim * gated, "q_proj", c.qkv_bias)(x)
-        k = dense(c.num_key_value_heads * c.head_dim, "k_proj", c.qkv_bias)(x)
-        v = dense(c.num_key_value_heads * c.head_dim, "v_proj", c.qkv_bias)(x)
-        q = q.reshape(b, t, c.num_attention_heads, c.head_dim * gated)
+        q = dense(heads * head_dim * gated, "q_proj", c.qkv_bias)(x).reshape(b, t, heads, head_dim * gated)
         if gated == 2:
-            q, gate = q[..., :c.head_dim], q[..., c.head_dim:].reshape(b, t, -1)
-        k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
+            q, gate = q[..., :head_dim], q[..., head_dim:].reshape(b, t, -1)
         if c.qk_norm:
             q = norm(c, "q_norm")(q)
-            k = norm(c, "k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
         sinks = None
         if c.attention_sinks:
-            sinks = self.param("sinks", nn.initializers.zeros, (c.num_attention_heads,), dtype)
-            sinks = sinks.astype(jnp.float32).reshape(c.num_key_value_heads, c.num_groups)
+            sinks = self.param("sinks", nn.initializers.zeros, (heads,), dtype)
+            sinks = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads)
 
-        offsets = query_pos[:, 0]
-        cache = cache.replace(k=write_kv(cache.k, self.layer, k, offsets, rows),
-                              v=write_kv(cache.v, self.layer, v, offsets, rows))
-        q = q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
-        out = attend(q, query_pos, cache.k, cache.v, self.layer, query_pos + 1, window=self.window, rows=rows,
-                     page_size=cache.page_size, sinks=sinks)
+        keys, values = ("k_global", "v_global") if c.is_global(i) else ("k", "v")
+        slot = c.cache_slot(i)
+        if c.kv_producer(i) == i:
+            k = dense(kv_heads * head_dim, "k_proj", c.qkv_bias)(x).reshape(b, t, kv_heads, head_dim)
+            if c.attention_k_eq_v and window is None:
+                v = k
+            else:
+                v = dense(kv_heads * head_dim, "v_proj", c.qkv_bias)(x).reshape(b, t, kv_heads, head_dim)
+            if c.qk_norm:
+                k = norm(c, "k_norm")(k)
+            if c.value_norm:
+                v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
+            k = apply_rope(k, cos, sin)
+            offsets = query_pos[:, 0]
+            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows),
+                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows)})
+        q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
+        out = attend(q, query_pos, getattr(cache, keys), getattr(cache, values), slot, query_pos + 1, window=window,
+                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale)
         out = out.astype(dtype)
         if gated == 2:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
         return dense(c.hidden_size, "o_proj", c.o_bias)(out), cache
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nn.Module):
-    """The dense gated MLP: down(silu(gate(x)) * up(x)), `width` wide (default the config's
-    intermediate_size)."""
+    """The dense gated MLP: down(act(gate(x)) * up(x)), act the config's `mlp_activation`
+    (silu; Gemma: tanh-approximated GELU), `width` wide (default the config's intermediate_size)."""
 
     config: ModelConfig
     width: int | None = None
@@ -134,5 +157,5 @@ class MLP(nn.Module):
         dtype = jnp_dtype(c.dtype)
         width = self.width or c.intermediate_size
         dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=dtype, param_dtype=dtype, name=name)
-        h = jax.nn.silu(dense(width, "gate_proj")(x)) * dense(width, "up_proj")(x)
+        h = ACTIVATIONS[c.mlp_activation](dense(width, "gate_proj")(x)) * dense(width, "up_proj")(x)
         return dense(c.hidden_size, "down_proj")(h)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, MoeConfig
-from dflash_jax.model.layers import MLP, jnp_dtype
+from dflash_jax.model.layers import MLP, RMSNorm, jnp_dtype
 
 
 def route(logits, moe: MoeConfig):
@@ -60,6 +60,8 @@ def dispatch(experts, num_experts: int):
 def activate(gate, up, moe: MoeConfig):
     if moe.activation == "silu":
         return jax.nn.silu(gate) * up
+    if moe.activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
     if moe.activation == "clamped_swiglu":
         gate = jnp.minimum(gate, moe.swiglu_limit)
         up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
@@ -92,6 +94,9 @@ class Experts(nn.Module):
         if moe.fused_gate_up:
             gate_up = grouped(xs, "gate_up_proj", (e, h, 2 * i))
             gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        elif moe.gate_up_halves:
+            gate_up = grouped(xs, "gate_up_proj", (e, h, 2 * i))
+            gate, up = gate_up[:, :i], gate_up[:, i:]
         else:
             gate, up = grouped(xs, "gate_proj", (e, h, i)), grouped(xs, "up_proj", (e, h, i))
         return grouped(activate(gate, up, moe), "down_proj", (e, i, h))
@@ -105,14 +110,23 @@ class MoE(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, router_x=None):
+        """router_x: what the router scores, when not x (Gemma 4 routes the layer's input and
+        sends the experts its own normed copy)."""
         c, moe = self.config, self.config.moe
         dtype = jnp_dtype(c.dtype)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        scored = tokens if router_x is None else router_x.reshape(-1, shape[-1])
+        if moe.router_input_norm:
+            scale = self.param("router_scale", nn.initializers.ones, (shape[-1],), dtype)
+            scored = RMSNorm(c.rms_norm_eps, dtype, with_weight=False)(scored) * scale * shape[-1] ** -0.5
         logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias, dtype=dtype, param_dtype=dtype,
-                          name="router")(tokens)
+                          name="router")(scored)
         weights, experts = route(logits, moe)
+        if moe.per_expert_scale:
+            per_expert = self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), dtype)
+            weights = weights * jnp.take(per_expert, experts).astype(jnp.float32)
         order, group_sizes, inverse = dispatch(experts, moe.num_experts)
         xs = jnp.take(tokens, order // moe.top_k, axis=0)
         ys = Experts(c, name="experts")(xs, group_sizes, jnp.take(experts.reshape(-1), order))
