@@ -107,19 +107,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 def dense_drafter_model(target: ModelConfig, num_layers: int, intermediate_size: int | None = None,
                         dtype: str | None = None) -> ModelConfig:
-    """The layers of a new drafter for `target`: dense Qwen3-style, whatever the target (no
-    experts, sinks, biases, linear attention or output gates), with the target's widths and
-    RoPE (positions are the target's) rotating whole heads: a Qwen3 layer, as vLLM and SGLang
-    serve it, has no partial rotary (Gemma's proportional type is a frequency table any RoPE
-    layer reads, so it stays)."""
+    """The layers of a new drafter for `target`: dense Qwen3-style whatever the target (no
+    experts, sinks, biases, linear attention, gates or Gemma's extras: built from the target's
+    widths, not copied from its config), with the target's sliding-layer head shape and RoPE
+    (positions are the target's) rotating whole heads: a Qwen3 layer, as vLLM and SGLang serve
+    it, has no partial rotary (Gemma's proportional type is a frequency table any RoPE layer
+    reads, so it stays)."""
     rope = target.rope if target.rope.type == "proportional" else dataclasses.replace(target.rope,
                                                                                      partial_rotary_factor=1.0)
-    return target.replace(
-        model_type="qwen3", num_hidden_layers=num_layers, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
-        tie_word_embeddings=False, sliding_windows=(None,) * num_layers, attention_sinks=False,
-        norm_weight_in_float32=False, moe=None, sparse_layers=(), linear_attention=None, linear_layers=(),
-        attention_output_gate=False, norm_zero_centered=False, rope=rope,
-        intermediate_size=intermediate_size or target.intermediate_size, dtype=dtype or target.dtype)
+    return ModelConfig(
+        model_type="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope=rope,
+        max_position_embeddings=target.max_position_embeddings, qk_norm=True, sliding_windows=(None,) * num_layers,
+        dtype=dtype or target.dtype)
 
 
 def check_pair(target: ModelConfig, drafter: DrafterConfig):

@@ -107,36 +107,39 @@ def moe(meshes):
     return out
 
 
-def hybrid(meshes):
-    """A Qwen3.5 pair (8 attention and 8 value heads) decodes the same on every mesh: the
-    gated delta-net projections and recurrent states split over `model` by head."""
+def heterogeneous(meshes):
+    """A Qwen3.5 pair (8 attention and 8 value heads; the gated delta-net projections and
+    recurrent states split over `model` by head) and a Gemma 4 pair (sliding and global layers
+    in two K/V groups, shared K/V, experts split over `model`) decode the same on every mesh."""
     import dataclasses
 
     from dflash_jax.engine import Generator
     from dflash_jax.model import init_params
     from dflash_jax.sharding import make_mesh, shard_params
-    from test_spec_decode import prompts, setup
+    from test_spec_decode import perturbed, prompts, setup
 
     meshes = [m for m in meshes if "model" in m]
-    name = "qwen3_5-v8"
-    target, _, drafter, dparams = setup(name)
-    target = target.replace(num_attention_heads=8, num_key_value_heads=4,
-                            linear_attention=dataclasses.replace(target.linear_attention, k_heads=4, v_heads=8))
-    tparams = init_params(target, jax.random.PRNGKey(13))
     out = {}
-    for spec in [None] + meshes:
-        mesh = make_mesh(spec) if spec else None
-        gen = Generator(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
-                        batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
-        res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
-        kernel = gen.tparams["model"]["layers_0"]["linear_attn"]["in_proj_z"]["kernel"]
-        out[spec or "single"] = {
-            "outputs": [r.output_ids for r in res], "acceptance": [r.acceptance_lengths for r in res],
-            "in_proj_z_spec": str(kernel.sharding.spec) if mesh else None,
-        }
+    for name in ("qwen3_5-v8", "gemma4-v8"):
+        target, tparams, drafter, dparams = setup(name)
+        if name.startswith("qwen3_5"):
+            target = target.replace(num_attention_heads=8, num_key_value_heads=4, linear_attention=dataclasses.replace(
+                target.linear_attention, k_heads=4, v_heads=8))
+            tparams = perturbed(init_params(target, jax.random.PRNGKey(13)))
+        for spec in [None] + meshes:
+            mesh = make_mesh(spec) if spec else None
+            gen = Generator(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
+                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
+            res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
+            layer = gen.tparams["model"]["layers_0"]
+            kernel = (layer["linear_attn"]["in_proj_z"] if "linear_attn" in layer else layer["mlp"]["up_proj"])["kernel"]
+            out[f"{name} {spec or 'single'}"] = {
+                "outputs": [r.output_ids for r in res], "acceptance": [r.acceptance_lengths for r in res],
+                "kernel_spec": str(kernel.sharding.spec) if mesh else None,
+            }
     return out
 
 
 if __name__ == "__main__":
     what, meshes = sys.argv[1], sys.argv[2:]
-    print(json.dumps({"devices": jax.device_count(), **{"inference": inference, "training": training, "moe": moe, "hybrid": hybrid}[what](meshes)}))
+    print(json.dumps({"devices": jax.device_count(), **{"inference": inference, "training": training, "moe": moe, "heterogeneous": heterogeneous}[what](meshes)}))

@@ -69,16 +69,18 @@ def test_sharded_moe_decoding_equals_one_device():
         assert out[f"{name} data=2,model=4"]["experts_spec"] == "P('model', None, None)"
 
 
-def test_sharded_hybrid_decoding_equals_one_device():
-    """A Qwen3.5 target (linear-attention states settled per row every cycle) with its
-    drafter: the same tokens and acceptance lengths on every mesh, the delta-net split by head."""
-    out = run_worker("hybrid")
-    single = out["single"]
-    assert max(a for row in single["acceptance"] for a in row) > 1
-    for mesh in ("data=2,model=4", "model=8"):
-        assert out[mesh]["outputs"] == single["outputs"], mesh
-        assert out[mesh]["acceptance"] == single["acceptance"], mesh
-    assert out["model=8"]["in_proj_z_spec"] == "P(None, 'model')"
+def test_sharded_hybrid_and_gemma4_decoding_equals_one_device():
+    """A Qwen3.5 target (linear-attention states settled per row every cycle) and a Gemma 4
+    target (two K/V groups, shared K/V), each with its drafter: the same tokens and acceptance
+    lengths on every mesh, the delta-net split by head and Gemma's MLP over `model`."""
+    out = run_worker("heterogeneous")
+    for name in ("qwen3_5-v8", "gemma4-v8"):
+        single = out[f"{name} single"]
+        assert max(a for row in single["acceptance"] for a in row) > 1
+        for mesh in ("data=2,model=4", "model=8"):
+            assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
+            assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
+        assert out[f"{name} model=8"]["kernel_spec"] == "P(None, 'model')"
 
 
 def test_sharded_training_equals_one_device():

@@ -52,7 +52,7 @@ NEG = float(jnp.finfo(jnp.float32).min)
 HYBRID = dict(linear_attention=LinearAttentionConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=8),
               linear_layers=(True, False, True), attention_output_gate=True, norm_zero_centered=True,
               rope=RopeConfig(partial_rotary_factor=0.5))
-MOE_SWITCHES = {
+SWITCHES = {
     "qwen3_moe": dict(moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True),
                       sparse_layers=(True, False, True)),
     "gpt_oss": dict(qkv_bias=True, o_bias=True, attention_sinks=True, norm_weight_in_float32=True,
@@ -64,6 +64,17 @@ MOE_SWITCHES = {
     # Hybrid (Qwen3.5): gated delta-net layers around a gated full-attention layer, partial
     # RoPE, (1 + w) norms; its MoE variant adds a shared expert. The verify pass defers the
     # linear layers' states, which commit settles at each row's accepted prefix.
+    # Gemma 4: sliding (window 6) and a global layer of its own head shape (16 x 1 KV head,
+    # k = v, proportional RoPE), the last layer reading the first's K/V, per-layer inputs,
+    # experts beside the MLP, sandwich norms, soft-capped logits.
+    "gemma4": dict(global_head_dim=16, global_kv_heads=1, attention_k_eq_v=True, kv_shared_from=(None, None, 0),
+                   global_rope=RopeConfig(theta=1e6, type="proportional", partial_rotary_factor=0.25),
+                   sliding_windows=(6, None, 6), value_norm=True, attention_scale=1.0, block_norms="sandwich",
+                   embed_scale=True, final_logit_softcap=30.0, mlp_activation="gelu_tanh", layer_scalar=True,
+                   norm_weight_in_float32=True, per_layer_input_size=4, sparse_layers=(True, True, True),
+                   moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True,
+                                 gate_up_halves=True, router_input_norm=True, per_expert_scale=True,
+                                 activation="gelu_tanh")),
     "qwen3_5": dict(HYBRID),
     "qwen3_5_moe": dict(HYBRID, sparse_layers=(True, True, True),
                         moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True,
@@ -71,11 +82,15 @@ MOE_SWITCHES = {
 }
 
 
+QK_NORM = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma4")
+
+
 def model_config(family: str, vocab: int, layers: int) -> ModelConfig:
+    per_layer_vocab = {"per_layer_vocab_size": vocab} if family == "gemma4" else {}
     return ModelConfig(
         model_type=family, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
-        **MOE_SWITCHES.get(family, {}),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=family in QK_NORM,
+        **SWITCHES.get(family, {}), **per_layer_vocab,
     )
 
 
@@ -94,6 +109,7 @@ SETUPS = {
     "llama-v128": ("llama", 128, 2, 1, (1,), 4),
     "qwen3_moe-v8": ("qwen3_moe", 8, 3, 2, (0, 2), 5),
     "gpt_oss-v8": ("gpt_oss", 8, 3, 2, (0, 2), 9),  # its drafter's first layer slides (window 6)
+    "gemma4-v8": ("gemma4", 8, 3, 2, (0, 2), 15),
     "qwen3_5-v8": ("qwen3_5", 8, 3, 2, (0, 2), 13),
     "qwen3_5_moe-v8": ("qwen3_5_moe", 8, 3, 2, (0, 2), 14),
 }
@@ -212,7 +228,8 @@ heavy = lambda *args: pytest.param(*args, marks=pytest.mark.heavy)  # the full m
 
 GREEDY_CASES = [  # the everyday suite runs a Qwen3, a Llama, the two MoE and the two hybrid pairs; `-m heavy` the rest
     ("qwen3-v8", 4, 3), ("llama-v8", 8, 8), ("qwen3_moe-v8", 4, 3), ("gpt_oss-v8", 8, 5),
-    ("qwen3_5-v8", 4, 3), ("qwen3_5_moe-v8", 4, 5), heavy("qwen3_5-v8", 8, 8), heavy("qwen3_5-v8", 2, 1),
+    ("qwen3_5-v8", 4, 3), ("qwen3_5_moe-v8", 4, 5), ("gemma4-v8", 8, 3), heavy("qwen3_5-v8", 8, 8),
+    heavy("qwen3_5-v8", 2, 1), heavy("gemma4-v8", 4, 8),
     heavy("qwen3-v8", 2, 8), heavy("qwen3-v8", 4, 8), heavy("qwen3-v8", 8, 8), heavy("qwen3-v8", 4, 1),
     heavy("llama-v8", 2, 8), heavy("llama-v8", 4, 8), heavy("qwen3-v128", 4, 8), heavy("llama-v128", 8, 3),
 ]

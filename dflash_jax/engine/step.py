@@ -119,6 +119,9 @@ def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
         return cache
     cache = cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
                           lengths=constrain(cache.lengths, mesh, ("batch",)))
+    if cache.k_global is not None:
+        cache = cache.replace(k_global=constrain(cache.k_global, mesh, CACHE_AXES),
+                              v_global=constrain(cache.v_global, mesh, CACHE_AXES))
     if cache.state is not None:
         cache = cache.replace(state=tuple(constrain(s, mesh, STATE_AXES) for s in cache.state),
                               tail=tuple(constrain(t, mesh, TAIL_AXES) for t in cache.tail))

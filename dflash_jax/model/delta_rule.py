@@ -73,24 +73,22 @@ def recurrent(q, k, v, g, beta, state, *, keep=None, l2norm_qk: bool = True):
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm_qk)
     t = q.shape[2]
     state = state.astype(jnp.float32)
+    kept = state
 
     def step(carry, xs):
-        # One read of the state for both q^T S and k^T S, one fused pass for the update:
-        # S' = e S + k delta^T with delta = beta (v - e k^T S), and o = S'^T q = e q^T S + (q.k) delta.
         s, kept = carry
         i, q_t, k_t, v_t, g_t, b_t = xs  # [b, h, d] / [b, h]
-        e = jnp.exp(g_t)[..., None]
-        qs, ks = jnp.unstack(jnp.einsum("bhkv,bhnk->nbhv", s, jnp.stack([q_t, k_t], axis=2)))
-        delta = (v_t - e * ks) * b_t[..., None]
-        s = s * e[..., None] + k_t[..., None] * delta[..., None, :]
-        out = e * qs + (q_t * k_t).sum(-1, keepdims=True) * delta
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        out = jnp.einsum("bhkv,bhk->bhv", s, q_t)
         if keep is not None:
             kept = jnp.where((keep == i + 1)[:, None, None, None], s, kept)
         return (s, kept), out
 
     xs = (jnp.arange(t), *(x.swapaxes(0, 2).swapaxes(1, 2) for x in (q, k, v)),
           *(x.transpose(2, 0, 1) for x in (g, beta)))
-    (final, kept), out = jax.lax.scan(step, (state, state if keep is not None else None), xs)
+    (final, kept), out = jax.lax.scan(step, (state, kept), xs)
     return out.transpose(1, 0, 2, 3), (final if keep is None else kept)
 
 
@@ -127,20 +125,14 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True)
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
 
     def step(s, xs):
-        # q^T S and k^T S in one read of the state (queries and keys stacked as rows)
         nv, kc, qd, ke, intra_i, decay_i = xs
-        reads = jnp.concatenate([kc, qd], axis=-2) @ s if want_out else kc @ s
-        v_new = nv - reads[..., :chunk, :]
-        out = reads[..., chunk:, :] + intra_i @ v_new if want_out else None
+        v_new = nv - kc @ s
+        out = qd @ s + intra_i @ v_new if want_out else None
         return s * decay_i + ke.swapaxes(-1, -2) @ v_new, out
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_decayed, k_to_end, intra, chunk_decay))
-    state = state.astype(jnp.float32)
-    if n == 1:  # one chunk (a verify block): no loop, so an unused final state is never computed
-        final, out = step(state, tuple(x[0] for x in xs))
-        out = out[None] if want_out else None
-    else:
-        final, out = jax.lax.scan(step, state, xs)
+    move = lambda x: jnp.moveaxis(x, 2, 0)
+    final, out = jax.lax.scan(step, state.astype(jnp.float32),
+                              tuple(map(move, (new_values, k_cumdecay, q_decayed, k_to_end, intra, chunk_decay))))
     if not want_out:
         return None, final
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]

@@ -1,7 +1,8 @@
 """--cost: a hardware-independent cost report of one autoregressive step and one DFlash cycle.
 
-Nothing is allocated and nothing runs: a published target (`--shape`: Qwen3-8B by default, or
-Qwen3.5-27B, a gated delta-net hybrid) + 5-layer block-16 drafter shapes (scaled) become abstract parameters (`jax.eval_shape`) and an abstract DecodeState (every row
+Nothing is allocated and nothing runs: a published target (`--shape`: Qwen3-8B by default,
+Qwen3.5-27B, a gated delta-net hybrid, or Gemma 4 31B, sliding and global layers of two head
+shapes) + 5-layer block-16 drafter shapes (scaled) become abstract parameters (`jax.eval_shape`) and an abstract DecodeState (every row
 running at --context committed positions), and the engine's own `run_cycles` is lowered and
 compiled for them. XLA's `cost_analysis()` then gives the flops and bytes accessed of one cycle
 (the cycle loop's body is counted once: one cycle).
@@ -134,32 +135,60 @@ def lookup_correction(spec, tparams, batch: int) -> dict:
     return dict(lookups=len(rows), lookup_rows=sum(rows), lookup_bytes=sum(lookup_bytes(spec, tparams, batch)))
 
 
+def attention_layers(config):
+    """Per attention layer (a hybrid's linear layers have none): (bytes of K or V at one
+    position, head_dim, sliding window or None, whether it writes its own K/V: a layer sharing
+    another's reads it only)."""
+    out = []
+    for i in range(config.num_hidden_layers):
+        if config.is_linear(i):
+            continue
+        head_dim, kv_heads = config.attention_shape(i)
+        window = config.sliding_windows[i] if config.sliding_windows else None
+        out.append((kv_heads * head_dim * _dtype_bytes(config), head_dim, window, config.kv_producer(i) == i))
+    return out
+
+
+def pages_walked(context: int, queries: int, page: int, max_len: int, window: int | None) -> int:
+    """Pages an attention call walks for queries at context .. context + queries - 1 (keys
+    below `context + queries`; a sliding layer from the page holding context - window + 1)."""
+    last = math.ceil(min(context + queries, max_len) / page)
+    first = 0 if window is None else min(max(context - window + 1, 0) // page, last)
+    return last - first
+
+
 def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
     """What XLA's once-per-loop-body count leaves out of one cycle at `context` (see the module
-    docstring): bytes and flops of the extra pages walked, bytes of the other rows' writes."""
+    docstring): bytes and flops of the extra pages walked, bytes of the other rows' writes.
+    Per attention layer: its own head shape and window (Gemma 4's sliding and global layers);
+    a layer sharing another's K/V walks its pages but writes none."""
     from dflash_jax.attention import page_size_of
 
     page = page_size_of(max_len, spec.page_size)
     v = spec.verify_len
     out = dict(page=page, target_pages=0, drafter_pages=0, target_page_bytes=0, drafter_page_bytes=0,
                target_write_bytes=0, drafter_write_bytes=0, target_page_flops=0, drafter_page_flops=0)
-    models = [("target", spec.target, math.ceil(min(context + v, max_len) / page), v)]
+    models = [("target", spec.target, context, v)]  # the verify: keys up to context + v
     if spec.uses_drafter:
-        models.append(("drafter", spec.drafter.model, math.ceil(min(context, max_len) / page), spec.block_size))
-    for name, c, pages, queries in models:
-        if any(c.sliding_windows or ()):
-            raise SystemExit("error: --cost models full attention only (these shapes have sliding windows)")
-        kv_position = c.num_key_value_heads * c.head_dim * _dtype_bytes(c)  # K or V, one position, one layer
-        extra = max(pages - 1, 0)
-        out[f"{name}_pages"] = pages
-        layers = c.num_attention_layers  # a hybrid's linear layers have no pages
-        out[f"{name}_page_bytes"] = layers * extra * batch * page * kv_position * 2
-        # K and V, the other rows, the verify's positions each: the update read and written
-        out[f"{name}_write_bytes"] = layers * 2 * (batch - 1) * v * kv_position * 2
-        out[f"{name}_page_flops"] = layers * extra * 4 * batch * c.num_attention_heads * queries * page * c.head_dim
+        models.append(("drafter", spec.drafter.model, context, 0))  # the drafter: its context only
+    for name, c, ctx, new in models:
+        queries = v if name == "target" else spec.block_size
+        out[f"{name}_pages"] = pages_walked(ctx, new, page, max_len, None)  # a full-attention layer's
+        for kv_position, head_dim, window, writes in attention_layers(c):
+            extra = max(pages_walked(ctx, new, page, max_len, window) - 1, 0)
+            out[f"{name}_page_bytes"] += extra * batch * page * kv_position * 2
+            out[f"{name}_page_flops"] += extra * 4 * batch * c.num_attention_heads * queries * page * head_dim
+            if writes:  # K and V, the other rows, the verify's positions each: the update read and written
+                out[f"{name}_write_bytes"] += 2 * (batch - 1) * v * kv_position * 2
     out["bytes"] = sum(out[f"{n}_{k}_bytes"] for n in ("target", "drafter") for k in ("page", "write"))
     out["flops"] = out["target_page_flops"] + out["drafter_page_flops"]
     return out
+
+
+def kv_in_use(config, batch: int, context: int) -> int:
+    """K and V every attention layer reads at `context`, once (a sliding layer: its window)."""
+    return sum(batch * min(context, window or context) * kv_position * 2
+               for kv_position, _, window, _ in attention_layers(config))
 
 
 def recurrent_state_bytes(config, batch: int) -> int:
@@ -182,13 +211,11 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
         weights -= embedding_bytes(tparams)
         embedding_rows = sum(lookups(spec, batch)) * embedding_row_bytes(tparams)
     out = dict(target_weights=weights, embedding_rows=embedding_rows, drafter_weights=0, lm_head_again=0,
-               target_kv=t.num_attention_layers * batch * context * t.num_key_value_heads * t.head_dim * 2
-               * _dtype_bytes(t), target_state=recurrent_state_bytes(t, batch), drafter_kv=0)
+               target_kv=kv_in_use(t, batch, context), target_state=recurrent_state_bytes(t, batch), drafter_kv=0)
     if spec.uses_drafter:
         d = spec.drafter.model
         out.update(drafter_weights=param_bytes(dparams), lm_head_again=lm_head_bytes(spec, tparams),
-                   drafter_kv=d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * 2
-                   * _dtype_bytes(d))
+                   drafter_kv=kv_in_use(d, batch, context))
     out["bytes"] = sum(out.values())
     return out
 

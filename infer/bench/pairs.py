@@ -93,10 +93,19 @@ PUBLISHED_TARGETS = {
         model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
         num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4, rms_norm_eps=1e-6,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, full_attention_interval=4, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=262144,
         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
 }
+PUBLISHED_TARGETS["gemma4-31b"] = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+    num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+    attention_k_eq_v=True, sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0, enable_moe_block=False, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    max_position_embeddings=262144, rope_parameters=dict(
+        full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0)))
 SHAPES = ("qwen3-8b", *PUBLISHED_TARGETS)
 
 
@@ -148,11 +157,17 @@ def _scaled(hf: dict, scale: float, mult) -> dict:
         kv -= 1
     out.update(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=mult(hf["hidden_size"]),
                intermediate_size=mult(hf["intermediate_size"]), vocab_size=mult(hf["vocab_size"]))
+    if "num_global_key_value_heads" in hf:
+        out["num_global_key_value_heads"] = max(1, min(heads, round(hf["num_global_key_value_heads"] * scale)))
+        while heads % out["num_global_key_value_heads"]:
+            out["num_global_key_value_heads"] -= 1
     if "linear_num_key_heads" in hf:
         k = max(1, round(hf["linear_num_key_heads"] * scale))
         out.update(linear_num_key_heads=k,
                    linear_num_value_heads=k * (hf["linear_num_value_heads"] // hf["linear_num_key_heads"]))
-    pattern = hf.get("layer_types") or [None]
+    types = hf.get("layer_types") or [None]
+    period = next(p for p in range(1, len(types) + 1) if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+    pattern = types[:period]
     repeats = max(1, round(hf["num_hidden_layers"] * scale / len(pattern)))
     layers = max(2, repeats * len(pattern))
     out["num_hidden_layers"] = layers
