@@ -19,7 +19,8 @@ import transformers
 from dflash_jax import forward, init_cache, load_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
-from tiny import BASE, FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated
+from tiny import (BASE, FAMILIES, assert_plain_greedy_equals_generate, make_model, prefill_in_pieces, save_model,
+                  train_cli_on_regenerated)
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +60,8 @@ def test_prefill_in_right_padded_pieces_equals_one_pass(hf_gemma):
     config, params = load_target(path)
     ids = np.random.RandomState(2).randint(0, 160, (2, 30))
     ref = torch_logits(model, ids)
-    cache = init_cache(config, 2, 48)
-    lengths = np.array([[13, 17], [20, 10]])
-    got, start = [[], []], np.zeros(2, int)
-    for piece in range(2):
-        tokens = np.full((2, 20), 5, np.int32)
-        for r in range(2):
-            tokens[r, :lengths[r, piece]] = ids[r, start[r]:start[r] + lengths[r, piece]]
-        out = forward(params, config, jnp.asarray(tokens), cache, num_tokens=jnp.asarray(lengths[:, piece]))
-        cache = out.cache
-        for r in range(2):
-            got[r].append(np.asarray(out.logits[r, :lengths[r, piece]]))
-        start += lengths[:, piece]
-    for r in range(2):
-        np.testing.assert_allclose(np.concatenate(got[r]), ref[r], atol=1e-4, rtol=0, err_msg=f"row {r}")
+    for r, got in enumerate(prefill_in_pieces(params, config, ids, [[13, 17], [20, 10]], width=20, cache_len=48)):
+        np.testing.assert_allclose(got, ref[r], atol=1e-4, rtol=0, err_msg=f"row {r}")
 
 
 def test_plain_greedy_decoding_equals_transformers_generate(hf_gemma):

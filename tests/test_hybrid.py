@@ -24,8 +24,8 @@ from dflash_jax.config import LinearAttentionConfig, ModelConfig, RopeConfig
 from dflash_jax.engine import Generator
 from dflash_jax.errors import ConfigError
 from dflash_jax.model import init_params, settle
-from tiny import (BASE, HYBRID_FAMILIES, LINEAR, assert_plain_greedy_equals_generate, make_model, save_model,
-                  train_cli_on_regenerated)
+from tiny import (BASE, HYBRID_FAMILIES, LINEAR, assert_plain_greedy_equals_generate, make_model, prefill_in_pieces,
+                  save_model, train_cli_on_regenerated)
 
 
 @pytest.fixture(scope="module")
@@ -55,25 +55,11 @@ def test_a_prompt_longer_than_a_chunk_whole_and_in_padded_pieces_equals_transfor
     out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 2, 160))
     np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
 
-    cache = init_cache(config, 2, 192)
-    lengths = np.array([[70, 80], [60, 80]])  # rows' real tokens per piece (the pieces are 80 wide)
-    got = [[], []]
-    start = np.zeros(2, int)
-    for piece in range(2):
-        tokens = np.zeros((2, 80), np.int32)
-        for r in range(2):
-            n = lengths[r, piece]
-            tokens[r, :n] = ids[r, start[r]:start[r] + n]
-            tokens[r, n:] = 7  # padding that would change a state if it were written
-        out = forward(params, config, jnp.asarray(tokens), cache, num_tokens=jnp.asarray(lengths[:, piece]))
-        cache = out.cache
-        for r in range(2):
-            got[r].append(np.asarray(out.logits[r, :lengths[r, piece]]))
-        start += lengths[:, piece]
-    for r in range(2):
-        n = start[r]
-        np.testing.assert_allclose(np.concatenate(got[r]), torch_logits(model, ids[r:r + 1, :n])[0], atol=1e-4,
-                                   rtol=0, err_msg=f"row {r}")
+    # rows' real tokens per piece (the pieces are 80 wide); the padding would change a state if written
+    pieces = prefill_in_pieces(params, config, ids, [[70, 80], [60, 80]], width=80, cache_len=192)
+    for r, got in enumerate(pieces):
+        np.testing.assert_allclose(got, torch_logits(model, ids[r:r + 1, :len(got)])[0], atol=1e-4, rtol=0,
+                                   err_msg=f"row {r}")
 
 
 def test_multimodal_checkpoint_loads_its_text_model(tmp_path):

@@ -55,16 +55,22 @@ def test_sharded_inference_equals_one_device_on_the_fixture_pair():
     assert out["data=2,model=4"]["up_proj_spec"] == "P(None, 'model')"
 
 
+def assert_every_mesh_decodes_alike(out, name):
+    """The worker's tokens and acceptance lengths for pair `name` on the model-split meshes equal
+    one device's, and some cycle accepted more than one token."""
+    single = out[f"{name} single"]
+    assert max(a for row in single["acceptance"] for a in row) > 1
+    for mesh in ("data=2,model=4", "model=8"):
+        assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
+        assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
+
+
 def test_sharded_moe_decoding_equals_one_device():
     """Qwen3-MoE and gpt-oss targets with their drafters: the same tokens and acceptance
     lengths on every mesh, with the experts split over the model axis."""
     out = run_worker("moe")
     for name in ("qwen3_moe-v8", "gpt_oss-v8"):
-        single = out[f"{name} single"]
-        assert max(a for row in single["acceptance"] for a in row) > 1
-        for mesh in ("data=2,model=4", "model=8"):
-            assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
-            assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
+        assert_every_mesh_decodes_alike(out, name)
         assert out[f"{name} model=8"]["experts_spec"] == "P('model', None, None)"
         assert out[f"{name} data=2,model=4"]["experts_spec"] == "P('model', None, None)"
 
@@ -75,11 +81,7 @@ def test_sharded_hybrid_and_gemma4_decoding_equals_one_device():
     lengths on every mesh, the delta-net split by head and Gemma's MLP over `model`."""
     out = run_worker("heterogeneous")
     for name in ("qwen3_5-v8", "gemma4-v8"):
-        single = out[f"{name} single"]
-        assert max(a for row in single["acceptance"] for a in row) > 1
-        for mesh in ("data=2,model=4", "model=8"):
-            assert out[f"{name} {mesh}"]["outputs"] == single["outputs"], (name, mesh)
-            assert out[f"{name} {mesh}"]["acceptance"] == single["acceptance"], (name, mesh)
+        assert_every_mesh_decodes_alike(out, name)
         assert out[f"{name} model=8"]["kernel_spec"] == "P(None, 'model')"
 
 

@@ -132,3 +132,28 @@ def assert_plain_greedy_equals_generate(model, path: Path, lengths=(3, 19, 11), 
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+
+
+def prefill_in_pieces(params, config, ids, lengths, width: int, cache_len: int, pad: int = 7):
+    """Run rows of `ids` as right-padded prefill pieces `width` wide, row r's piece j holding
+    lengths[r][j] real tokens (the rest `pad`, which must change nothing). Returns each row's
+    logits at its real positions, concatenated over the pieces."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax import forward, init_cache
+
+    lengths = np.asarray(lengths)
+    rows = len(lengths)
+    cache = init_cache(config, rows, cache_len)
+    got, start = [[] for _ in range(rows)], np.zeros(rows, int)
+    for piece in range(lengths.shape[1]):
+        tokens = np.full((rows, width), pad, np.int32)
+        for r in range(rows):
+            tokens[r, :lengths[r, piece]] = ids[r, start[r]:start[r] + lengths[r, piece]]
+        out = forward(params, config, jnp.asarray(tokens), cache, num_tokens=jnp.asarray(lengths[:, piece]))
+        cache = out.cache
+        for r in range(rows):
+            got[r].append(np.asarray(out.logits[r, :lengths[r, piece]]))
+        start += lengths[:, piece]
+    return [np.concatenate(g) for g in got]
