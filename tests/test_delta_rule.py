@@ -39,7 +39,7 @@ def test_recurrent_equals_transformers(t):
     np.testing.assert_allclose(np.asarray(final), ref_final, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("t,chunk", [(40, 16), (16, 16), (7, 16)])  # several chunks with a ragged end; one; less
+@pytest.mark.parametrize("t,chunk", [(40, 16), (16, 16), (7, 16), (150, 64)])  # chunks with a ragged end; one; less
 def test_chunked_equals_transformers_and_the_recurrent_form(t, chunk):
     x = inputs(t, 100 + t)
     out, final = delta_rule.chunked(*map(jnp.asarray, x), chunk=chunk)
@@ -49,6 +49,21 @@ def test_chunked_equals_transformers_and_the_recurrent_form(t, chunk):
     rec_out, rec_final = delta_rule.recurrent(*map(jnp.asarray, x))
     np.testing.assert_allclose(np.asarray(out), np.asarray(rec_out), atol=5e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(final), np.asarray(rec_final), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 64])
+def test_unit_lower_inverse_equals_numpy(n):
+    """(I + L)^-1 by matmuls (doubling within 16-blocks, halving above) equals LAPACK's
+    inverse, for the chunk systems the rule builds: L = strictly-lower(beta k k^T * decay)."""
+    rs = np.random.RandomState(n)
+    k = rs.randn(3, n, 8)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 1 / (1 + np.exp(-rs.randn(3, n, 1)))
+    cum = np.cumsum(-np.abs(rs.randn(3, n)) * 0.1, axis=-1)
+    lower = np.tril((beta * k) @ k.swapaxes(-1, -2) * np.exp(cum[:, :, None] - cum[:, None, :]), -1)
+    got = np.asarray(delta_rule.unit_lower_inverse(jnp.asarray(lower, jnp.float32)))
+    np.testing.assert_allclose(got, np.linalg.inv(np.eye(n) + lower), atol=1e-5, rtol=0)
+    assert n < 3 or np.abs(np.tril(got, -2)).max() > 1e-3  # the system's inverse is not just I - L
 
 
 def test_rollback_keeps_the_state_after_the_accepted_prefix():

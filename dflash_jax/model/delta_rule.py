@@ -14,8 +14,9 @@ the rollback: a verify pass over a drafted block leaves each row's state after i
 *accepted* token, exactly the state a run over the accepted tokens alone would leave.
 
 `chunked` computes the same in chunks (prefill): within a chunk the T sequential updates
-collapse into a unit-triangular solve and a few matmuls (the UT transform of DeltaNet), and
-only the chunk boundaries are sequential. Both work in float32, as transformers' reference
+collapse into a few matmuls with the inverse of a unit lower-triangular matrix (the UT
+transform of DeltaNet; `unit_lower_inverse`, matmuls only, no LAPACK call), and only the
+chunk boundaries are sequential. Both work in float32, as transformers' reference
 and the FLA kernels do.
 
 `causal_conv` is the short depthwise convolution in front of the layer, whose state (the
@@ -38,6 +39,7 @@ k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, bet
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -92,9 +94,35 @@ def recurrent(q, k, v, g, beta, state, *, keep=None, l2norm_qk: bool = True):
     return out.transpose(1, 0, 2, 3), (final if keep is None else kept)
 
 
+def unit_lower_inverse(lower, *, base: int = 16):
+    """(I + L)^-1 for a strictly lower-triangular L [..., n, n], with matmuls only.
+
+    Halved recursively, [[I + L11, 0], [L21, I + L22]]^-1 = [[A, 0], [-D L21 A, D]] with
+    A = (I + L11)^-1 and D = (I + L22)^-1 (block forward substitution); blocks of at most
+    `base` by doubling: with N = -L nilpotent, (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...,
+    ceil(log2 n) factors. About n^3 / 3 multiply-adds in n x n and smaller matmuls (at full
+    float32 precision), which suit a TPU's MXU. A triangular solve would be a LAPACK custom
+    call on the CPU, and two of those running at once deadlocked XLA's CPU thread pool."""
+    n = lower.shape[-1]
+    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    if n > base:
+        h = n // 2
+        a = unit_lower_inverse(lower[..., :h, :h], base=base)
+        d = unit_lower_inverse(lower[..., h:, h:], base=base)
+        off = -matmul(matmul(d, lower[..., h:, :h]), a)
+        top = jnp.concatenate([a, jnp.zeros(a.shape[:-1] + (n - h,), a.dtype)], axis=-1)
+        return jnp.concatenate([top, jnp.concatenate([off, d], axis=-1)], axis=-2)
+    power = -lower
+    inverse = jnp.eye(n, dtype=lower.dtype) + power
+    for _ in range(max(0, (n - 1).bit_length() - 1)):
+        power = matmul(power, power)
+        inverse = inverse + matmul(inverse, power)
+    return inverse
+
+
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True):
     """The same as `recurrent` (its final state), in chunks of `chunk` positions: within a
-    chunk by a unit lower-triangular solve and matmuls, across chunks by a scan. The
+    chunk by the inverse of a unit lower-triangular system and matmuls, across chunks by a scan. The
     sequence is padded to whole chunks with g = 0, beta = 0 (no decay, no write). With q
     None only the final state is computed (out is None)."""
     want_out = q is not None
@@ -114,11 +142,10 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True)
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     pair = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # decay j -> i, i >= j
     strictly = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    system = jnp.where(strictly, (k_beta @ k.swapaxes(-1, -2)) * pair, 0.0) + jnp.eye(chunk)
+    inverse = unit_lower_inverse(jnp.where(strictly, (k_beta @ k.swapaxes(-1, -2)) * pair, 0.0))
     intra = jnp.where(causal, (q @ k.swapaxes(-1, -2)) * pair, 0.0)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    new_values = solve(v_beta)  # what each position writes, given the chunk's earlier writes
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # how each position reads the state at the chunk start
+    new_values = inverse @ v_beta  # what each position writes, given the chunk's earlier writes
+    k_cumdecay = inverse @ (k_beta * jnp.exp(cum)[..., None])  # how each position reads the state at the chunk start
 
     q_decayed = q * jnp.exp(cum)[..., None]
     k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
