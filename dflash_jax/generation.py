@@ -77,6 +77,9 @@ def add_generation_flags(p: argparse.ArgumentParser):
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
                         "(default: every device on `data`; one device: no mesh)")
+    p.add_argument("--stall-timeout", type=float, default=10.0, metavar="MINUTES",
+                   help="end the run with an error (exit status 3) when the device makes no progress for this "
+                        "long (compiles excluded); rows finished are kept; 0 = wait forever")
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
 
@@ -296,6 +299,7 @@ def run_generation(args, make_record=None) -> int:
     from dflash_jax.checkpoint import load_drafter, load_target
     from dflash_jax.sharding import make_mesh, shard_params
     from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
+    from dflash_jax.engine.watchdog import Watchdog
 
     if args.target is None and args.drafter is not None:
         raise InputError("--drafter needs --target")
@@ -359,11 +363,14 @@ def run_generation(args, make_record=None) -> int:
     tparams = shard_params(tparams, mesh)  # once, shared by the DFlash and baseline engines
     dparams = shard_params(dparams, mesh) if dparams is not None else None
 
+    watchdog = Watchdog(args.stall_timeout * 60) if args.stall_timeout > 0 else None
+
     def engine(block_size):
         drafts = args.draft_tokens if block_size != 1 else None
         return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
-                         stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh, draft_tokens=drafts)
+                         stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh, draft_tokens=drafts,
+                         watchdog=watchdog)
 
     gen = engine(args.block_size)
     block_size = gen.spec.block_size
@@ -475,6 +482,8 @@ def check_flags(args):
                         ("--draft-tokens", args.draft_tokens), ("--max-prompt-len", args.max_prompt_len)):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
+    if not args.stall_timeout >= 0:
+        raise InputError(f"--stall-timeout must be >= 0 minutes, got {args.stall_timeout}")
 
 
 def row_limit(row: Row, args) -> int:

@@ -13,6 +13,7 @@ the first stop token and at each row's own `max_new_tokens`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Iterator, Sequence
@@ -26,6 +27,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling
 from dflash_jax.engine.step import DecodeState, EngineSpec, init_state, prefill, run_cycles
+from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
 
@@ -54,14 +56,16 @@ class Generator:
     draft_tokens K (default B - 1) sends only the first K drafts of each block to the verify:
     the drafter still denoises the whole block, the target runs K + 1 tokens. Worth it where a
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
-    block is nearly free.
+    block is nearly free. watchdog: every wait on the device runs inside its `waiting`, so a
+    stalled device ends the run with a one-line error instead of a hang.
     """
 
     def __init__(self, target_config: ModelConfig, target_params, drafter_config: DrafterConfig | None = None,
                  drafter_params=None, *, block_size: int | None = None, batch_size: int = 1,
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
-                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512):
+                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
+                 watchdog: Watchdog | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -86,7 +90,7 @@ class Generator:
         )
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
-        self.mesh = mesh
+        self.mesh, self.watchdog = mesh, watchdog
         self.tparams = shard_params(target_params, mesh)
         self.dparams = shard_params(drafter_params, mesh) if block_size > 1 else None
         self.batch_size, self.sync_every = batch_size, sync_every
@@ -123,6 +127,12 @@ class Generator:
         return limits
 
     # ------------------------------------------------------------------ device calls
+
+    def _wait(self, x, what: str):
+        """The arrays of x on the host: the host's only waits on the device, each under the
+        watchdog (`what` names it in the stall's error)."""
+        with self.watchdog.waiting(what) if self.watchdog else contextlib.nullcontext():
+            return jax.tree.map(to_host, x)
 
     def new_state(self) -> DecodeState:
         """batch_size free slots."""
@@ -179,7 +189,7 @@ class Generator:
             for width in (w for w in self.widths if not exact or w <= most):
                 state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                    [1] * width)
-                jax.block_until_ready(self._run(state, 1))
+                self._wait(self._run(state, 1)[1], "running the warm-up's first cycle")
 
     def _run(self, state, cycles=None, until_free=False):
         return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
@@ -243,7 +253,7 @@ class Generator:
                 # read. Finished rows are frozen (later cycles skip them), so their tokens are
                 # read from the newer state; once all are done the queued call runs no cycle.
                 state, next_info = self._run(state)
-            info = to_host(info)
+            info = self._wait(info, "running decoding cycles")
             done, num_generated = info[0].astype(bool), info[1]
             busy = occupant >= 0
             if progress is not None:
@@ -253,7 +263,8 @@ class Generator:
                 counted[:] = counts
             finished = np.flatnonzero(done & busy)
             if len(finished):
-                output, acceptance, num_cycles = to_host(state.output), to_host(state.acceptance), to_host(state.num_cycles)
+                output, acceptance, num_cycles = self._wait((state.output, state.acceptance, state.num_cycles),
+                                                            "reading finished rows")
                 for s in finished:
                     i = occupant[s]
                     yield self._finish(indices[i], output[s], num_generated[s], acceptance[s], num_cycles[s], limits[i])
