@@ -21,7 +21,8 @@ from dflash_jax.engine import Generator
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from dflash_jax.model import MoE
-from tiny import MOE_FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated
+from tiny import (MOE_FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated,
+                  write_random_drafter)
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = np.random.RandomState(3).randint(0, 160, (2, 30))
@@ -277,19 +278,7 @@ def test_train_cli_regenerates_with_and_trains_on_a_moe_target(hf_moe, tmp_path)
 
 def moe_drafter(target_dir: Path, out: Path) -> Path:
     """A random z-lab-format drafter for a MoE target, its first layer sliding (window 4)."""
-    from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
-    from dflash_jax.drafter import DrafterConfig, init_drafter_params
-
-    t = ModelConfig.from_json(target_dir / "config.json")
-    dense = ModelConfig(model_type="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=96,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
-                        sliding_windows=(4, None))
-    config = DrafterConfig(model=dense, block_size=4, mask_token_id=t.vocab_size - 1, target_layer_ids=(0, 3),
-                           num_target_layers=t.num_hidden_layers)
-    out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    save_hf_params(init_drafter_params(config, jax.random.PRNGKey(5)), out / "model.safetensors", table=DRAFTER_TABLE)
-    return out
+    return write_random_drafter(target_dir, out, block_size=4, taps=(0, 3), layers=2, sliding_windows=(4, None))
 
 
 def test_drafters_for_moe_targets_load_and_pair(hf_moe, tmp_path):

@@ -85,6 +85,31 @@ def save_model(model, path: Path, dtype=None, **kw) -> Path:
     return path
 
 
+def write_random_drafter(target: Path, out: Path, *, block_size: int, taps: tuple[int, ...], layers: int = 1,
+                         sliding_windows: tuple | None = None, seed: int = 5) -> Path:
+    """A random drafter in the z-lab format for the HF target at `target` (dense Qwen3 layers of
+    the target's widths; `sliding_windows` per layer), mask token the last id."""
+    import json
+
+    import jax
+
+    from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter import DrafterConfig, dense_drafter_model, init_drafter_params
+
+    t = ModelConfig.from_json(target / "config.json")
+    model = dense_drafter_model(t, layers, intermediate_size=96)
+    if sliding_windows is not None:
+        model = model.replace(sliding_windows=tuple(sliding_windows))
+    config = DrafterConfig(model=model, block_size=block_size, mask_token_id=t.vocab_size - 1,
+                           target_layer_ids=tuple(taps), num_target_layers=t.num_hidden_layers)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    save_hf_params(init_drafter_params(config, jax.random.PRNGKey(seed)), out / "model.safetensors",
+                   table=DRAFTER_TABLE)
+    return out
+
+
 def train_cli_on_regenerated(target: Path, tmp_path: Path, steps: int, save_every: int) -> list[float]:
     """`python -m train` (configs/train/tiny.yaml) with `target`: it regenerates responses to 16
     random prompts with the target, then trains a new drafter for `steps` steps. Checks the
