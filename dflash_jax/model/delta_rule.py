@@ -94,30 +94,38 @@ def recurrent(q, k, v, g, beta, state, *, keep=None, l2norm_qk: bool = True):
     return out.transpose(1, 0, 2, 3), (final if keep is None else kept)
 
 
-def unit_lower_inverse(lower, *, base: int = 16):
-    """(I + L)^-1 for a strictly lower-triangular L [..., n, n], with matmuls only.
+def unit_lower_inverse(lower, *, base: int = 8):
+    """(I + L)^-1 for a strictly lower-triangular L [..., n, n], without a triangular solve (on
+    the CPU that is a LAPACK custom call, and two of them running at once deadlocked XLA's CPU
+    thread pool).
 
-    Halved recursively, [[I + L11, 0], [L21, I + L22]]^-1 = [[A, 0], [-D L21 A, D]] with
-    A = (I + L11)^-1 and D = (I + L22)^-1 (block forward substitution); blocks of at most
-    `base` by doubling: with N = -L nilpotent, (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...,
-    ceil(log2 n) factors. About n^3 / 3 multiply-adds in n x n and smaller matmuls (at full
-    float32 precision), which suit a TPU's MXU. A triangular solve would be a LAPACK custom
-    call on the CPU, and two of those running at once deadlocked XLA's CPU thread pool."""
-    n = lower.shape[-1]
-    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-    if n > base:
-        h = n // 2
-        a = unit_lower_inverse(lower[..., :h, :h], base=base)
-        d = unit_lower_inverse(lower[..., h:, h:], base=base)
-        off = -matmul(matmul(d, lower[..., h:, :h]), a)
-        top = jnp.concatenate([a, jnp.zeros(a.shape[:-1] + (n - h,), a.dtype)], axis=-1)
-        return jnp.concatenate([top, jnp.concatenate([off, d], axis=-1)], axis=-2)
-    power = -lower
-    inverse = jnp.eye(n, dtype=lower.dtype) + power
-    for _ in range(max(0, (n - 1).bit_length() - 1)):
-        power = matmul(power, power)
-        inverse = inverse + matmul(inverse, power)
-    return inverse
+    The batch goes to the last axis, so every product is elementwise over [.., batch] vectors
+    that fill an accelerator's lanes (n x n matmuls of a chunk's small systems would be padded
+    to its tiles: 8x the work at n = 16 on a TPU). Halved recursively,
+    [[I + L11, 0], [L21, I + L22]]^-1 = [[A, 0], [-D L21 A, D]] with A = (I + L11)^-1 and
+    D = (I + L22)^-1 (block forward substitution), down to blocks of at most `base`, inverted
+    by forward substitution: row i = e_i - sum_{j<i} L_ij row_j."""
+    shape, n = lower.shape, lower.shape[-1]
+    inverse = _lanes_inverse(jnp.moveaxis(lower.reshape(-1, n, n), 0, -1), base)
+    return jnp.moveaxis(inverse, -1, 0).reshape(shape)
+
+
+def _lanes_inverse(lower, base: int):
+    """unit_lower_inverse of L [n, n, batch]."""
+    n = lower.shape[0]
+    if n <= base:
+        eye = jnp.broadcast_to(jnp.eye(n, dtype=lower.dtype)[..., None], lower.shape)
+        rows = eye[:1]  # [i, n, batch]: the inverse's rows so far
+        for i in range(1, n):
+            row = eye[i] - (lower[i, :i, None, :] * rows).sum(0)
+            rows = jnp.concatenate([rows, row[None]], axis=0)
+        return rows
+    product = lambda x, y: (x[:, :, None, :] * y[None, :, :, :]).sum(1)  # x @ y per batch entry
+    h = n // 2
+    a, d = _lanes_inverse(lower[:h, :h], base), _lanes_inverse(lower[h:, h:], base)
+    top = jnp.concatenate([a, jnp.zeros((h, n - h) + a.shape[2:], a.dtype)], axis=1)
+    bottom = jnp.concatenate([-product(product(d, lower[h:, :h]), a), d], axis=1)
+    return jnp.concatenate([top, bottom], axis=0)
 
 
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64, l2norm_qk: bool = True):
