@@ -389,31 +389,37 @@ def model_kind(config_dict: dict) -> str:
     return "target"
 
 
-def _config_and_abstract(kind: str, config_path: Path, dtype: str | None):
-    if kind == "drafter":
-        from dflash_jax.drafter import DrafterConfig, abstract_drafter_params
-
-        config = DrafterConfig.from_json(config_path, dtype=dtype)
-        return config, abstract_drafter_params(config), config.model
-    from dflash_jax.model import abstract_params
-
-    config = ModelConfig.from_json(config_path, dtype=dtype)
-    return config, abstract_params(config), config
-
-
-def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None):
-    """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
+def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
+    """The config of a `kind` ("target" | "drafter") model directory, HF or converted, checked
+    without reading a weight: a ModelConfig, or a DrafterConfig."""
     path = check_model_dir(path)
     if is_converted(path):
         meta = read_metadata(path)
         if meta.get("kind") != kind:
             raise CheckpointError(f"{path} holds a converted {meta.get('kind')}, not a {kind}")
-        config, abstract, _ = _config_and_abstract(kind, path / "config.json", dtype or meta["dtype"])
+        dtype = dtype or meta["dtype"]
+    else:
+        found = model_kind(read_config_json(path / "config.json"))
+        if found != kind:
+            raise CheckpointError(f"{path} holds a {found} checkpoint, not a {kind}")
+    if kind == "drafter":
+        from dflash_jax.drafter import DrafterConfig
+
+        return DrafterConfig.from_json(path / "config.json", dtype=dtype)
+    return ModelConfig.from_json(path / "config.json", dtype=dtype)
+
+
+def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None):
+    """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
+    from dflash_jax.drafter import abstract_drafter_params
+    from dflash_jax.model import abstract_params
+
+    config = read_model_config(path, kind, dtype=dtype)
+    path = Path(path)
+    abstract = abstract_drafter_params(config) if kind == "drafter" else abstract_params(config)
+    if is_converted(path):
         return config, load_converted_params(path, abstract, mesh)
-    found = model_kind(read_config_json(path / "config.json"))
-    if found != kind:
-        raise CheckpointError(f"{path} holds a {found} checkpoint, not a {kind}")
-    config, abstract, model_config = _config_and_abstract(kind, path / "config.json", dtype)
+    model_config = config.model if kind == "drafter" else config
     return config, load_hf_params(path, model_config, abstract, table=table_for(kind, model_config),
                                   progress=progress, mesh=mesh)
 

@@ -41,9 +41,10 @@ def iter_jsonl_objects(path: str | Path, error=DFlashError, what: str = "file"):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise error(f"{path.name} line {n}: not valid JSON ({e.msg})") from None
+                why = e.msg.removesuffix(" at")  # "Invalid control character at": the position follows
+                raise error(f"{path} line {n} column {e.colno}: not valid JSON ({why})") from None
             if not isinstance(obj, dict):
-                raise error(f"{path.name} line {n}: expected a JSON object, got {type(obj).__name__}")
+                raise error(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
             yield n, obj
 
 

@@ -296,7 +296,8 @@ def run_generation(args, make_record=None) -> int:
 
     import jax
 
-    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.checkpoint import load_drafter, load_target, read_model_config
+    from dflash_jax.drafter import check_pair
     from dflash_jax.sharding import make_mesh, shard_params
     from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
     from dflash_jax.engine.watchdog import Watchdog
@@ -320,6 +321,18 @@ def run_generation(args, make_record=None) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
 
     rows = read_rows(input_path, warn=say)
+    if not rows:
+        raise InputError(f"{input_path} holds no rows (one JSON object per line, each with one of "
+                         f"{', '.join(PROMPT_KEYS)})")
+    # Checked from the configs alone, before a weight is read or a program compiled.
+    tcfg = read_model_config(target_dir, "target", dtype=args.dtype)
+    for r in rows:
+        bad = [t for t in (r.value if r.kind == "input_ids" else ()) if not 0 <= t < tcfg.vocab_size]
+        if bad:
+            raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
+                             f"(0..{tcfg.vocab_size - 1})")
+    if drafter_dir is not None and args.block_size != 1:
+        check_pair(tcfg, read_model_config(drafter_dir, "drafter", dtype=args.dtype))
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > args.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
@@ -338,13 +351,7 @@ def run_generation(args, make_record=None) -> int:
     if skip:
         say(f"{out_path}: {len(rows) - len(todo)} of {len(rows)} rows already done, skipping them")
 
-    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet)
-    dcfg = dparams = None
-    if drafter_dir is not None and args.block_size != 1:
-        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
-        if args.block_size is not None and args.block_size > dcfg.block_size:
-            say(f"warning: --block-size {args.block_size} is larger than the drafter's trained block "
-                f"({dcfg.block_size}); drafts past it are guesses it never learned")
+    # Every row's first prompt is encoded before a weight is read: a row that cannot be fails fast.
     tokenizer = load_tokenizer(target_dir)
     stops = [] if args.ignore_eos else stop_token_ids(target_dir, tokenizer)
 
@@ -358,6 +365,14 @@ def run_generation(args, make_record=None) -> int:
         r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
     budgets = [prompt_budget(r, tokenizer, args) for r in todo]
     max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+
+    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet)
+    dcfg = dparams = None
+    if drafter_dir is not None and args.block_size != 1:
+        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
+        if args.block_size is not None and args.block_size > dcfg.block_size:
+            say(f"warning: --block-size {args.block_size} is larger than the drafter's trained block "
+                f"({dcfg.block_size}); drafts past it are guesses it never learned")
 
     mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
     tparams = shard_params(tparams, mesh)  # once, shared by the DFlash and baseline engines

@@ -150,5 +150,5 @@ def test_demo_prompts_exclude_earlier_sets_and_name_ids(tmp_path, monkeypatch):
     assert [r["id"] for r in b] == [f"more-{i}" for i in range(6)]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n{oops\n')
-    with pytest.raises(SystemExit, match="bad.jsonl line 2: not valid JSON"):
+    with pytest.raises(SystemExit, match="bad.jsonl line 2 column 2: not valid JSON"):
         demo_prompts.main(["--out", str(second), "--exclude", str(bad)])

@@ -214,7 +214,12 @@ def run_cli(args):
 
 
 @pytest.mark.parametrize("lines, message", [
-    (['{"input_ids": [1, 2]}', "{not json"], "line 2: not valid JSON"),
+    (['{"input_ids": [1, 2]}', "{not json"],
+     "in.jsonl line 2 column 2: not valid JSON (Expecting property name enclosed in double quotes)"),
+    (['{"prompt": "a\tb"}'], "in.jsonl line 1 column 14: not valid JSON (Invalid control character)"),
+    ([], "in.jsonl holds no rows"),
+    (['{"input_ids": [1, 2]}', '{"input_ids": [3, 600]}'],
+     "in.jsonl line 2: token id 600 is outside the target's vocabulary (0..511)"),
     (['[1, 2]'], "line 1: expected a JSON object"),
     (['{"id": 1}'], "line 1: needs exactly one of input_ids, prompt, messages, turns"),
     (['{"input_ids": [1, "a"]}'], "line 1: input_ids must be a non-empty list of integers"),
@@ -223,14 +228,22 @@ def run_cli(args):
     (['{"promt": "hello"}'], "in.jsonl line 1: needs exactly one of input_ids, prompt, messages, turns "
                              "(unknown key 'promt')"),
 ])
-def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys):
+def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys, monkeypatch):
+    """... naming the file as given and the line, before a weight is read (so before any compile)."""
+    import dflash_jax.checkpoint
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(dflash_jax.checkpoint, "load_model", no_loading)
     inp = tmp_path / "in.jsonl"
-    inp.write_text("\n".join(lines) + "\n")
+    inp.write_text("".join(line + "\n" for line in lines))
     out = tmp_path / "out.jsonl"
     code = main(["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
                  "--input", str(inp), "--output", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+    assert message.split(" ")[0] != "in.jsonl" or str(inp) in err  # the whole path, as given
     assert not out.exists() or out.read_text() == ""
 
 

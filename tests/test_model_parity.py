@@ -25,7 +25,7 @@ def test_logits_and_taps_match_transformers(family, tmp_path):
     for j, layer in enumerate(taps):
         np.testing.assert_allclose(
             np.asarray(out.tap_features[..., j * d:(j + 1) * d]),
-            ref.hidden_states[layer + 1].numpy(), atol=1e-4, rtol=0, err_msg=f"tap {layer}",
+            ref.hidden_states[layer + 1].numpy(), atol=1e-4, rtol=1e-4, err_msg=f"tap {layer}",
         )
 
 

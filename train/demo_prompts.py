@@ -71,19 +71,14 @@ def snippets(files: list[Path], num: int, seed: int, min_lines: int = 3, max_lin
 
 def prompts_in(path: str) -> list[str]:
     """The "prompt" of every line of a prompts or conversations JSONL file."""
+    from dflash_jax.data import iter_jsonl_objects
+    from dflash_jax.errors import DFlashError
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read --exclude file {path}: {e.strerror}")
-    out = []
-    for n, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError:
-            raise SystemExit(f"error: {path} line {n}: not valid JSON")
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            out.append(row["prompt"])
-    return out
+        rows = [row for _, row in iter_jsonl_objects(path, DFlashError, "--exclude file")]
+    except DFlashError as e:
+        raise SystemExit(f"error: {e}") from None
+    return [row["prompt"] for row in rows if isinstance(row.get("prompt"), str)]
 
 
 def main(argv=None) -> int:
