@@ -454,7 +454,8 @@ def run_generation(args, make_record=None) -> int:
         base = summary["baseline"]["tokens_per_second"]
         summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
         if jax.default_backend() == "cpu" and block_size > 1:
-            summary["note"] = cpu_note()
+            summary["note"] = cpu_note(gen.spec.verify_len)
+    summary["prompts"] = "the demo's prompts" if demo and args.input is None else str(input_path)
     if demo and block_size > 1:
         summary["heldout"] = demo_figures()["heldout"]
     if jax.process_index() != 0:
@@ -481,13 +482,13 @@ def demo_figures() -> dict:
     return json.loads((DEMO_DIR / "figures.json").read_text())
 
 
-def cpu_note() -> str:
+def cpu_note(verify_len: int) -> str:
     """Why a CPU shows no speedup, and what the cost report projects where a step is memory-bound."""
     cost = demo_figures()["cost_report"]
-    return (f"note: a CPU computes every verified token (a {cost['block_size']}-token verify costs several "
-            f"decoding steps), so DFlash gains little or nothing here; where a step is memory-bound (GPU/TPU) "
-            f"the cost report projects {cost['projected_speedup']:.1f}x for {cost['shapes']} at the paper's "
-            f"tau {cost['tau']} (python -m infer.bench --cost)")
+    return (f"note: a CPU computes every verified token (a {verify_len}-token verify costs several decoding steps), "
+            f"so DFlash gains little or nothing here; where a step is memory-bound (GPU/TPU) the cost report "
+            f"projects {cost['projected_speedup']:.1f}x for {cost['shapes']} at the paper's tau {cost['tau']} "
+            f"(`{cost['command']}`)")
 
 
 def check_flags(args):
@@ -528,11 +529,15 @@ def print_summary(s: dict, say):
         return
     drafts = s.get("draft_tokens")
     verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
-    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {s['cycles']} cycles")
-    if "heldout" in s:
+    if "heldout" in s:  # the demo pair: the figure to expect first
         h = s["heldout"]
-        say(f"(the demo's own prompts; on held-out code, {h['prompts']}, this drafter's tau is {h['tau']} at block "
-            f"{h['block_size']}: `{h['command']}`)")
+        say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "
+            f"figure to expect on new code (`{h['command']}`)")
+    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {s['cycles']} cycles "
+        f"on {s.get('prompts', 'these prompts')}")
+    if "heldout" in s and s["tau"] > s["heldout"]["tau"]:
+        say("  (above the held-out figure: completions that repeat a line are drafted whole; each row's tau is "
+            "in its output)")
     hist = s["acceptance_histogram"]
     if hist:
         total = sum(hist.values())

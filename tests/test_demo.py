@@ -80,7 +80,10 @@ def test_demo_runs_the_trained_pair_on_its_prompts(demo_run):
     # cost report projects where a step is memory-bound.
     assert s["heldout"]["block_size"] == 16 and 1 < s["heldout"]["tau"] < s["tau"]
     if jax.default_backend() == "cpu":
-        assert "memory-bound" in s["note"] and "python -m infer.bench --cost" in s["note"]
+        # the command the note names prints the figure it quotes; the verify is the block's
+        assert "memory-bound" in s["note"] and "`python -m infer.bench --cost --scale 1`" in s["note"]
+        assert "a 16-token verify" in s["note"]
+    assert s["prompts"] == "the demo's prompts"
 
 
 def test_demo_prompts_stop_where_the_tokenizer_would_split():

@@ -242,6 +242,11 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
 
     bar = tqdm(total=total, initial=start, desc="train", unit="step",
                disable=not progress or jax.process_index() != 0, file=sys.stderr)
+    if not bar.disable:
+        # Teacher-forced: every block sees the true context, so it reads well above the tau of
+        # real decoding (the eval's); named so nobody mistakes one for the other.
+        bar.write("progress: loss, and tau_tf = tau estimated teacher-forced (each block sees the true "
+                  "context; reads above real decoding, which the eval lines measure)", file=sys.stderr)
     window_t, window_tokens = time.perf_counter(), 0
     try:
         for step in range(start, total):
@@ -259,16 +264,15 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
                          "grad_norm": round(float(m["grad_norm"]), 4), "lr": float(schedule(step)),
                          "tokens_per_second": round(window_tokens / (now - window_t), 1)}
                 window_t, window_tokens = now, 0
-                # Teacher-forced: every block sees the true context, so it reads well above the
-                # tau of real decoding (the eval's); named so nobody mistakes one for the other.
-                bar.set_postfix(loss=f"{entry['loss']:.3f}", tf_tau=f"{entry['tau_estimate']:.2f}")
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", tau_tf=f"{entry['tau_estimate']:.2f}")
             if evaluator is not None and (done % t["eval_every"] == 0 or done == total):
                 entry = {**(entry or {"step": done}), **evaluator(state.params)}
             if entry is not None:
                 record(entry)
                 history.append(entry)
-                if "eval_tau" in entry:
-                    log(f"step {done}: eval tau {entry['eval_tau']:.3f}")
+                if "eval_tau" in entry and jax.process_index() == 0:  # above the bar, never over it
+                    bar.write(f"step {done}: eval tau {entry['eval_tau']:.3f} (decoding held-out prompts)",
+                              file=sys.stderr)
             if done % t["save_every"] == 0 or done == total:
                 save(mngr, done, state, data_iter.get_state())
             if done == FAIL_AT_STEP:  # fault injection for the resume tests: a real SIGKILL,
@@ -300,7 +304,23 @@ def main(argv=None) -> int:
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    last = summary["history"][-1] if summary["history"] else {}
-    log(f"done: {summary['steps']} steps in {summary['output_dir']}; last: " + json.dumps(
-        {k: v for k, v in last.items() if k != "eval_histogram"}))
+    log(done_message(summary, cfg))
     return 0
+
+
+def done_message(summary: dict, cfg: dict) -> str:
+    """The end of a run, for people: where it is, the last figures, what to run next."""
+    out, history = summary["output_dir"], summary["history"]
+    lines = [f"done: {summary['steps']} steps; checkpoints and metrics.jsonl in {out}"]
+    last_train = next((h for h in reversed(history) if "loss" in h), None)
+    if last_train:
+        lines.append(f"  step {last_train['step']}: loss {last_train['loss']:.3f}, teacher-forced tau "
+                     f"{last_train['tau_estimate']:.2f}")
+    last_eval = next((h for h in reversed(history) if "eval_tau" in h), None)
+    if last_eval:
+        first = next(h for h in history if "eval_tau" in h)
+        lines.append(f"  eval tau {last_eval['eval_tau']:.3f} at step {last_eval['step']} "
+                     f"(step {first['step']}: {first['eval_tau']:.3f})")
+    lines.append(f"next: python -m train.export --run {out} --out DRAFTER_DIR")
+    lines.append(f"      python -m infer --target {cfg['target']} --drafter DRAFTER_DIR --input PROMPTS.jsonl")
+    return "\n".join(lines)
