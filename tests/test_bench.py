@@ -332,6 +332,19 @@ def test_bad_flags_are_refused():
         bench.main(["--target", str(TINY / "target"), "--no-split"])
 
 
+def test_an_unknown_flag_value_is_one_line_and_modes_write_their_own_files(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--cost", "--shape", "nope"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'nope'" in err and "usage" not in err
+    from infer.bench.cli import default_json
+
+    files = {default_json(bench.build_parser().parse_args(argv + ["--scale", "0.25"]), mode) for argv, mode in (
+        (["--cost"], "cost"), (["--cost", "--shape", "gemma4-31b"], "cost"), (["--random", "--quick"], "suite"),
+        ([], "suite"), (["--moe-cost"], "moe_cost"), (["--published-shapes"], "published_shapes"))}
+    assert len(files) == 6 and Path("runs/bench/cost-qwen3-8b-x0.25.json") in files
+
+
 def test_acceptance_figures_by_hand():
     f = bench.acceptance_figures([[1, 3], [4, 2, 1]], 4)
     assert f["cycles"] == 5 and f["tau"] == pytest.approx(11 / 5)

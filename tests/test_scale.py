@@ -22,7 +22,8 @@ MESHES = ["data=8", "data=2,model=4", "model=8"]
 
 
 def run_worker(what, devices=8):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(HERE / "scale_worker.py"), what, *MESHES],
                           capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +105,8 @@ def free_port():
 def train_processes(tmp_path, name, n, devices_each, *overrides, kill_at=None):
     base = [sys.executable, "-m", "train", "--config", str(REPO / "configs/train/tiny.yaml"), "--quiet",
             f"target={REPO / 'dflash_jax/demo/tiny/target'}", f"train.output_dir={tmp_path / name}", *overrides]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_each}",
+           "JAX_PLATFORMS": "cpu"}
     if kill_at:
         env["DFLASH_TRAIN_KILL_AT_STEP"] = str(kill_at)
     port = free_port()

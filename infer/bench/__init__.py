@@ -43,7 +43,7 @@ Other modes:
     python -m infer.bench                                   # bundled demo pair
     python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
         [--batch-sizes 1,8] [--num-prompts 16] [--max-new-tokens 128] [--repeats 3]
-        [--heldout-package numpy] [--no-transformers] [--json runs/bench/bench.json] [--plot FILE]
+        [--heldout-package numpy] [--no-transformers] [--json runs/bench/suite.json] [--plot FILE]
     python -m infer.bench --random --quick [--temperature 0.7]   # quick table on a random pair
     python -m infer.bench --cost [--scale 0.25] [--context 1024] [--cache-len N] [--batch-size 8]
     python -m infer.bench --published-shapes [--scale 0.05] [--context 1024]
@@ -68,4 +68,4 @@ from infer.bench.timing import (
     synthetic_state, time_calls, time_pieces, time_prefill,
 )
 from infer.bench.workloads import run_cache_scaling, run_mixed_workload
-from infer.bench.cli import DEFAULT_JSON, build_parser, main  # noqa: E402  (last: it reads this docstring)
+from infer.bench.cli import build_parser, main  # noqa: E402  (last: it reads this docstring)

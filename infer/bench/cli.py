@@ -14,11 +14,29 @@ from infer.bench.pairs import SHAPES
 from infer.bench.published import PAPER_TAU
 from infer.bench.report import write_outputs
 
-DEFAULT_JSON = Path("runs/bench/bench.json")
+BENCH_DIR = Path("runs/bench")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A bad flag is one line naming it, not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def default_json(args, mode: str) -> Path:
+    """Each mode its own file, so one never overwrites another's: runs/bench/suite.json,
+    cost-qwen3-8b-x0.25.json, moe-cost.json, ..."""
+    name = mode.replace("_", "-")
+    if mode == "suite" and args.random:
+        name = "suite-random"
+    if mode in ("cost", "published_shapes"):
+        name += f"-{args.shape}-x{args.scale:g}"
+    return BENCH_DIR / f"{name}.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.bench", description=package.__doc__.splitlines()[0],
+    p = ArgumentParser(prog="python -m infer.bench", description=package.__doc__.splitlines()[0],
                                 epilog="\n".join(package.__doc__.splitlines()[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_argument_group("modes (default: the suite)")
@@ -101,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--mixed-prompts", type=int, default=48, help="--mixed-workload: prompts")
     work.add_argument("--mixed-range", default="8,256", help="--mixed-workload: per-row max_new_tokens lo,hi")
 
-    p.add_argument("--json", default=str(DEFAULT_JSON), metavar="PATH", help=f"figures as JSON (default {DEFAULT_JSON})")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help=f"figures as JSON (default: {BENCH_DIR}/MODE.json, e.g. suite.json, cost-qwen3-8b-x0.25.json)")
     p.add_argument("--plot", default=None, metavar="PATH", help="suite: PNG plot (default: bench.png next to the JSON)")
     return p
 
@@ -141,6 +160,10 @@ def main(argv=None) -> int:
 
 
 def run(args, mode: str) -> int:
+    if args.scale is None:
+        args.scale = 0.25 if mode == "cost" else 1.0
+    if args.json is None:
+        args.json = str(default_json(args, mode))
     result = dict(env=env_info(), mode=mode)
     if mode == "suite":
         from infer.bench.suite import run_suite
