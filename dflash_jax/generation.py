@@ -163,6 +163,9 @@ def load_tokenizer(target_dir: Path):
     if not any((target_dir / n).is_file() for n in names):
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Without torch (the default install) transformers advises at import that its models are
+    # unavailable: only its tokenizers are used here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     try:
