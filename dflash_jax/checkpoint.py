@@ -3,7 +3,7 @@
 Conversion is a table: each row names an HF tensor, the Flax path it fills and the
 transform between them (HF Linear weights are [out, in], Flax kernels [in, out]). The
 table is read both ways, so missing tensors are reported by their HF names and export
-(drafters, issue 4) is the same table backwards.
+(trained drafters) is the same table backwards.
 
 Loading reads tensor by tensor: each tensor is read, transformed, cast and placed on the
 device before the next one is read, so the host never holds a second copy of the model.
@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import safetensors_io
-from dflash_jax.config import ModelConfig, read_config_json
+from dflash_jax.config import ModelConfig
 from dflash_jax.errors import CheckpointError
+from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
+from dflash_jax.families.table import Row, layer_rows
 
 # ---------------------------------------------------------------------------- tables
 
-
-from dflash_jax.families import FAMILIES  # noqa: E402
-from dflash_jax.families.table import Row, layer_rows  # noqa: E402
 
 # z-lab DFlash drafters: no `model.` prefix, no embedding or head (borrowed from the target).
 DRAFTER_TABLE: tuple[Row, ...] = (
@@ -406,7 +405,7 @@ def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
         from dflash_jax.drafter import DrafterConfig
 
         return DrafterConfig.from_json(path / "config.json", dtype=dtype)
-    return ModelConfig.from_json(path / "config.json", dtype=dtype)
+    return model_config_from_json(path / "config.json", dtype=dtype)
 
 
 def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None):

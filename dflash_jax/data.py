@@ -64,7 +64,7 @@ def _template(tokenizer, messages, *, generation_prompt: bool, thinking: bool) -
     return list(ids)
 
 
-def encode(record: dict, tokenizer=None, *, thinking: bool = False) -> tuple[list[int], list[int]]:
+def conversation_tokens(record: dict, tokenizer=None, *, thinking: bool = False) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one conversation."""
     where = f"line {record.get('_line', '?')}"
     if "input_ids" in record:
@@ -117,5 +117,5 @@ def make_dataset(records: list[dict], tokenizer, *, seq_len: int, global_batch: 
     num_batches = len(stream) // global_batch
     mine = grain.MapDataset.range(num_batches * local).map(
         lambda i: stream[(i // local) * global_batch + process_index * local + i % local])
-    mine = mine.map(lambda r: fit(*encode(r, tokenizer, thinking=thinking), seq_len, pad_id))
+    mine = mine.map(lambda r: fit(*conversation_tokens(r, tokenizer, thinking=thinking), seq_len, pad_id))
     return mine.batch(local, drop_remainder=True)

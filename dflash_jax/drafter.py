@@ -1,4 +1,4 @@
-"""The DFlash drafter (SPEC section 1): Qwen3-style layers with target features injected
+"""The DFlash drafter (arXiv 2602.06036): Qwen3-style layers with target features injected
 into the keys and values of every layer, non-causal attention over one block.
 
 The drafter has no embedding or LM head of its own; it borrows the target's. Its only
@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import ModelConfig, RopeConfig, read_config_json
+from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.attention import PAGE_SIZE, attend, cache_length, dense_attention, write_kv
 from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths
@@ -44,7 +45,7 @@ class DrafterConfig:
         if "DFlashDraftModel" not in (cfg.get("architectures") or []) and not dflash:
             raise ConfigError("not a DFlash drafter config (no DFlashDraftModel architecture, no dflash_config)")
         # Drafter layers are always Qwen3-style (q/k norm), whatever model_type says.
-        model = ModelConfig.from_hf_dict({**cfg, "model_type": "qwen3"}, dtype=dtype).replace(qk_norm=True)
+        model = model_config({**cfg, "model_type": "qwen3"}, dtype=dtype).replace(qk_norm=True)
         block_size = dflash.get("block_size", cfg.get("block_size"))
         if block_size is None:
             raise ConfigError("drafter config has no block_size (top level or in dflash_config)")
@@ -65,7 +66,7 @@ class DrafterConfig:
         return dataclasses.replace(self, model=self.model.replace(dtype=dtype))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The z-lab config.json of this drafter (SPEC section 2)."""
+        """The z-lab config.json of this drafter (the format of the published z-lab/*-DFlash* checkpoints)."""
         m = self.model
         layer_types = ["sliding_attention" if w else "full_attention" for w in (m.sliding_windows or (None,) * m.num_hidden_layers)]
         windows = [w for w in m.sliding_windows if w]

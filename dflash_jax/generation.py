@@ -98,7 +98,7 @@ def add_distributed_flags(p: argparse.ArgumentParser):
 
 
 @dataclass
-class Row:
+class InputRow:
     id: Any
     line: int
     kind: str  # input_ids | prompt | messages | turns
@@ -113,7 +113,7 @@ PROMPT_KEYS = ("input_ids", "prompt", "messages", "turns")
 ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens")
 
 
-def read_rows(path: Path, warn=lambda message: None) -> list[Row]:
+def read_rows(path: Path, warn=lambda message: None) -> list[InputRow]:
     """The rows of an input JSONL file (named in errors as given). Keys other than ROW_KEYS are
     ignored, each named once through `warn`; a line with no prompt key but an unknown one names
     it (a misspelt `prompt`)."""
@@ -152,7 +152,7 @@ def read_rows(path: Path, warn=lambda message: None) -> list[Row]:
         if row_id in seen:
             raise InputError(f"{where}: duplicate id {row_id!r}")
         seen.add(row_id)
-        rows.append(Row(row_id, n, kind, value, position=len(rows), max_new_tokens=limit))
+        rows.append(InputRow(row_id, n, kind, value, position=len(rows), max_new_tokens=limit))
     for k, n in unknown.items():
         warn(f"warning: {path} line {n}: unknown key {k!r} ignored (keys: {', '.join(ROW_KEYS)})")
     return rows
@@ -174,7 +174,7 @@ def load_tokenizer(target_dir: Path):
         raise InputError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from None
 
 
-def encode(row: Row, tokenizer, messages: list[dict] | None, thinking: bool) -> list[int]:
+def encode_prompt(row: InputRow, tokenizer, messages: list[dict] | None, thinking: bool) -> list[int]:
     """Token ids of a row's (current) prompt."""
     if row.kind == "input_ids":
         return list(row.value)
@@ -191,7 +191,7 @@ def encode(row: Row, tokenizer, messages: list[dict] | None, thinking: bool) -> 
     return list(ids)
 
 
-def prompt_budget(row: Row, tokenizer, args) -> int:
+def prompt_budget(row: InputRow, tokenizer, args) -> int:
     """Longest prompt this row will need: for `turns`, the last turn's prompt holds every
     earlier answer (at most max_new_tokens each, plus a little for re-tokenising text)."""
     if row.kind != "turns" or len(row.value) == 1:
@@ -200,7 +200,7 @@ def prompt_budget(row: Row, tokenizer, args) -> int:
     for turn in row.value[:-1]:
         conv += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
     conv.append({"role": "user", "content": row.value[-1]})
-    return len(encode(row, tokenizer, conv, args.enable_thinking)) + (len(row.value) - 1) * (args.max_new_tokens + 8)
+    return len(encode_prompt(row, tokenizer, conv, args.enable_thinking)) + (len(row.value) - 1) * (args.max_new_tokens + 8)
 
 
 def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
@@ -265,7 +265,7 @@ class Writer:
             self.file.close()
 
 
-def prompt_text(row: Row) -> str | None:
+def prompt_text(row: InputRow) -> str | None:
     """The text a row asked about: its prompt, or its last user message."""
     if row.kind == "prompt":
         return row.value
@@ -306,7 +306,7 @@ def run_generation(args, make_record=None) -> int:
     from dflash_jax.engine.watchdog import Watchdog
 
     if args.target is None and args.drafter is not None:
-        raise InputError("--drafter needs --target")
+        raise InputError("--drafter needs --target, the model it drafts for" + trained_against(Path(args.drafter)))
     demo = args.target is None
     target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
     drafter_dir = Path(args.drafter) if args.drafter else (DEMO_DIR / "drafter" if demo else None)
@@ -365,7 +365,7 @@ def run_generation(args, make_record=None) -> int:
             conversations[r.id] = [{"role": "user", "content": r.value[0]}]
         elif r.kind == "messages":
             conversations[r.id] = list(r.value)
-        r.turn_ids.append(encode(r, tokenizer, conversations.get(r.id), args.enable_thinking))
+        r.turn_ids.append(encode_prompt(r, tokenizer, conversations.get(r.id), args.enable_thinking))
     budgets = [prompt_budget(r, tokenizer, args) for r in todo]
     max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
 
@@ -430,7 +430,7 @@ def run_generation(args, make_record=None) -> int:
                     r.turn_records.append(record)
                     conversations[r.id] += [{"role": "assistant", "content": record.get("text", "")},
                                             {"role": "user", "content": r.value[turn + 1]}]
-                    r.turn_ids.append(encode(r, tokenizer, conversations[r.id], args.enable_thinking))
+                    r.turn_ids.append(encode_prompt(r, tokenizer, conversations[r.id], args.enable_thinking))
                     next_pending.append(r)
                     continue
                 if demo and r.kind == "prompt" and "text" in record and (sample is None or r.position < sample[0]):
@@ -471,6 +471,17 @@ def run_generation(args, make_record=None) -> int:
     return 0
 
 
+def trained_against(drafter_dir: Path) -> str:
+    """' (trained against TARGET: ...)' for a drafter `python -m train.export` wrote, whose run
+    recorded its target; '' otherwise."""
+    try:
+        run = Path(json.loads((drafter_dir / "dflash_training.json").read_text())["run"])
+        target = json.loads((run / "train_config.json").read_text())["target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" (this one was trained against {target}: add --target {target})"
+
+
 def result_record(res, tokenizer) -> dict:
     record = {"output_ids": res.output_ids}
     if tokenizer is not None:
@@ -505,7 +516,7 @@ def check_flags(args):
         raise InputError(f"--stall-timeout must be >= 0 minutes, got {args.stall_timeout}")
 
 
-def row_limit(row: Row, args) -> int:
+def row_limit(row: InputRow, args) -> int:
     return row.max_new_tokens or args.max_new_tokens
 
 

@@ -1,4 +1,4 @@
-"""Drafter training (SPEC section 3): random anchors, all blocks of a sequence in one pass,
+"""Drafter training (the recipe of DFlash, arXiv 2602.06036): random anchors, all blocks of a sequence in one pass,
 decay-weighted cross-entropy, AdamW. Pure functions; the loop lives in `train/`.
 
 For a sequence of S tokens with loss mask m, up to N anchors are drawn uniformly without
@@ -251,7 +251,7 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
 
 def make_optimizer(lr: float, total_steps: int, warmup_ratio: float = 0.04, clip: float = 1.0,
                    weight_decay: float = 0.01, b1: float = 0.9, b2: float = 0.95):
-    """AdamW with linear warmup + cosine decay and global-norm clipping (SPEC section 3)."""
+    """AdamW with linear warmup + cosine decay and global-norm clipping (the paper's recipe)."""
     warmup = max(1, int(round(warmup_ratio * total_steps)))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=0.0)
     return optax.chain(optax.clip_by_global_norm(clip),

@@ -205,9 +205,9 @@ def test_moe_cost_report_adds_up_on_the_published_configs():
     # One gpt-oss-20b expert: gate_up 2880 x 5760 and down 2880 x 2880 with their biases, bfloat16.
     assert r["expert_bytes"] == 2 * (2880 * 5760 + 5760 + 2880 * 2880 + 2880)
     assert r["ar"]["experts_touched"] == pytest.approx(4.0)
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.families import model_config
 
-    config = ModelConfig.from_hf_dict(PUBLISHED_MOE["gpt-oss-20b"])
+    config = model_config(PUBLISHED_MOE["gpt-oss-20b"])
     want = (r["always_bytes"] + 24 * 4 * r["expert_bytes"] + r["lm_head_bytes"] + 2880 * 2
             + kv_bytes(config, 1, 1024))
     assert r["ar"]["bytes"] == pytest.approx(want)

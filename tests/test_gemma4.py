@@ -19,6 +19,7 @@ import transformers
 from dflash_jax import forward, init_cache, load_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
+from dflash_jax.families import model_config
 from tiny import (BASE, FAMILIES, assert_plain_greedy_equals_generate, make_model, prefill_in_pieces, save_model,
                   train_cli_on_regenerated)
 
@@ -86,7 +87,7 @@ def test_published_31b_config_parses():
     proportional RoPE on a quarter), sliding window 1024, no shared K/V or per-layer inputs."""
     from infer.bench.pairs import PUBLISHED_TARGETS
 
-    config = ModelConfig.from_hf_dict(PUBLISHED_TARGETS["gemma4-31b"])
+    config = model_config(PUBLISHED_TARGETS["gemma4-31b"])
     assert config.num_hidden_layers == 60 and config.num_kv_slots(True) == 10 and config.num_kv_slots(False) == 50
     assert config.attention_shape(5) == (512, 4) and config.attention_shape(0) == (256, 16)
     assert config.attention_k_eq_v and config.kv_shared_from == () and config.per_layer_input_size == 0
@@ -110,7 +111,7 @@ GOOD = {**BASE, "model_type": "gemma4_text", "num_hidden_layers": 2, "head_dim":
 ])
 def test_bad_gemma4_config_is_a_one_line_error(change, message):
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf_dict({**GOOD, **change})
+        model_config({**GOOD, **change})
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -142,7 +143,7 @@ def test_a_new_drafter_for_gemma4_is_plain_qwen3():
     from dflash_jax.drafter import DrafterConfig, dense_drafter_model
     from infer.bench.pairs import PUBLISHED_TARGETS
 
-    target = ModelConfig.from_hf_dict(PUBLISHED_TARGETS["gemma4-31b"])
+    target = model_config(PUBLISHED_TARGETS["gemma4-31b"])
     model = dense_drafter_model(target, 5)
     plain = ModelConfig(model_type="qwen3", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
                         num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=16, head_dim=256,

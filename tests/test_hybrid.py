@@ -24,6 +24,7 @@ from dflash_jax.config import LinearAttentionConfig, ModelConfig, RopeConfig
 from dflash_jax.engine import Generator
 from dflash_jax.errors import ConfigError
 from dflash_jax.model import init_params, settle
+from dflash_jax.families import model_config
 from tiny import (BASE, HYBRID_FAMILIES, LINEAR, assert_plain_greedy_equals_generate, make_model, prefill_in_pieces,
                   save_model, train_cli_on_regenerated)
 
@@ -92,7 +93,7 @@ def test_bad_hybrid_config_is_a_one_line_error(change, message):
     good = {**BASE, **LINEAR, "model_type": "qwen3_5_text", "num_hidden_layers": 2,
             "layer_types": ["linear_attention", "full_attention"]}
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        ModelConfig.from_hf_dict({**good, **change})
+        model_config({**good, **change})
 
 
 # --------------------------------------------------------------------------- rollback

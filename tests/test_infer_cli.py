@@ -14,10 +14,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
-from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter_params
 from dflash_jax import load_target
 from dflash_jax.engine import Generator
+from dflash_jax.families import model_config_from_json
 from fixtures import tiny
 from infer.cli import DEMO_DIR, main
 from tiny import make_model, save_model
@@ -162,7 +162,7 @@ def chat_pair(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = TEMPLATE
     fast.save_pretrained(target)
-    tcfg = ModelConfig.from_json(target / "config.json")
+    tcfg = model_config_from_json(target / "config.json")
     dcfg = DrafterConfig(model=tcfg.replace(num_hidden_layers=1, sliding_windows=(None,), qk_norm=True),
                          block_size=4, mask_token_id=1, target_layer_ids=(1, 2), num_target_layers=4)
     drafter = root / "drafter"

@@ -47,7 +47,7 @@ def test_family_switches_parsed(tmp_path):
     save_model(make_model("qwen3_prope"), tmp_path / "prope")
     config, _ = load_target(tmp_path / "prope")
     assert config.rope.type == "proportional" and config.rope.partial_rotary_factor == 0.25
-    from dflash_jax.config import rope_inv_freq
+    from dflash_jax.model.rope import rope_inv_freq
 
     inv = rope_inv_freq(config.rope, config.head_dim)  # 2 of 8 pairs rotate, the rest are identity
     assert inv.shape == (8,) and (inv[:2] > 0).all() and (inv[2:] == 0).all()

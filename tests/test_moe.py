@@ -21,6 +21,7 @@ from dflash_jax.engine import Generator
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from dflash_jax.model import MoE
+from dflash_jax.families import model_config
 from tiny import (MOE_FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated,
                   write_random_drafter)
 
@@ -251,15 +252,15 @@ GOOD = dict(model_type="qwen3_moe", vocab_size=16, hidden_size=8, intermediate_s
 def test_bad_moe_config_is_a_one_line_error(change, message):
     cfg = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with pytest.raises(ConfigError, match=message) as err:
-        ModelConfig.from_hf_dict(cfg)
+        model_config(cfg)
     assert "\n" not in str(err.value)
 
 
 def test_gpt_oss_accepts_mxfp4_and_qwen3_moe_hub_and_transformers_field_names():
     gpt = {**GOOD, "model_type": "gpt_oss", "num_local_experts": 4, "quantization_config": {"quant_method": "mxfp4"}}
-    assert ModelConfig.from_hf_dict(gpt).moe.num_experts == 4
+    assert model_config(gpt).moe.num_experts == 4
     renamed = {**{k: v for k, v in GOOD.items() if k != "num_experts"}, "num_local_experts": 4}
-    assert ModelConfig.from_hf_dict(renamed).moe == ModelConfig.from_hf_dict(GOOD).moe
+    assert model_config(renamed).moe == model_config(GOOD).moe
 
 
 # --------------------------------------------------------------------------- training

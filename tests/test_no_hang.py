@@ -33,7 +33,7 @@ from dflash_jax.generation import DEMO_DIR
 from dflash_jax.model import delta_rule
 from dflash_jax.training import target_features
 from fixtures import tiny
-from test_spec_decode import GREEDY_CASES, SETUPS, engine, setup
+from test_spec_decode import GREEDY_CASES, engine, setup
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -276,6 +276,10 @@ def short_run(tmp_path_factory):
     conv = write_conversations(tmp / "conv.jsonl", 64, 5)
     proc = train_cli(tmp, "straight", f"data.conversations={conv}", *RESUME_RUN)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The run ends by saying where it is, its last figures and what to run next (not a JSON dict).
+    done = proc.stderr[proc.stderr.index("done: 16 steps"):]
+    assert f"in {tmp / 'straight'}" in done and "teacher-forced tau" in done and "{" not in done
+    assert f"python -m train.export --run {tmp / 'straight'}" in done and f"--target {TINY_TARGET}" in done
     return tmp, conv
 
 
@@ -314,7 +318,7 @@ def test_training_lowers_loss_and_raises_real_tau(trained):
     assert all(m["tokens_per_second"] > 0 and 1.0 <= m["tau_estimate"] <= 8.0 for m in metrics if "loss" in m)
 
 
-def test_export_round_trip_gives_identical_drafts(short_run, tmp_path):
+def test_export_round_trip_gives_identical_drafts(short_run, tmp_path, capsys):
     tmp, _ = short_run
     run = tmp / "straight"
     out = export(run, tmp_path / "hf", dtype="float32")
@@ -336,6 +340,12 @@ def test_export_round_trip_gives_identical_drafts(short_run, tmp_path):
     # bfloat16 export (the published format) loads too.
     bf = export(run, tmp_path / "bf16")
     assert load_drafter(bf)[0].model.dtype == "bfloat16"
+    # Given without its target, the exported drafter's error names the target it was trained against.
+    from infer.cli import main as infer_main
+
+    assert infer_main(["--drafter", str(out)]) == 2
+    assert f"--drafter needs --target, the model it drafts for (this one was trained against {TINY_TARGET}" \
+        in capsys.readouterr().err
 
 
 def test_resume_after_kill_is_bit_identical(short_run, tmp_path):

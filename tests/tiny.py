@@ -94,10 +94,10 @@ def write_random_drafter(target: Path, out: Path, *, block_size: int, taps: tupl
     import jax
 
     from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.families import model_config_from_json
     from dflash_jax.drafter import DrafterConfig, dense_drafter_model, init_drafter_params
 
-    t = ModelConfig.from_json(target / "config.json")
+    t = model_config_from_json(target / "config.json")
     model = dense_drafter_model(t, layers, intermediate_size=96)
     if sliding_windows is not None:
         model = model.replace(sliding_windows=tuple(sliding_windows))

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from dflash_jax.checkpoint import save_hf_params, target_table
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.families import model_config
     from dflash_jax.model import init_params
 
     out = Path(args.out)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     print(f"corpus: {len(files)} files, {len(stream):,} tokens", file=sys.stderr)
 
     hf = hf_config(tokenizer)
-    config = ModelConfig.from_hf_dict(hf)
+    config = model_config(hf)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 25), args.steps, args.lr * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
     params = init_params(config, jax.random.PRNGKey(args.seed))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.checkpoint import load_drafter, load_target
-from dflash_jax.data import encode, make_dataset, read_jsonl
+from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
 from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model,
                                 init_drafter_params)
 from dflash_jax.errors import DFlashError
@@ -82,7 +82,7 @@ def eval_prompts(records, tokenizer, thinking: bool) -> list[list[int]]:
         if "prompt_ids" in r:
             prompts.append(list(r["prompt_ids"]))
         else:
-            ids, mask = encode(r, tokenizer, thinking=thinking)
+            ids, mask = conversation_tokens(r, tokenizer, thinking=thinking)
             first = mask.index(1) if 1 in mask else len(ids)
             prompts.append(ids[:first])
     return [p for p in prompts if p]

@@ -170,14 +170,6 @@ class Generator:
                                 put(ids), np.int32(seed), put(limits), self.stop_ids)
         return state
 
-    def prefill(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], seed: int = 0) -> DecodeState:
-        """A fresh state with these prompts (at most batch_size) admitted into slots 0..n-1
-        (for benchmarks and tools)."""
-        if len(prompts) > self.batch_size:
-            raise DFlashError(f"{len(prompts)} prompts for {self.batch_size} slots")
-        return self.admit(self.new_state(), range(len(prompts)), prompts, indices,
-                          [self.spec.max_new_tokens] * len(prompts), seed)
-
     def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False):
         """Compile prefill for the buckets of these lengths at every admission width, and the
         cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry

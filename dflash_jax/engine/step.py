@@ -111,9 +111,6 @@ class DecodeState:
     max_new_tokens: jax.Array
 
 
-TRACE_COUNTS: dict[str, int] = {"init_state": 0, "prefill": 0, "run_cycles": 0}
-
-
 def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
     if cache is None or mesh is None:
         return cache
@@ -147,7 +144,6 @@ def _hits_stop(tokens, stop_ids):
 @functools.partial(jax.jit, static_argnames=("spec", "batch"))
 def init_state(spec: EngineSpec, batch: int) -> DecodeState:
     """`batch` free slots: every row done, caches empty (allocated once, reused by every row)."""
-    TRACE_COUNTS["init_state"] += 1
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     return constrain_state(DecodeState(
         target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size),
@@ -189,7 +185,6 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
     run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
     is wider than a page nor taller than a chunk. One compilation per (n, bucket)."""
-    TRACE_COUNTS["prefill"] += 1
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
     fresh = lambda cache: cache.reset_rows(slots)
     n, bucket_len = tokens.shape
@@ -316,7 +311,6 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
     Returns (state, progress): progress [2, batch] int32 is (done, num_generated), a fresh
     array apart from the state, so the host can read it while the next call, which takes
     the state donated, already runs."""
-    TRACE_COUNTS["run_cycles"] += 1
     running = ~state.done
 
     def cond(carry):

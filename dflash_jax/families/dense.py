@@ -1,6 +1,6 @@
 """Dense decoders: Llama, Qwen2, Qwen3, Mistral. The same layer, told apart by switches."""
 
-from dflash_jax.families import Family, register
+from dflash_jax.families.registry import Family, register
 from dflash_jax.families.table import target_table
 
 TABLE = target_table()

@@ -17,9 +17,10 @@ The multimodal checkpoints (`gemma4`) keep the text config in `text_config` and 
 `model.language_model.`; the vision and audio towers are not read.
 """
 
-from dflash_jax.config import MoeConfig, _rope_from_config
+from dflash_jax.config import MoeConfig
 from dflash_jax.errors import ConfigError
-from dflash_jax.families import Family, register
+from dflash_jax.families.hf import rope_config
+from dflash_jax.families.registry import Family, register
 from dflash_jax.families.table import Row, attention_rows, dense_mlp_rows
 
 NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
@@ -111,7 +112,7 @@ def parse(cfg: dict, layers: int) -> dict:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"config.json ({model_type}) hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
     rope = cfg.get("rope_parameters") or {}
-    by_type = {t: _rope_from_config({"rope_parameters": rope[t]}) if isinstance(rope.get(t), dict) else None
+    by_type = {t: rope_config({"rope_parameters": rope[t]}) if isinstance(rope.get(t), dict) else None
                for t in ("sliding_attention", "full_attention")}
     head_dim, kv_heads = global_shape(cfg, types, model_type)
     shared = cfg.get("num_kv_shared_layers") or 0

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_jax.config import MoeConfig
-from dflash_jax.families import Family, register
+from dflash_jax.families.hf import moe_config
+from dflash_jax.families.registry import Family, register
 from dflash_jax.families.table import Row, target_table
 
 # The 16 values of an FP4 (E2M1) code: sign bit, two exponent bits, one mantissa bit.
@@ -67,7 +67,7 @@ def combine(path: tuple[str, ...], parts: dict, dtype) -> np.ndarray | None:
 
 
 def parse(cfg: dict, layers: int) -> dict:
-    moe = MoeConfig.parse(cfg, "gpt_oss", experts=("num_local_experts",), router="topk_softmax", router_bias=True,
+    moe = moe_config(cfg, "gpt_oss", experts=("num_local_experts",), router="topk_softmax", router_bias=True,
                           expert_bias=True, fused_gate_up=True, activation="clamped_swiglu",
                           swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                           swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))

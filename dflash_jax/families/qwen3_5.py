@@ -14,9 +14,10 @@ The multimodal checkpoints (`qwen3_5`, `qwen3_5_moe`) keep the text model's conf
 multi-token-prediction head (`mtp.*`) are not read.
 """
 
-from dflash_jax.config import LinearAttentionConfig, MoeConfig
+from dflash_jax.config import LinearAttentionConfig
 from dflash_jax.errors import ConfigError
-from dflash_jax.families import Family, register
+from dflash_jax.families.hf import moe_config
+from dflash_jax.families.registry import Family, register
 from dflash_jax.families.qwen3_moe import moe_rows
 from dflash_jax.families.table import Row, attention_rows, dense_mlp_rows
 
@@ -79,7 +80,7 @@ def parse(cfg: dict, layers: int, moe: bool = False) -> dict:
     out = dict(linear_attention=linear, linear_layers=tuple(t == "linear_attention" for t in types))
     if moe:
         shared = cfg.get("shared_expert_intermediate_size") or 0
-        out.update(moe=MoeConfig.parse(cfg, model_type, experts=("num_experts",), router="softmax_topk",
+        out.update(moe=moe_config(cfg, model_type, experts=("num_experts",), router="softmax_topk",
                                        norm_topk_prob=True, shared_expert_size=int(shared)),
                    sparse_layers=(True,) * layers)
     return out

@@ -7,9 +7,9 @@ width `intermediate_size`. Checkpoints store each expert's projections separatel
 (`mlp.experts.{e}.gate_proj.weight`); they fill one stacked `[experts, ...]` parameter each.
 """
 
-from dflash_jax.config import MoeConfig
 from dflash_jax.errors import ConfigError
-from dflash_jax.families import Family, register
+from dflash_jax.families.hf import moe_config
+from dflash_jax.families.registry import Family, register
 from dflash_jax.families.table import Row, target_table
 
 
@@ -21,7 +21,7 @@ def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
 
 
 def parse(cfg: dict, layers: int) -> dict:
-    moe = MoeConfig.parse(cfg, "qwen3_moe", experts=("num_experts", "num_local_experts"), router="softmax_topk",
+    moe = moe_config(cfg, "qwen3_moe", experts=("num_experts", "num_local_experts"), router="softmax_topk",
                           norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     step = cfg.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step <= 0:

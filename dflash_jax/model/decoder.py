@@ -228,7 +228,8 @@ class Decoder(nn.Module):
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + identity) * jnp.asarray(2 ** -0.5, x.dtype)
 
-    def attend(self, h):
+    def tied_logits(self, h):
+        """h @ the embedding table^T: the LM head of a model with tied embeddings."""
         return self.embed_tokens.attend(h)
 
 
@@ -250,7 +251,7 @@ class CausalLM(nn.Module):
     def logits(self, h):
         """h [..., hidden] -> float32 logits [..., vocab] (soft-capped: cap * tanh(logits / cap),
         with `final_logit_softcap`)."""
-        out = self.model.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        out = self.model.tied_logits(h) if self.config.tie_word_embeddings else self.lm_head(h)
         out = out.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)

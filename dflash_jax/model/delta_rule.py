@@ -39,7 +39,6 @@ k_heads: each q/k head serves v_heads / k_heads consecutive value heads); g, bet
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import flax.linen as nn

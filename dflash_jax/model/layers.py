@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.attention import attend, write_kv
-from dflash_jax.config import ModelConfig, rope_inv_freq
+from dflash_jax.config import ModelConfig
+from dflash_jax.model.rope import rope_inv_freq
 
 
 def jnp_dtype(name: str):

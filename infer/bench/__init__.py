@@ -17,7 +17,7 @@ The suite (default mode):
    drafter, block size 1), DFlash outputs == baseline outputs (greedy: losslessness; with
    --temperature the rows share per-position keys, so sampled rows match too), the loop cycles
    the engine ran (counted in an untimed run: continuous batching admits rows as slots free),
-   the compilations seen during the timed runs (TRACE_COUNTS deltas; should be 0) and peak
+   the compilations seen during the timed runs (programs the engine's jitted entry points gained; should be 0) and peak
    memory. Each engine is warmed up (Generator.warmup + the untimed counting run) and
    `generate` is timed --repeats times (median). --quick: the drafter's block size only.
 4. Time split of one cycle: the engine's own pieces (dflash_jax.engine draft, verify,

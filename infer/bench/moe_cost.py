@@ -107,9 +107,9 @@ def drafter_cost(config, batch: int, block: int, context: int) -> dict:
 
 
 def moe_report(name: str, hf: dict, batch: int, context: int, block: int, tau: float) -> dict:
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.families import model_config
 
-    config = ModelConfig.from_hf_dict(hf)
+    config = model_config(hf)
     pieces = target_pieces(config)
     ar = step_cost(config, pieces, batch, 1, context)
     verify = step_cost(config, pieces, batch, block, context)

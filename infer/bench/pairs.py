@@ -113,8 +113,9 @@ def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = 
     """A published target and its 5-layer block-16 drafter, scaled: layers, heads and widths
     times `scale` (head dims kept; at least 1 head, 2 target layers, 1 drafter layer; widths
     rounded to multiples of 128; a hybrid's layer pattern kept whole).
-    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (SPEC section 2)."""
+    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (the z-lab checkpoints' published shapes)."""
     from dflash_jax.config import ModelConfig, RopeConfig
+    from dflash_jax.families import model_config
     from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
 
     mult = lambda n: max(128, round(n * scale / 128) * 128)
@@ -135,7 +136,7 @@ def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = 
         )
         mask = min(151669, vocab - 1)
     elif shape in PUBLISHED_TARGETS:
-        target = ModelConfig.from_hf_dict(_scaled(PUBLISHED_TARGETS[shape], scale, mult), dtype=dtype)
+        target = model_config(_scaled(PUBLISHED_TARGETS[shape], scale, mult), dtype=dtype)
         layers, mask = target.num_hidden_layers, target.vocab_size - 1
     else:
         raise ValueError(f"unknown published shape {shape!r}; choose one of {', '.join(SHAPES)}")

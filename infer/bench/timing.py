@@ -26,16 +26,18 @@ def _count_compile(event: str, duration: float, **kwargs):
 
 
 def compile_counts() -> dict[str, int]:
-    """The engine's trace counts (TRACE_COUNTS: init_state, prefill, run_cycles) and every XLA
-    backend compile so far (jitted functions and eager ops alike)."""
+    """The programs each of the engine's jitted entry points holds (one per static shape it has
+    been called with: init_state, prefill, run_cycles) and every XLA backend compile so far
+    (jitted functions and eager ops alike)."""
     import jax.monitoring
 
-    from dflash_jax.engine import TRACE_COUNTS
+    from dflash_jax.engine import init_state, prefill, run_cycles
 
     if not _XLA_COMPILES["registered"]:
         jax.monitoring.register_event_duration_secs_listener(_count_compile)
         _XLA_COMPILES["registered"] = True
-    return {**TRACE_COUNTS, "xla_compiles": _XLA_COMPILES["n"]}
+    programs = {f.__name__: f._cache_size() for f in (init_state, prefill, run_cycles)}
+    return {**programs, "xla_compiles": _XLA_COMPILES["n"]}
 
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -157,7 +159,8 @@ def time_prefill(gen, admissions, seed: int, rounds: int) -> float:
 def first_state(gen, prompts, seed: int):
     """The DecodeState after the engine's prefill of the first batch of prompts into slots 0..n-1."""
     chunk = prompts[:gen.batch_size]
-    return gen.prefill(chunk, list(range(len(chunk))), seed)
+    slots = list(range(len(chunk)))
+    return gen.admit(gen.new_state(), slots, chunk, slots, [gen.spec.max_new_tokens] * len(chunk), seed)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "batch", "context"))

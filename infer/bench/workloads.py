@@ -64,7 +64,7 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
             stats, _ = time_generate(gen, prompts, 1, seed, limits)
             out[name]["runs"].append(stats[0])
     timed_compiles = delta(compile_counts(), before)
-    for name, r in out.items():
+    for r in out.values():
         runs = r.pop("runs")
         seconds = statistics.median(s.seconds for s in runs)
         tokens = runs[-1].tokens
