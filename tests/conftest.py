@@ -28,8 +28,10 @@ def pytest_runtest_logstart(nodeid, location):
     """Under -q pytest prints bare dots; name each test file as it starts, so a long compile
     does not look like a hang."""
     path = location[0]
-    reporter = _state["config"].pluginmanager.get_plugin("terminalreporter") if _state["config"] else None
-    if path != _state["file"] and reporter is not None and reporter.verbosity < 0:
+    config = _state["config"]
+    reporter = config.pluginmanager.get_plugin("terminalreporter") if config else None
+    parallel = config is not None and getattr(config.option, "numprocesses", None)  # xdist shows its own progress
+    if path != _state["file"] and reporter is not None and reporter.verbosity < 0 and not parallel:
         _state["file"] = path
         reporter.write(f"\n{path} ")
 
