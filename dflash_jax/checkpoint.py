@@ -357,25 +357,24 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
 
 
 def load_converted_params(path: Path, abstract, mesh=None):
-    """Restore params written by `save_converted`, cast to the dtypes of `abstract`; with a
-    mesh, each array is read straight into its sharding (only the needed chunks)."""
-    meta_dtype = read_metadata(path)["dtype"]
+    """Restore params written by `save_converted` in the dtypes of `abstract`; with a mesh,
+    each array is read straight into its sharding (only the needed chunks). Orbax casts as it
+    reads (rounding as jax's `astype` does: float32 to bfloat16 and float16 checked bit for bit),
+    so the model is never held a second time in the saved dtype."""
+    read_metadata(path)  # the format version is checked before orbax reads anything
     shardings = jax.tree.map(lambda _: None, abstract)
     if mesh is not None:
         from dflash_jax.sharding import param_shardings
 
         shardings = param_shardings(abstract, mesh)
-    saved = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.dtype(meta_dtype), sharding=s), abstract, shardings
-    )
+    wanted = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     ckptr = _checkpointer()
     try:
-        params = ckptr.restore((path / "params").absolute(), saved)
+        return ckptr.restore((path / "params").absolute(), wanted)
     except Exception as e:  # orbax raises ValueError/KeyError/FileNotFoundError variants
         raise CheckpointError(f"cannot restore converted checkpoint {path}: {str(e).splitlines()[0]}") from None
     finally:
         ckptr.close()
-    return jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract)
 
 
 # ---------------------------------------------------------------------------- public API

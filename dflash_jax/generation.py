@@ -301,7 +301,7 @@ def run_generation(args, make_record=None) -> int:
 
     from dflash_jax.checkpoint import load_drafter, load_target, read_model_config
     from dflash_jax.drafter import check_pair
-    from dflash_jax.sharding import make_mesh, shard_params
+    from dflash_jax.sharding import make_mesh
     from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
     from dflash_jax.engine.watchdog import Watchdog
 
@@ -369,17 +369,17 @@ def run_generation(args, make_record=None) -> int:
     budgets = [prompt_budget(r, tokenizer, args) for r in todo]
     max_prompt = args.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
 
-    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet)
+    # The mesh comes first: every tensor is read straight into its shard on it, so no device ever
+    # holds the whole model (one larger than a device loads on a mesh). The DFlash and baseline
+    # engines share these arrays; their own shard_params is then a no-op.
+    mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
+    tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=not args.quiet, mesh=mesh)
     dcfg = dparams = None
     if drafter_dir is not None and args.block_size != 1:
-        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet)
+        dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=not args.quiet, mesh=mesh)
         if args.block_size is not None and args.block_size > dcfg.block_size:
             say(f"warning: --block-size {args.block_size} is larger than the drafter's trained block "
                 f"({dcfg.block_size}); drafts past it are guesses it never learned")
-
-    mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
-    tparams = shard_params(tparams, mesh)  # once, shared by the DFlash and baseline engines
-    dparams = shard_params(dparams, mesh) if dparams is not None else None
 
     watchdog = Watchdog(args.stall_timeout * 60) if args.stall_timeout > 0 else None
 

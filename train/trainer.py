@@ -56,6 +56,8 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
             "--quiet"]
     if cfg["target_dtype"]:
         argv += ["--dtype", cfg["target_dtype"]]
+    if cfg["train"]["mesh"]:  # the run's mesh, so the target loads split as it will train
+        argv += ["--mesh", str(cfg["train"]["mesh"])]
     log(f"regenerating responses with the target: {d['generate_from']} -> {d['conversations']}")
     Path(d["conversations"]).parent.mkdir(parents=True, exist_ok=True)
     run_generation(build_parser().parse_args(argv), make_record=conversation_record)
@@ -164,14 +166,15 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target_dir = Path(cfg["target"])
     mesh = make_mesh(t["mesh"]) if (t["mesh"] or jax.device_count() > 1) else None
-    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"])
-    tparams = shard_params(tparams, mesh)
     tokenizer = load_tokenizer(target_dir)
+    # Regenerated first: generation loads the target itself, so it is never held twice.
     ensure_data(cfg, target_dir)
     if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("data ready")
+    # Every tensor read straight into its shard on the mesh: no device holds the whole target.
+    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"], mesh=mesh)
 
     records = read_jsonl(d["conversations"])
     holdout = min(d["eval_holdout"], len(records) - 1)
@@ -180,7 +183,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
         raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
 
     if cfg["drafter"]["init"]:
-        dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32")
+        dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32", mesh=mesh)
         dcfg = dcfg.with_dtype(t["compute_dtype"])
     else:
         dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
