@@ -22,7 +22,7 @@ from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.attention import PAGE_SIZE, attend, cache_length, dense_attention, write_kv
-from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths
+from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths, unfused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +163,14 @@ class DraftAttention(nn.Module):
         """Keys (normed, rotated) and values of x [batch, T, hidden] -> [batch, T, kv_heads, head_dim]."""
         c = self.config
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
-        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        k = self.k_norm(unfused(self.k_proj(x)).reshape(b, t, c.num_key_value_heads, c.head_dim))
+        v = unfused(self.v_proj(x)).reshape(b, t, c.num_key_value_heads, c.head_dim)
         return apply_rope(k, cos, sin), v
 
     def queries(self, x, cos, sin):
         c = self.config
         b, t, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)), cos, sin)
+        q = apply_rope(self.q_norm(unfused(self.q_proj(x)).reshape(b, t, c.num_attention_heads, c.head_dim)), cos, sin)
         return q.reshape(b, t, c.num_key_value_heads, c.num_groups, c.head_dim)
 
     def __call__(self, x, cos, sin, positions, context: KVCache, layer: int):

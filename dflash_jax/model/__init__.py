@@ -15,5 +15,5 @@ from dflash_jax.model.decoder import (  # noqa: F401
     CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, forward, init_cache, init_params,
     row_lengths, settle,
 )
-from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles  # noqa: F401
+from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles, unfused  # noqa: F401
 from dflash_jax.model.moe import MoE  # noqa: F401
