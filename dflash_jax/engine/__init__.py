@@ -11,13 +11,13 @@ from dflash_jax.engine.sampling import (
 )
 from dflash_jax.engine.scheduler import GenerationStats, Generator, Result, bucket, timed
 from dflash_jax.engine.step import (
-    DecodeState, EngineSpec, accept, commit, cycle, draft, init_state, insert, prefill, run_cycles,
-    verify,
+    DecodeState, EngineSpec, accept, commit, cycle, decode_state_shardings, draft, init_state, insert, prefill,
+    run_cycles, verify,
 )
 
 __all__ = [
     "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample", "target_distribution",
     "GenerationStats", "Generator", "Result", "bucket", "timed",
-    "DecodeState", "EngineSpec", "accept", "commit", "cycle", "draft", "init_state", "insert",
+    "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",
     "prefill", "run_cycles", "verify",
 ]

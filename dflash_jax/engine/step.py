@@ -32,7 +32,7 @@ from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
-from dflash_jax.sharding import CACHE_AXES, STATE_AXES, TAIL_AXES, constrain
+from dflash_jax.sharding import CACHE_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of
 
 # --------------------------------------------------------------------------- spec and state
 
@@ -111,29 +111,39 @@ class DecodeState:
     max_new_tokens: jax.Array
 
 
-def _constrain_cache(cache: KVCache | None, mesh) -> KVCache | None:
-    if cache is None or mesh is None:
-        return cache
-    cache = cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES),
-                          lengths=constrain(cache.lengths, mesh, ("batch",)))
+def _map_cache(cache: KVCache | None, f) -> KVCache | None:
+    """f(array, logical axes) over a cache's arrays."""
+    if cache is None:
+        return None
+    cache = cache.replace(k=f(cache.k, CACHE_AXES), v=f(cache.v, CACHE_AXES), lengths=f(cache.lengths, ("batch",)))
     if cache.k_global is not None:
-        cache = cache.replace(k_global=constrain(cache.k_global, mesh, CACHE_AXES),
-                              v_global=constrain(cache.v_global, mesh, CACHE_AXES))
+        cache = cache.replace(k_global=f(cache.k_global, CACHE_AXES), v_global=f(cache.v_global, CACHE_AXES))
     if cache.state is not None:
-        cache = cache.replace(state=tuple(constrain(s, mesh, STATE_AXES) for s in cache.state),
-                              tail=tuple(constrain(t, mesh, TAIL_AXES) for t in cache.tail))
+        cache = cache.replace(state=tuple(f(s, STATE_AXES) for s in cache.state),
+                              tail=tuple(f(t, TAIL_AXES) for t in cache.tail))
     return cache
+
+
+def map_state(state: DecodeState, f) -> DecodeState:
+    """f(array, logical axes) over every array of a DecodeState: rows over `batch`, cache
+    heads over `kv_heads` (dflash_jax.sharding's rules)."""
+    caches = dict(target_cache=_map_cache(state.target_cache, f), context_cache=_map_cache(state.context_cache, f))
+    others = {fl.name: f(getattr(state, fl.name), ("batch",) + (None,) * (getattr(state, fl.name).ndim - 1))
+              for fl in dataclasses.fields(state) if fl.name not in caches}
+    return state.replace(**caches, **others)
 
 
 def constrain_state(state: DecodeState, mesh) -> DecodeState:
     """Pin the layout of the loop state: rows over `data`, cache heads over `model`."""
     if mesh is None:
         return state
-    rows = lambda x: constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
-    caches = dict(target_cache=_constrain_cache(state.target_cache, mesh),
-                  context_cache=_constrain_cache(state.context_cache, mesh))
-    others = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state) if f.name not in caches}
-    return state.replace(**caches, **others)
+    return map_state(state, lambda x, axes: constrain(x, mesh, axes))
+
+
+def decode_state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
+    """The NamedSharding of each array of a (possibly abstract) DecodeState on `mesh`, as
+    `constrain_state` lays it out."""
+    return map_state(state, lambda x, axes: sharding_of(mesh, axes, x.shape))
 
 
 def _hits_stop(tokens, stop_ids):

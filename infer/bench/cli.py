@@ -32,6 +32,8 @@ def default_json(args, mode: str) -> Path:
         name = "suite-random"
     if mode in ("cost", "published_shapes"):
         name += f"-{args.shape}-x{args.scale:g}"
+    if mode == "aot":
+        name += f"-{args.aot.replace(':', '-')}-{args.shape}" + (f"-x{args.scale:g}" if args.scale != 1 else "")
     return BENCH_DIR / f"{name}.json"
 
 
@@ -43,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--cost", action="store_true",
                       help="hardware-independent cost report of an AR step and a DFlash cycle at the published "
                            "shapes (abstract weights: nothing allocated, nothing run)")
+    mode.add_argument("--aot", metavar="TOPOLOGY",
+                      help="compile prefill and the AR / DFlash run_cycles for a TPU topology (v5e:1x1, v5e:2x2, "
+                           "v5p:1x1x1, v5p:2x2x1, ...) on this machine (needs libtpu: pip install -e '.[tpu]'); "
+                           "the TPU compiler's time estimate, bytes, HBM per chip, the ideal at its streaming "
+                           "rate, collectives")
     mode.add_argument("--moe-cost", action="store_true",
                       help="what a DFlash cycle costs against a decoding step for the published MoE targets "
                            "(gpt-oss-20b, Qwen3-30B-A3B): experts touched per verify, bytes, projected speedup")
@@ -113,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.add_argument("--no-pieces", action="store_true", help="--cost: skip the pieces compiled alone")
     shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, help="tau to project the speedup with")
 
+    aot = p.add_argument_group("--aot")
+    aot.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                     help="how the topology's chips are split (default: every chip on model)")
+    aot.add_argument("--programs", default="prefill,ar,dflash", help="which programs to compile, comma-separated")
+    aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
+
     work = p.add_argument_group("workloads")
     work.add_argument("--cache-prompt-lens", default="128,8192",
                       help="--cache-scaling: the small and large Generator max_prompt_len")
@@ -138,7 +151,7 @@ def env_info() -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    modes = [m for m in ("cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload")
+    modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload")
              if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
@@ -162,6 +175,10 @@ def main(argv=None) -> int:
 def run(args, mode: str) -> int:
     if args.scale is None:
         args.scale = 0.25 if mode == "cost" else 1.0
+    if mode == "aot":
+        # Compiling for a TPU needs no TPU: run jax on the CPU, so that an installed libtpu
+        # does not look for a chip (set before jax is first imported).
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.json is None:
         args.json = str(default_json(args, mode))
     result = dict(env=env_info(), mode=mode)
@@ -172,7 +189,11 @@ def run(args, mode: str) -> int:
         if rc == 0:
             write_outputs(result, args.json, args.plot, plot=True)
         return rc
-    if mode == "cost":
+    if mode == "aot":
+        from infer.bench.aot import run_aot
+
+        result["aot"] = run_aot(args)
+    elif mode == "cost":
         from infer.bench.cost import run_cost
 
         result["cost"] = run_cost(args)

@@ -22,23 +22,9 @@ experts are dequantized to bfloat16 at load). Rooflines: max(flops / peak, bytes
 from __future__ import annotations
 
 from infer.bench.cost import HARDWARE
+from infer.bench.pairs import PUBLISHED_MOE
 from infer.bench.report import fmt_gb
 
-# Published configs (the fields our parser reads), from the models' config.json files.
-PUBLISHED_MOE = {
-    "gpt-oss-20b": dict(
-        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-        sliding_window=128, attention_bias=True, tie_word_embeddings=False, max_position_embeddings=131072,
-        layer_types=["sliding_attention", "full_attention"] * 12, dtype="bfloat16",
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                             original_max_position_embeddings=4096, truncate=False)),
-    "Qwen3-30B-A3B": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1e6, dtype="bfloat16"),
-}
 DRAFTER_LAYERS = 5  # the z-lab recipe's drafter depth (as the Qwen3-8B drafter); dense Qwen3 layers
 DRAFTER_MLP = 3  # drafter MLP width as a multiple of hidden (an assumption: the drafters' own widths vary)
 BYTES = 2  # bfloat16

@@ -1,0 +1,358 @@
+"""--aot TOPOLOGY: the engine compiled ahead of time for a TPU, judged by the TPU compiler itself.
+
+No TPU is needed: with libtpu installed (`pip install -e '.[tpu]'`), jax compiles for a TPU
+topology on any machine. A published target (`--shape`) + its 5-layer block-16 drafter become
+abstract bfloat16 parameters, sharded over the topology's chips by the project's mesh rules
+(`--mesh`, default every chip on `model`), and the engine's own programs are compiled:
+
+  prefill  admit `batch` prompts of `--context` tokens into an empty state
+  ar       run_cycles of plain decoding (block 1): one step per loop iteration
+  dflash   run_cycles of DFlash (block 16): one cycle per loop iteration
+
+Per program the compiled executable gives:
+- the compiler's time estimate (`optimal_seconds`), flops and bytes accessed. A loop body is
+  counted once, so a run_cycles figure is one step or cycle plus what runs once around the
+  loop. For a program partitioned over several chips these are not a per-chip time (the
+  estimate can come out negative): time single-chip programs, use several chips for HBM and
+  communication.
+- HBM per chip (`memory_analysis`: arguments + outputs not aliased to them + temporaries)
+  against the chip's capacity, and the collectives in the HLO (a weight all-gathered would
+  show as an all-gather of a parameter's shard).
+- the ideal: what a step or cycle cannot avoid moving (`cost.ideal_bytes`: weights once, the
+  K/V in use once), in time at the compiler's own streaming rate, calibrated on a pure
+  weight-streaming program (a `lax.scan` of batch-row matvecs over stacked square weights of
+  the same bytes) compiled for the same chip. ratio = estimate / ideal time.
+- the projected speedup at tau (`--paper-tau`, 6.49): tau x t_step / t_cycle.
+
+`--hlo DIR` writes each program's scheduled TPU HLO. A program that does not fit fails to
+compile with RESOURCE_EXHAUSTED; the report says so with the HBM the compiler asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm: int  # bytes per chip
+    bandwidth: float  # HBM bytes/s
+    flops: float  # peak dense bfloat16 flop/s
+    host_bounds: tuple[int, int, int]  # the most chips one host holds along each axis
+
+
+CHIPS = {
+    "v4": Chip(32 * GIB, 1.2e12, 275e12, (2, 2, 1)),
+    "v5e": Chip(16 * GIB, 0.82e12, 197e12, (2, 4, 1)),
+    "v5p": Chip(95 * GIB, 2.76e12, 459e12, (2, 2, 1)),
+    "v6e": Chip(32 * GIB, 1.64e12, 918e12, (2, 4, 1)),
+}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+class AotError(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Target:
+    """A TPU topology to compile for: its name, chip kind and devices."""
+
+    name: str
+    chip_name: str
+    chip: Chip
+    devices: list
+
+    @property
+    def num_chips(self) -> int:
+        return len(self.devices)
+
+
+def topology(name: str) -> Target:
+    """'v5p:1x1x1', 'v5e:2x2', ... -> its devices, from libtpu (no TPU needed). Raises AotError."""
+    kind, _, dims_text = name.partition(":")
+    if kind not in CHIPS or not re.fullmatch(r"\d+(x\d+){1,2}", dims_text):
+        raise AotError(f"unknown TPU topology {name!r}: give KIND:AxB[xC] with KIND one of {', '.join(CHIPS)} "
+                       "(e.g. v5e:2x2, v5p:1x1x1, v5p:2x2x1)")
+    dims = tuple(int(d) for d in dims_text.split("x")) + (1,) * (3 - len(dims_text.split("x")))
+    # libtpu asks the cloud metadata server where it runs unless told not to (about 20 s here)
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # nor take the lock that keeps a second process off a real chip: nothing runs on one here
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies
+
+        bounds = tuple(min(d, h) for d, h in zip(dims, CHIPS[kind].host_bounds))
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                            chips_per_host_bounds=bounds, num_slices=1)
+    except Exception as e:  # no libtpu, or a topology it does not know
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:
+            import libtpu  # noqa: F401
+
+            hint = ""
+        except ImportError:
+            hint = "; install libtpu: pip install -e '.[tpu]'"
+        raise AotError(f"cannot compile for TPU {name}: {first}{hint}") from None
+    return Target(name, kind, CHIPS[kind], list(topo.devices))
+
+
+def mesh_for(target: Target, text: str | None):
+    """The project's (data, model) mesh over the topology's chips; default every chip on model."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from dflash_jax.sharding import AXES, parse_mesh
+
+    sizes = parse_mesh(text or f"data=1,model={target.num_chips}", target.num_chips)
+    devices = np.array(target.devices).reshape(tuple(sizes[a] for a in AXES))
+    return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _sharded(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _replicated(mesh, shape, dtype):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+
+def cost_of(compiled) -> dict:
+    """The compiler's estimate (seconds; None where it gives none: a negative sentinel, e.g. for
+    an op it has no model of), flops and bytes accessed."""
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    seconds = float(ca.get("optimal_seconds", -1.0))
+    return dict(seconds=seconds if seconds > 0 else None, flops=float(ca.get("flops", 0.0)),
+                bytes=float(ca.get("bytes accessed", 0.0)))
+
+
+def memory_of(compiled) -> dict:
+    m = compiled.memory_analysis()
+    args, out, alias, temp = (int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
+    return dict(arguments=args, outputs=out - alias, temporaries=temp, total=args + out - alias + temp)
+
+
+def collectives_of(hlo: str) -> dict:
+    """Count of each collective in a compiled HLO, and the shapes all-gathered."""
+    out = {c: len(re.findall(rf"= \S+ {c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+    out["all_gathered"] = sorted(set(re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)))[:20]
+    return out
+
+
+def custom_calls_of(hlo: str) -> list[str]:
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)) - {"AllocateBuffer"})
+
+
+@functools.cache
+def streaming_rate(chip_name: str, device, nbytes: int, batch: int) -> float:
+    """Bytes/s the compiler gives a pure weight-streaming program on one chip: an unrolled chain
+    of [batch, d] x [d, d] matvecs over stacked bfloat16 weights of about `nbytes` (d = 4096; at
+    most 2 GiB of them: the rate does not depend on the total, the compile time does)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    d = 4096
+    n = max(1, min(64, round(nbytes / (d * d * 2))))
+    mesh = Mesh(np.array([device]), ("x",))
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def stream(h, w):
+        return jax.lax.scan(lambda x, wi: ((x @ wi).astype(x.dtype), None), h, w, unroll=True)[0]  # counted whole
+
+    compiled = jax.jit(stream).trace(sds((batch, d)), sds((n, d, d))).lower().compile()
+    return n * d * d * 2 / cost_of(compiled)["seconds"]
+
+
+def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
+    """Compile a traced program; its cost, memory and HLO figures, or why it did not compile."""
+    t = time.perf_counter()
+    try:
+        compiled = fn.trace(*args).lower().compile()
+    except Exception as e:  # RESOURCE_EXHAUSTED: does not fit
+        text = str(e)
+        asked = re.search(r"(\d+(?:\.\d+)?)([GM])(?:i?B)? .*?(?:exceed|of)", text)
+        return dict(compiled=False, error=text.strip().splitlines()[0][:400],
+                    asked=asked.group(0) if asked else None, compile_seconds=time.perf_counter() - t)
+    seconds = time.perf_counter() - t
+    hlo = compiled.as_text()
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{name}.hlo.txt").write_text(hlo)
+    return dict(compiled=True, compile_seconds=seconds, **cost_of(compiled), memory=memory_of(compiled),
+                collectives=collectives_of(hlo), custom_calls=custom_calls_of(hlo),
+                while_loops=len(re.findall(r"\bwhile\(", hlo)))
+
+
+def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cache_len: int, page_size: int,
+                    hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "") -> dict:
+    """Compile the engine's prefill / AR run_cycles / DFlash run_cycles on `mesh` for abstract
+    inputs; per program its `_compile` figures and the ideal bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.engine import EngineSpec, Sampling, decode_state_shardings, init_state, prefill, run_cycles
+    from dflash_jax.sharding import param_shardings
+
+    from infer.bench.cost import abstract_inputs, ideal_bytes
+
+    specs = dict(
+        ar=EngineSpec(target=target_cfg, drafter=None, block_size=1, sampling=Sampling(), max_new_tokens=64,
+                      cache_len=cache_len, page_size=page_size, mesh=mesh),
+        dflash=EngineSpec(target=target_cfg, drafter=drafter_cfg, block_size=drafter_cfg.block_size,
+                          sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh))
+    specs["prefill"] = specs["dflash"]
+    rep = functools.partial(_replicated, mesh)
+    out = {}
+    for name in programs:
+        spec = specs[name]
+        tparams, dparams, state, _ = abstract_inputs(spec, batch, context)
+        tparams = _sharded(tparams, param_shardings(tparams, mesh))
+        dparams = None if dparams is None else _sharded(dparams, param_shardings(dparams, mesh))
+        if name == "prefill":
+            empty = jax.eval_shape(functools.partial(init_state, spec, batch))
+            args = (tparams, dparams, spec, _sharded(empty, decode_state_shardings(empty, mesh)),
+                    rep((batch, context), jnp.int32), rep((batch,), jnp.int32), rep((batch,), jnp.int32),
+                    rep((batch,), jnp.uint32), rep((), jnp.int32), rep((batch,), jnp.int32), rep((8,), jnp.int32))
+            fig = _compile(prefill, args, hlo_dir, f"prefill{tag}")
+        else:
+            args = (tparams, dparams, spec, _sharded(state, decode_state_shardings(state, mesh)), rep((8,), jnp.int32),
+                    rep((), jnp.int32), rep((), jnp.bool_))
+            fig = _compile(run_cycles, args, hlo_dir, f"{name}{tag}")
+            fig["ideal"] = ideal_bytes(spec, tparams, dparams, batch, context)
+        fig.update(block_size=spec.block_size if name != "prefill" else None, verify_len=spec.verify_len,
+                   cache_len=cache_len)
+        out[name] = fig
+        print(f"  compiled {name}{tag} in {fig['compile_seconds']:.0f} s" if fig["compiled"]
+              else f"  {name}{tag} did not compile: {fig['error'][:200]}", flush=True)
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def run_aot(args) -> dict:
+    import jax
+
+    from dflash_jax.attention import cache_length
+    from dflash_jax.model import abstract_params
+    from dflash_jax.sharding import MeshError
+
+    from infer.bench.pairs import describe_published, param_bytes, published_configs
+
+    try:
+        target = topology(args.aot)
+        mesh = mesh_for(target, args.mesh)
+    except (AotError, MeshError) as e:
+        raise SystemExit(f"error: {e}") from None
+    programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    unknown = set(programs) - {"prefill", "ar", "dflash"}
+    if unknown or not programs:
+        raise SystemExit(f"error: --programs takes prefill, ar and dflash, comma-separated (got {args.programs!r})")
+    scale = 1.0 if args.scale is None else args.scale
+    dtype = args.dtype or "bfloat16"
+    batch, context = args.batch_size or 8, args.context
+    tcfg, dcfg = published_configs(scale, dtype, args.shape)
+    b = dcfg.block_size
+    cache_len = cache_length(args.cache_len or context + 2 * b, args.page_size)
+    if cache_len < context + b:
+        raise SystemExit(f"error: --cache-len {cache_len} cannot hold --context {context} + a block of {b}")
+    hlo_dir = Path(args.hlo) if args.hlo else None
+    chip = target.chip
+    print(f"TPU {target.name}: {target.num_chips} {target.chip_name} chip(s), {_gib(chip.hbm)} HBM each; mesh "
+          f"{dict(mesh.shape)}; jax {jax.__version__}")
+    print(describe_published(tcfg, dcfg, scale, dtype) + "; abstract weights (nothing allocated)")
+    print(f"batch {batch}, context {context}, cache {cache_len} positions per row (pages of {args.page_size})",
+          flush=True)
+    figs = engine_programs(tcfg, dcfg, mesh, batch, context, cache_len, args.page_size, hlo_dir, programs)
+    compare = None
+    other = cache_length(max(args.compare_cache_len or 0, context + 2 * b), args.page_size)
+    if args.compare_cache_len and other != cache_len:
+        compare = dict(cache_len=other, **engine_programs(tcfg, dcfg, mesh, batch, context, other, args.page_size,
+                                                          hlo_dir, tuple(p for p in programs if p != "prefill"),
+                                                          tag=f"-cache{other}"))
+    one_chip = target.num_chips == 1
+    weights = param_bytes(abstract_params(tcfg))
+    rate = streaming_rate(target.chip_name, target.devices[0], weights, batch) if one_chip else None
+    for f in [*figs.values(), *((v for k, v in compare.items() if k != "cache_len") if compare else ())]:
+        mem = f.get("memory")
+        if mem:
+            f["fits"] = mem["total"] <= chip.hbm
+        if f.get("compiled") and "ideal" in f and rate and f["seconds"]:
+            f["ideal_seconds"] = f["ideal"]["bytes"] / rate
+            f["ratio"] = f["seconds"] / f["ideal_seconds"]
+    report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
+                  chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape, scale=scale,
+                  dtype=dtype, batch_size=batch, context=context, cache_len=cache_len, page_size=args.page_size,
+                  paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
+                  compare=compare)
+    if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
+        report["cycle_over_step"] = figs["dflash"]["seconds"] / figs["ar"]["seconds"]
+        report["projected_speedup"] = args.paper_tau / report["cycle_over_step"]
+    print_report(report)
+    return report
+
+
+def print_report(r: dict) -> None:
+    one_chip = r["chips"] == 1
+    rate = r["streaming_rate"]
+    print()
+    if rate:
+        print(f"streaming rate: {rate / 1e12:.2f} TB/s (the compiler's estimate for a pure weight-streaming program "
+              f"of the target's {r['target_weight_bytes'] / 1e9:.1f} GB, batch {r['batch_size']}; "
+              f"HBM {r['chip_spec']['bandwidth'] / 1e12:.2f} TB/s)")
+    else:
+        print("several chips: the compiler's estimate of a partitioned program is not a per-chip time; "
+              "the figures that count here are HBM per chip and the collectives")
+    rows = [("program", "estimate", "bytes", "ideal", "ratio", "HBM per chip (args + temp)", "fits")]
+
+    def row(label, f):
+        if not f.get("compiled"):
+            return (label, "does not compile", "", "", "", f.get("asked") or f["error"][:60], "no")
+        mem = f["memory"]
+        est = f"{f['seconds'] * 1e3:.2f} ms" if one_chip and f["seconds"] else "none" if one_chip else "-"
+        ideal = f"{f['ideal']['bytes'] / 1e9:.1f} GB" if "ideal" in f else "-"
+        if "ideal_seconds" in f:
+            ideal += f" = {f['ideal_seconds'] * 1e3:.2f} ms"
+        ratio = f"{f['ratio']:.2f}x" if "ratio" in f else "-"
+        return (label, est, f"{f['bytes'] / 1e9:.1f} GB", ideal, ratio,
+                f"{_gib(mem['total'])} ({_gib(mem['arguments'])} + {_gib(mem['temporaries'])})",
+                "yes" if f["fits"] else "NO")
+
+    names = dict(prefill=f"prefill {r['batch_size']} x {r['context']}", ar="AR step",
+                 dflash=f"DFlash cycle, B={r['programs'].get('dflash', {}).get('block_size', 16)}")
+    for k, f in r["programs"].items():
+        rows.append(row(f"{names[k]} (cache {r['cache_len']})" if k != "prefill" else names[k], f))
+    if r["compare"]:
+        for k, f in r["compare"].items():
+            if k != "cache_len":
+                rows.append(row(f"{names[k]} (cache {r['compare']['cache_len']})", f))
+    widths = [max(len(str(x[i])) for x in rows) for i in range(len(rows[0]))]
+    for x in rows:
+        print("  ".join(f"{str(v):{w}}" for v, w in zip(x, widths)))
+    if "projected_speedup" in r:
+        print(f"\ncycle / step {r['cycle_over_step']:.2f}: projected speedup at tau {r['paper_tau']} "
+              f"{r['projected_speedup']:.2f}x (tau x t_step / t_cycle, the compiler's estimates)")
+    for k, f in r["programs"].items():
+        if f.get("compiled"):
+            c = f["collectives"]
+            comm = ", ".join(f"{c[n]} {n}" for n in COLLECTIVES if c[n]) or "no collectives"
+            print(f"{names[k]}: {f['while_loops']} while loops; {comm}; custom calls: "
+                  f"{', '.join(f['custom_calls']) or 'none'}; compiled in {f['compile_seconds']:.0f} s")
+            if c["all_gathered"]:
+                print(f"  all-gathered: {', '.join(c['all_gathered'][:6])}")

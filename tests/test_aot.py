@@ -1,0 +1,76 @@
+"""The engine compiled for TPUs on this CPU (`python -m infer.bench --aot`): it compiles, fits,
+partitions over several chips without gathering a weight, and the TPU program streams the
+q/k/v weights as stored (no transposed copy of a kernel per call).
+
+These need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are skipped,
+with that reason."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed: pip install -e '.[tpu]' to compile for TPUs")
+
+
+def aot(tmp_path, *flags, check=True):
+    out = tmp_path / "aot.json"
+    p = subprocess.run([sys.executable, "-m", "infer.bench", "--aot", *flags, "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        return p, json.loads(out.read_text())["aot"]
+    return p, None
+
+
+def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_path):
+    hlo = tmp_path / "hlo"
+    p, r = aot(tmp_path, "v5e:1x1", "--scale", "0.05", "--context", "128", "--compare-cache-len", "512",
+               "--hlo", str(hlo))
+    assert r["chips"] == 1 and r["mesh"] == {"data": 1, "model": 1}
+    for name in ("prefill", "ar", "dflash"):
+        f = r["programs"][name]
+        assert f["compiled"] and f["fits"], (name, f)
+        assert 0 < f["memory"]["arguments"] <= f["memory"]["total"] < r["chip_spec"]["hbm"]
+        assert f["bytes"] > 0 and f["flops"] > 0
+        assert not any(f["collectives"][c] for c in ("all-reduce", "all-gather", "all-to-all")), f["collectives"]
+        assert (hlo / f"{name}.hlo.txt").exists()
+    assert set(r["compare"]) == {"cache_len", "ar", "dflash"} and r["compare"]["cache_len"] == 512
+    # the ideal: the target's weights but its embedding table (a lookup reads rows), plus the drafter's for a cycle
+    ar_ideal, dflash_ideal = (r["programs"][k]["ideal"] for k in ("ar", "dflash"))
+    assert ar_ideal["target_weights"] < r["target_weight_bytes"] and ar_ideal["target_weights"] > 0.5 * r["target_weight_bytes"]
+    assert dflash_ideal["bytes"] > ar_ideal["bytes"] + dflash_ideal["drafter_weights"] * 0.99
+    assert r["streaming_rate"] > 0
+    # A norm or RoPE fused into a projection's dot made the TPU compiler copy every q/k/v kernel into a
+    # transposed layout before the loop (model.layers.unfused prevents it).
+    for name in ("ar", "dflash"):
+        text = (hlo / f"{name}.hlo.txt").read_text()
+        copied = re.findall(r"copy\(%tparams__model____layers_\d+____self_attn____[qkv]_proj____kernel", text)
+        assert not copied, (name, copied[:4])
+    assert "AR step" in p.stdout and "HBM per chip" in p.stdout
+
+
+def test_four_chips_split_the_weights_and_gather_none(tmp_path):
+    """v5e:2x2 with every chip on `model`: heads, MLP and vocabulary split four ways, so each chip
+    holds about a quarter of the weights; the step all-reduces activations and all-gathers no weight."""
+    _, r = aot(tmp_path, "v5e:2x2", "--scale", "0.125", "--context", "128", "--programs", "ar",
+               "--compare-cache-len", "0")
+    f = r["programs"]["ar"]
+    assert r["chips"] == 4 and r["mesh"] == {"data": 1, "model": 4}
+    assert f["compiled"] and f["fits"]
+    assert f["memory"]["arguments"] < 0.5 * r["target_weight_bytes"]
+    assert f["collectives"]["all-reduce"] > 0
+    weights = {s for s in f["collectives"]["all_gathered"] if re.match(r"bf16\[\d+,\d+\]", s)}
+    assert not weights, weights
+    assert r["streaming_rate"] is None  # a partitioned program's estimate is not a per-chip time
+
+
+def test_bad_topology_and_mesh_are_one_line_errors(tmp_path):
+    p, _ = aot(tmp_path, "v9:1x1", check=False)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: unknown TPU topology 'v9:1x1'")
+    p, _ = aot(tmp_path, "v5e:2x2", "--mesh", "model=3", check=False)
+    assert p.returncode != 0 and "error:" in p.stderr.strip().splitlines()[-1]
