@@ -185,7 +185,22 @@ def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_key
     )
 
 
+def traced_on_mesh(fn):
+    """Trace an engine entry point under its spec's mesh (`jax.sharding.use_abstract_mesh`), so
+    that layers which split work by hand over the mesh (the MoE block's expert parallelism)
+    see it; without a mesh, nothing changes. `spec` is the third argument."""
+    @functools.wraps(fn)
+    def wrapped(tparams, dparams, spec, *args, **kwargs):
+        if spec.mesh is None:
+            return fn(tparams, dparams, spec, *args, **kwargs)
+        with jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh):
+            return fn(tparams, dparams, spec, *args, **kwargs)
+
+    return wrapped
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+@traced_on_mesh
 def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
             max_new_tokens, stop_ids) -> DecodeState:
     """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
@@ -314,6 +329,7 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+@traced_on_mesh
 def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles, until_free=False):
     """Up to max_cycles cycles, on device, stopping early once every row is done, or (until_free,
     when the host has prompts waiting for a slot) once a row that was running finishes.

@@ -69,6 +69,64 @@ def activate(gate, up, moe: MoeConfig):
     raise ValueError(f"unknown activation {moe.activation!r}")
 
 
+def _grouped_mlp(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype):
+    """The experts' MLP on rows grouped by expert: xs [M, hidden] (group_sizes [experts]; rows
+    past their sum are zero), expert_of [M] each row's expert (for the biases). params: the
+    kernels ([experts, in, out]) and biases ([experts, out]) by name. Returns [M, hidden]."""
+    def grouped(x, name):
+        y = jax.lax.ragged_dot(x, params[name], group_sizes, preferred_element_type=jnp.float32).astype(dtype)
+        if moe.expert_bias:
+            y = y + jnp.take(params[f"{name}_bias"], expert_of, axis=0, mode="clip")
+        return y
+
+    i = moe.intermediate_size
+    if moe.fused_gate_up:
+        gate_up = grouped(xs, "gate_up_proj")
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    elif moe.gate_up_halves:
+        gate_up = grouped(xs, "gate_up_proj")
+        gate, up = gate_up[:, :i], gate_up[:, i:]
+    else:
+        gate, up = grouped(xs, "gate_proj"), grouped(xs, "up_proj")
+    return grouped(activate(gate, up, moe), "down_proj")
+
+
+def expert_parallel(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype, mesh):
+    """`_grouped_mlp` with the experts split over the mesh's `model` axis (each device holds
+    experts/n of them, as the sharding rules store them), in a shard_map: each device runs the
+    rows routed to its own experts, a contiguous run of the grouped rows (rolled to the front,
+    the rest zero), and one psum adds the devices' rows. XLA's SPMD partitioner does not split
+    `ragged_dot` over its groups: left to it, every step all-gathered every layer's experts."""
+    from jax.sharding import PartitionSpec as P
+
+    n, e = mesh.shape["model"], moe.num_experts
+    local = e // n
+
+    def run(xs, group_sizes, expert_of, params):
+        first = jax.lax.axis_index("model") * local
+        start = jnp.sum(jnp.where(jnp.arange(e) < first, group_sizes, 0))
+        mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, local)
+        rows = jnp.arange(xs.shape[0])
+        valid = rows < mine.sum()
+        x = jnp.roll(xs, -start, axis=0)
+        y = _grouped_mlp(x, mine, jnp.roll(expert_of, -start) - first, params, moe, dtype)
+        y = jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+        return jax.lax.psum(jnp.roll(y, start, axis=0), "model")
+
+    specs = {k: P("model", *(None,) * (v.ndim - 1)) for k, v in params.items()}
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), axis_names={"model"},
+                         check_vma=False)(xs, group_sizes, expert_of, params)
+
+
+def _model_axis_mesh():
+    """The mesh being traced under (`jax.sharding.use_abstract_mesh`, as the engine does), when
+    it splits `model`; else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or "model" not in mesh.axis_names or mesh.shape["model"] == 1:
+        return None
+    return mesh
+
+
 class Experts(nn.Module):
     """The experts' projections applied to assignments already grouped by expert."""
 
@@ -77,29 +135,25 @@ class Experts(nn.Module):
     @nn.compact
     def __call__(self, xs, group_sizes, expert_of):
         """xs [M, hidden] grouped by expert (group_sizes [experts]); expert_of [M] the expert
-        of each row (for the biases). Returns [M, hidden]."""
+        of each row (for the biases). Returns [M, hidden]. Under a mesh that splits `model`
+        (and divides the experts), each device runs its own experts (`expert_parallel`)."""
         c, moe = self.config, self.config.moe
         dtype = jnp_dtype(c.dtype)
         e, h, i = moe.num_experts, c.hidden_size, moe.intermediate_size
         init = nn.initializers.normal(0.02)
-
-        def grouped(x, name, shape):
-            w = self.param(name, init, shape, dtype)
-            y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(dtype)
-            if moe.expert_bias:
-                y = y + jnp.take(self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype),
-                                 expert_of, axis=0)
-            return y
-
-        if moe.fused_gate_up:
-            gate_up = grouped(xs, "gate_up_proj", (e, h, 2 * i))
-            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-        elif moe.gate_up_halves:
-            gate_up = grouped(xs, "gate_up_proj", (e, h, 2 * i))
-            gate, up = gate_up[:, :i], gate_up[:, i:]
+        if moe.fused_gate_up or moe.gate_up_halves:
+            shapes = {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)}
         else:
-            gate, up = grouped(xs, "gate_proj", (e, h, i)), grouped(xs, "up_proj", (e, h, i))
-        return grouped(activate(gate, up, moe), "down_proj", (e, i, h))
+            shapes = {"gate_proj": (e, h, i), "up_proj": (e, h, i), "down_proj": (e, i, h)}
+        params = {}
+        for name, shape in shapes.items():  # in the order they were always created (their init keys)
+            params[name] = self.param(name, init, shape, dtype)
+            if moe.expert_bias:
+                params[f"{name}_bias"] = self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype)
+        mesh = _model_axis_mesh()
+        if mesh is not None and e % mesh.shape["model"] == 0:
+            return expert_parallel(xs, group_sizes, expert_of, params, moe, dtype, mesh)
+        return _grouped_mlp(xs, group_sizes, expert_of, params, moe, dtype)
 
 
 class MoE(nn.Module):
