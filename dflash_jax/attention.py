@@ -19,9 +19,11 @@ Sliding-window layers start the walk at the first page inside the window. An opt
 block keys, which are never cached.
 
 `attend` dispatches on `IMPLEMENTATIONS`, chosen by backend: the portable plain-JAX walk below
-is the reference and the CPU path, and the only one registered today; an accelerator kernel
-(Pallas ragged paged attention on TPU, cuDNN through `jax.nn.dot_product_attention` on GPU)
-registers under its backend with the same signature and must pass the same exactness tests.
+is the reference and the CPU and TPU path; on a GPU, `attend_fused` runs cuDNN's fused attention
+(`jax.nn.dot_product_attention(implementation="cudnn")`) over the layer's cache with the same
+mask, and falls back to the walk for what cuDNN cannot do (attention sinks, the drafter's
+uncached block keys). An implementation registers under its backend with the same signature
+and must pass the same exactness tests.
 """
 
 from __future__ import annotations
@@ -154,8 +156,36 @@ def dense_attention(q, k, v, mask):
     return out.reshape(n, t, kv_heads * groups * d)
 
 
+def attend_fused(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
+                 page_size=PAGE_SIZE, sinks=None, scale=None, implementation: str = "cudnn"):
+    """The GPU path: one fused attention (cuDNN flash attention through
+    `jax.nn.dot_product_attention`) of the queries over the layer's whole cache, with the
+    walk's mask (keys < kv_limit, inside the window) as a boolean mask: no score matrix in
+    memory, no per-page loop. It reads the allocated cache, not only the pages in use, so it
+    suits caches sized near the contexts served. Falls back to `attend_pages_xla` where cuDNN
+    has no equivalent: attention sinks (gpt-oss), a chunk of uncached keys (the drafter's
+    block), prefill into chosen rows (a row gather would copy their caches), and float32
+    (cuDNN's kernels are bfloat16/float16). `implementation="xla"` runs the same call through
+    jax's reference implementation (the CPU tests)."""
+    fallback = (sinks is not None or chunk is not None or rows is not None
+                or (implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16)))
+    if fallback:
+        return attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
+                                page_size=page_size, sinks=sinks, scale=scale)
+    n, t, kv_heads, groups, d = q.shape
+    k, v = k_buf[layer], v_buf[layer]  # [batch, max_len, kv_heads, head_dim]
+    key_pos = jnp.arange(k.shape[1])
+    mask = key_pos[None, None, :] < kv_limit[:, :, None]
+    if window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    out = jax.nn.dot_product_attention(q.reshape(n, t, kv_heads * groups, d).astype(k.dtype), k, v,
+                                       mask=mask[:, None], scale=d ** -0.5 if scale is None else scale,
+                                       implementation=implementation)
+    return out.reshape(n, t, kv_heads * groups * d).astype(jnp.float32)
+
+
 # backend -> implementation; "default" serves every backend without its own kernel.
-IMPLEMENTATIONS: dict[str, Callable] = {"default": attend_pages_xla}
+IMPLEMENTATIONS: dict[str, Callable] = {"default": attend_pages_xla, "gpu": attend_fused}
 
 
 def implementation(backend: str | None = None) -> Callable:

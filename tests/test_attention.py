@@ -8,6 +8,9 @@ loop updates the caches in place.
 - Writes land at each row's own offset, drop padding rows, and leave everything else alone.
 - The compiled `run_cycles` holds no copy or concatenate of a cache-sized array, and its XLA
   bytes do not grow with the allocated cache.
+- The GPU path (`attend_fused`: one fused attention over the layer's cache, cuDNN on a GPU) is
+  selected on GPU and equals the walk, run here through the same call with jax's reference
+  implementation; where cuDNN has no equivalent it is the walk itself.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.attention import attend, cache_length, write_kv
+from dflash_jax.attention import IMPLEMENTATIONS, attend, attend_fused, attend_pages_xla, cache_length, implementation, write_kv
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import Generator, run_cycles
 from dflash_jax.model import init_params
@@ -178,3 +181,66 @@ def test_loop_bytes_do_not_grow_with_the_allocated_cache():
     assert jax.eval_shape(large.new_state).target_cache.k.shape[2] >= 8 * jax.eval_shape(
         small.new_state).target_cache.k.shape[2]
     assert cost(compiled_loop(small).cost_analysis()) == cost(compiled_loop(large).cost_analysis())
+
+
+@pytest.mark.parametrize("kv,groups,d", [(2, 1, 64), (2, 4, 128), (1, 8, 256)])
+@pytest.mark.parametrize("window,scale", [(None, None), (6, None), (None, 0.5)])
+def test_fused_path_equals_the_page_walk(kv, groups, d, window, scale):
+    """Ragged rows (their own offsets and lengths; one row with a 1-token verify at position 0),
+    GQA ratios, head dims, a sliding window and a scale override: the fused call equals the walk."""
+    rs = np.random.RandomState(kv * 100 + groups * 10 + d)
+    length, t, n = 4 * PAGE, 5, 3
+    offsets = np.array([0, 13, 21])
+    q_pos = offsets[:, None] + np.arange(t)[None, :]
+    k = jnp.asarray(rs.randn(LAYERS, n, length, kv, d), jnp.float32)
+    v = jnp.asarray(rs.randn(LAYERS, n, length, kv, d), jnp.float32)
+    q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
+    args = (q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(q_pos + 1))
+    walk = attend_pages_xla(*args, window=window, page_size=PAGE, scale=scale)
+    fused = attend_fused(*args, window=window, page_size=PAGE, scale=scale, implementation="xla")
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(walk), atol=2e-5, rtol=1e-5)
+
+
+def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
+    assert implementation("gpu") is attend_fused and IMPLEMENTATIONS["gpu"] is attend_fused
+    assert implementation("cpu") is attend_pages_xla and implementation("tpu") is attend_pages_xla
+    rs = np.random.RandomState(7)
+    k, v = (jnp.asarray(rs.randn(LAYERS, BATCH, 2 * PAGE, KV, D), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rs.randn(BATCH, 2, KV, GROUPS, D), jnp.float32)
+    q_pos = jnp.asarray([[3, 4], [9, 10], [0, 1]])
+    sinks = jnp.asarray(rs.randn(KV, GROUPS), jnp.float32)
+    chunk = (jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32), jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32),
+             jnp.ones((BATCH, 2, 2), bool))
+    for extra in (dict(sinks=sinks), dict(chunk=chunk), dict(rows=jnp.asarray([2, 0, 1]))):
+        walk = attend_pages_xla(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE, **extra)
+        fused = attend_fused(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE, implementation="xla", **extra)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(walk))  # the walk itself
+    # float32 on cuDNN: the walk (cuDNN's fused kernels are bfloat16 / float16)
+    walk = attend_pages_xla(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE)
+    np.testing.assert_array_equal(np.asarray(attend_fused(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE)),
+                                  np.asarray(walk))
+
+
+def test_engine_on_the_fused_path_decodes_as_on_the_walk(monkeypatch):
+    """The engine with the GPU path selected (through jax's reference implementation here): the
+    target's decode and verify attend through it, the drafter falls back to the walk; the tokens
+    and acceptance lengths are the walk's."""
+    import dflash_jax.attention as attention
+
+    prompts = [[5, 9, 3, 7, 1, 4], [2, 8, 6]]
+
+    def run():
+        res = sorted(small_engine(16).generate(prompts), key=lambda r: r.index)
+        return [r.output_ids for r in res], [r.acceptance_lengths for r in res]
+
+    walk = run()
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(kwargs.get("chunk") is None and kwargs.get("rows") is None)
+        return attention.attend_fused(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), fused)
+    jax.clear_caches()
+    assert run() == walk
+    assert any(calls) and not all(calls)  # the target's decode/verify took it; the drafter and prefill fell back

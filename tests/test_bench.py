@@ -415,3 +415,22 @@ def test_cache_scaling_mode(tmp_path):
         assert r["same_outputs"]  # the allocated cache does not change the tokens
         assert r["small"]["output_tokens"] == r["large"]["output_tokens"] == 2 * 6
         assert r["small"]["loop_cycles"] == r["large"]["loop_cycles"]
+
+
+@pytest.mark.heavy
+def test_device_check_runs_end_to_end_on_a_cpu(tmp_path):
+    """benchmarks/device_check.sh --tiny: the GPU check's four parts run through on this CPU with
+    tiny shapes (attention path against the walk, published-shape timings, their roofline, cache
+    scaling), so the script is ready the day a GPU is lent."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run(["bash", str(repo / "benchmarks" / "device_check.sh"), "--tiny"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)}, cwd=repo)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "exactness: worst" in p.stdout and "(ok," in p.stdout
+    assert "ratio" in p.stdout and "cycle / step" in p.stdout
+    published = json.loads((tmp_path / "published.json").read_text())["published_shapes"]
+    assert published["ar_step_s"] > 0 and published["cycle_s"] > 0
+    assert json.loads((tmp_path / "cache-scaling.json").read_text())["cache_scaling"]
