@@ -84,6 +84,17 @@ def test_moe_experts_run_where_they_are_stored(tmp_path):
     assert f["collectives"]["all-reduce"] > 0
 
 
+def test_a_program_that_does_not_fit_is_reported_not_raised(tmp_path):
+    """A cache of 64 rows x 1M positions cannot fit a v5e chip: the compile fails with
+    RESOURCE_EXHAUSTED, and the report says so with the HBM the compiler asked for."""
+    p, r = aot(tmp_path, "v5e:1x1", "--scale", "0.05", "--programs", "ar", "--cache-len", "1048576",
+               "--batch-size", "64", "--context", "128", "--compare-cache-len", "0")
+    f = r["programs"]["ar"]
+    assert not f["compiled"] and "RESOURCE_EXHAUSTED" in f["error"]
+    assert re.fullmatch(r"needs [\d.]+G of 15.75G HBM", f["asked"]), f["asked"]
+    assert "does not compile" in p.stdout
+
+
 def test_bad_topology_and_mesh_are_one_line_errors(tmp_path):
     p, _ = aot(tmp_path, "v9:1x1", check=False)
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: unknown TPU topology 'v9:1x1'")

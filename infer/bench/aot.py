@@ -50,7 +50,7 @@ class Chip:
 
 CHIPS = {
     "v4": Chip(32 * GIB, 1.2e12, 275e12, (2, 2, 1)),
-    "v5e": Chip(16 * GIB, 0.82e12, 197e12, (2, 4, 1)),
+    "v5e": Chip(int(15.75 * GIB), 0.82e12, 197e12, (2, 4, 1)),  # 16 GiB, 15.75 usable (the compiler's figure)
     "v5p": Chip(95 * GIB, 2.76e12, 459e12, (2, 2, 1)),
     "v6e": Chip(32 * GIB, 1.64e12, 918e12, (2, 4, 1)),
 }
@@ -185,9 +185,10 @@ def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
         compiled = fn.trace(*args).lower().compile()
     except Exception as e:  # RESOURCE_EXHAUSTED: does not fit
         text = str(e)
-        asked = re.search(r"(\d+(?:\.\d+)?)([GM])(?:i?B)? .*?(?:exceed|of)", text)
+        asked = re.search(r"\(([\d.]+[GM])\) exceeds available HBM \(([\d.]+[GM])\)", text)
         return dict(compiled=False, error=text.strip().splitlines()[0][:400],
-                    asked=asked.group(0) if asked else None, compile_seconds=time.perf_counter() - t)
+                    asked=f"needs {asked.group(1)} of {asked.group(2)} HBM" if asked else None,
+                    compile_seconds=time.perf_counter() - t)
     seconds = time.perf_counter() - t
     hlo = compiled.as_text()
     if hlo_dir is not None:
