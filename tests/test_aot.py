@@ -3,7 +3,7 @@ partitions over several chips without gathering a weight, and the TPU program st
 q/k/v weights as stored (no transposed copy of a kernel per call).
 
 These need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are skipped,
-with that reason."""
+with that reason. The multi-chip compiles (four chips, MoE expert parallelism) are `-m heavy`."""
 
 import importlib.util
 import json
@@ -29,7 +29,7 @@ def aot(tmp_path, *flags, check=True):
 
 def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_path):
     hlo = tmp_path / "hlo"
-    p, r = aot(tmp_path, "v5e:1x1", "--scale", "0.05", "--context", "128", "--compare-cache-len", "512",
+    p, r = aot(tmp_path, "v5e:1x1", "--scale", "0.05", "--context", "128", "--compare-cache-len", "0",
                "--hlo", str(hlo))
     assert r["chips"] == 1 and r["mesh"] == {"data": 1, "model": 1}
     for name in ("prefill", "ar", "dflash"):
@@ -39,7 +39,7 @@ def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_pat
         assert f["bytes"] > 0 and f["flops"] > 0
         assert not any(f["collectives"][c] for c in ("all-reduce", "all-gather", "all-to-all")), f["collectives"]
         assert (hlo / f"{name}.hlo.txt").exists()
-    assert set(r["compare"]) == {"cache_len", "ar", "dflash"} and r["compare"]["cache_len"] == 512
+    assert r["compare"] is None
     # the ideal: the target's weights but its embedding table (a lookup reads rows), plus the drafter's for a cycle
     ar_ideal, dflash_ideal = (r["programs"][k]["ideal"] for k in ("ar", "dflash"))
     assert ar_ideal["target_weights"] < r["target_weight_bytes"] and ar_ideal["target_weights"] > 0.5 * r["target_weight_bytes"]
@@ -54,12 +54,15 @@ def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_pat
     assert "AR step" in p.stdout and "HBM per chip" in p.stdout
 
 
+@pytest.mark.heavy
 def test_four_chips_split_the_weights_and_gather_none(tmp_path):
     """v5e:2x2 with every chip on `model`: heads, MLP and vocabulary split four ways, so each chip
     holds about a quarter of the weights; the step all-reduces activations and all-gathers no weight."""
     _, r = aot(tmp_path, "v5e:2x2", "--scale", "0.125", "--context", "128", "--programs", "ar",
-               "--compare-cache-len", "0")
+               "--compare-cache-len", "512")
     f = r["programs"]["ar"]
+    assert set(r["compare"]) == {"cache_len", "ar"} and r["compare"]["cache_len"] == 512
+    assert r["compare"]["ar"]["memory"]["arguments"] > f["memory"]["arguments"]  # the larger cache
     assert r["chips"] == 4 and r["mesh"] == {"data": 1, "model": 4}
     assert f["compiled"] and f["fits"]
     assert f["memory"]["arguments"] < 0.5 * r["target_weight_bytes"]
@@ -69,6 +72,7 @@ def test_four_chips_split_the_weights_and_gather_none(tmp_path):
     assert r["streaming_rate"] is None  # a partitioned program's estimate is not a per-chip time
 
 
+@pytest.mark.heavy
 def test_moe_experts_run_where_they_are_stored(tmp_path):
     """A Qwen3-30B-A3B-shaped target (128 experts, scaled widths) on v5e:2x2, model=4: each chip runs
     its own 32 experts (moe.expert_parallel). XLA's partitioner cannot split the grouped matmul

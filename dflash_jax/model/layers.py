@@ -6,6 +6,8 @@ attention sinks); the families (`dflash_jax.families`) say which switches a chec
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,13 +21,31 @@ def jnp_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+_UNFUSED_PLATFORMS = {"tpu"}
+_compiling_for: list[str] = []  # set by `compiling_for`: the platform of an ahead-of-time compile
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace for `platform` rather than the default backend (`python -m infer.bench --aot`
+    compiles for a TPU on a CPU machine)."""
+    _compiling_for.append(platform)
+    try:
+        yield
+    finally:
+        _compiling_for.pop()
+
+
 def unfused(x):
-    """A projection's output as a value of its own. On a TPU, a norm or RoPE that the compiler
-    fuses into a q/k/v projection's dot makes it re-lay out the whole kernel (a transposed copy
-    of every q, k and v weight before the decoding loop, a quarter of a Qwen3-8B step's time
-    by its own estimate); with the output materialised (a few KB while decoding) the dot
-    streams the weight as stored. Elsewhere it costs nothing measurable."""
-    return jax.lax.optimization_barrier(x)
+    """A projection's output as a value of its own, on a TPU. There, a norm or RoPE that the
+    compiler fuses into a q/k/v projection's dot makes it re-lay out the whole kernel (a
+    transposed copy of every q, k and v weight before the decoding loop, a quarter of a
+    Qwen3-8B step's time by its own estimate); with the output materialised (a few KB while
+    decoding) the dot streams the weight as stored. Elsewhere it is the identity: on XLA's CPU
+    runtime, sharded training programs with these barriers, loaded from the persistent
+    compilation cache, deadlocked in their collectives."""
+    platform = _compiling_for[-1] if _compiling_for else jax.default_backend()
+    return jax.lax.optimization_barrier(x) if platform in _UNFUSED_PLATFORMS else x
 
 
 class RMSNorm(nn.Module):

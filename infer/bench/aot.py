@@ -157,7 +157,7 @@ def custom_calls_of(hlo: str) -> list[str]:
 
 
 @functools.cache
-def streaming_rate(chip_name: str, device, nbytes: int, batch: int) -> float:
+def streaming_rate(device, nbytes: int, batch: int) -> float:
     """Bytes/s the compiler gives a pure weight-streaming program on one chip: an unrolled chain
     of [batch, d] x [d, d] matvecs over stacked bfloat16 weights of about `nbytes` (d = 4096; at
     most 2 GiB of them: the rate does not depend on the total, the compile time does)."""
@@ -180,11 +180,16 @@ def streaming_rate(chip_name: str, device, nbytes: int, batch: int) -> float:
 
 def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
     """Compile a traced program; its cost, memory and HLO figures, or why it did not compile."""
+    from dflash_jax.model.layers import compiling_for
+
     t = time.perf_counter()
     try:
-        compiled = fn.trace(*args).lower().compile()
-    except Exception as e:  # RESOURCE_EXHAUSTED: does not fit
+        with compiling_for("tpu"):
+            compiled = fn.trace(*args).lower().compile()
+    except Exception as e:  # jax raises XlaRuntimeError; only running out of HBM is a result
         text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
         asked = re.search(r"\(([\d.]+[GM])\) exceeds available HBM \(([\d.]+[GM])\)", text)
         return dict(compiled=False, error=text.strip().splitlines()[0][:400],
                     asked=f"needs {asked.group(1)} of {asked.group(2)} HBM" if asked else None,
@@ -289,7 +294,7 @@ def run_aot(args) -> dict:
                                                           tag=f"-cache{other}"))
     one_chip = target.num_chips == 1
     weights = param_bytes(abstract_params(tcfg))
-    rate = streaming_rate(target.chip_name, target.devices[0], weights, batch) if one_chip else None
+    rate = streaming_rate(target.devices[0], weights, batch) if one_chip else None
     for f in [*figs.values(), *((v for k, v in compare.items() if k != "cache_len") if compare else ())]:
         mem = f.get("memory")
         if mem:
