@@ -18,12 +18,17 @@ Sliding-window layers start the walk at the first page inside the window. An opt
 (keys/values held in registers, with their own mask) joins the same softmax: the drafter's
 block keys, which are never cached.
 
-`attend` dispatches on `IMPLEMENTATIONS`, chosen by backend: the portable plain-JAX walk below
-is the reference and the CPU and TPU path; on a GPU, `attend_fused` runs cuDNN's fused attention
-(`jax.nn.dot_product_attention(implementation="cudnn")`) over the layer's cache with the same
-mask, and falls back to the walk for what cuDNN cannot do (attention sinks, the drafter's
-uncached block keys). An implementation registers under its backend with the same signature
-and must pass the same exactness tests.
+`attend` dispatches on `IMPLEMENTATIONS`, chosen by the platform traced for
+(`dflash_jax.platform`): the portable plain-JAX walk below is the reference and the CPU path; on
+a TPU, `attention_tpu.attend_pallas` is a Pallas kernel, ragged per row (each row reads its own
+key blocks), with every mask kind and a cost estimate of the blocks it reads; on a GPU,
+`attend_fused` runs cuDNN's fused attention (`jax.nn.dot_product_attention(implementation=
+"cudnn")`) over the layer's cache with the same mask, and falls back to the walk for what cuDNN
+cannot do (attention sinks, the drafter's uncached block keys). An implementation registers
+under its backend with the same signature and must pass the same exactness tests.
+
+An arbitrary in-block mask (a tree's) goes through `chunk`: the block's keys and values, with
+their own [n, T, C] mask, beside the cached context below `kv_limit`.
 """
 
 from __future__ import annotations
@@ -184,12 +189,21 @@ def attend_fused(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=
     return out.reshape(n, t, kv_heads * groups * d).astype(jnp.float32)
 
 
+def attend_tpu(*args, **kwargs):
+    """The TPU path: the Pallas kernel of `dflash_jax.attention_tpu` (imported on first use)."""
+    from dflash_jax.attention_tpu import attend_pallas
+    return attend_pallas(*args, **kwargs)
+
+
 # backend -> implementation; "default" serves every backend without its own kernel.
-IMPLEMENTATIONS: dict[str, Callable] = {"default": attend_pages_xla, "gpu": attend_fused}
+IMPLEMENTATIONS: dict[str, Callable] = {"default": attend_pages_xla, "gpu": attend_fused, "tpu": attend_tpu}
 
 
 def implementation(backend: str | None = None) -> Callable:
-    backend = backend or jax.default_backend()
+    """The implementation for `backend` (default: the platform being traced for, which an
+    ahead-of-time compile sets)."""
+    from dflash_jax.platform import target_platform
+    backend = backend or target_platform()
     return IMPLEMENTATIONS.get(backend, IMPLEMENTATIONS["default"])
 
 

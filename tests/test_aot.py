@@ -1,6 +1,6 @@
 """The engine compiled for TPUs on this CPU (`python -m infer.bench --aot`): it compiles, fits,
-partitions over several chips without gathering a weight, and the TPU program streams the
-q/k/v weights as stored (no transposed copy of a kernel per call).
+partitions over several chips without gathering a weight, attends through the Pallas kernel, and
+the TPU program streams the q/k/v weights as stored (no transposed copy of a kernel per call).
 
 These need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are skipped,
 with that reason. The multi-chip compiles (four chips, MoE expert parallelism) are `-m heavy`."""
@@ -39,6 +39,9 @@ def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_pat
         assert f["bytes"] > 0 and f["flops"] > 0
         assert not any(f["collectives"][c] for c in ("all-reduce", "all-gather", "all-to-all")), f["collectives"]
         assert (hlo / f"{name}.hlo.txt").exists()
+        # attention is the Pallas kernel, compiled through Mosaic: one custom call per attention layer
+        kernels = re.findall(r'custom_call_target="tpu_custom_call"', (hlo / f"{name}.hlo.txt").read_text())
+        assert len(kernels) >= 2, (name, len(kernels))
     assert r["compare"] is None
     # the ideal: the target's weights but its embedding table (a lookup reads rows), plus the drafter's for a cycle
     ar_ideal, dflash_ideal = (r["programs"][k]["ideal"] for k in ("ar", "dflash"))

@@ -203,7 +203,7 @@ def test_fused_path_equals_the_page_walk(kv, groups, d, window, scale):
 
 def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
     assert implementation("gpu") is attend_fused and IMPLEMENTATIONS["gpu"] is attend_fused
-    assert implementation("cpu") is attend_pages_xla and implementation("tpu") is attend_pages_xla
+    assert implementation("cpu") is attend_pages_xla
     rs = np.random.RandomState(7)
     k, v = (jnp.asarray(rs.randn(LAYERS, BATCH, 2 * PAGE, KV, D), jnp.float32) for _ in range(2))
     q = jnp.asarray(rs.randn(BATCH, 2, KV, GROUPS, D), jnp.float32)

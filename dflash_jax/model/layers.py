@@ -6,8 +6,6 @@ attention sinks); the families (`dflash_jax.families`) say which switches a chec
 
 from __future__ import annotations
 
-import contextlib
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ import jax.numpy as jnp
 from dflash_jax.attention import attend, write_kv
 from dflash_jax.config import ModelConfig
 from dflash_jax.model.rope import rope_inv_freq
+from dflash_jax.platform import target_platform
 
 
 def jnp_dtype(name: str):
@@ -22,18 +21,6 @@ def jnp_dtype(name: str):
 
 
 _UNFUSED_PLATFORMS = {"tpu"}
-_compiling_for: list[str] = []  # set by `compiling_for`: the platform of an ahead-of-time compile
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str):
-    """Trace for `platform` rather than the default backend (`python -m infer.bench --aot`
-    compiles for a TPU on a CPU machine)."""
-    _compiling_for.append(platform)
-    try:
-        yield
-    finally:
-        _compiling_for.pop()
 
 
 def unfused(x):
@@ -44,8 +31,7 @@ def unfused(x):
     decoding) the dot streams the weight as stored. Elsewhere it is the identity: on XLA's CPU
     runtime, sharded training programs with these barriers, loaded from the persistent
     compilation cache, deadlocked in their collectives."""
-    platform = _compiling_for[-1] if _compiling_for else jax.default_backend()
-    return jax.lax.optimization_barrier(x) if platform in _UNFUSED_PLATFORMS else x
+    return jax.lax.optimization_barrier(x) if target_platform() in _UNFUSED_PLATFORMS else x
 
 
 class RMSNorm(nn.Module):

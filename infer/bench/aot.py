@@ -30,12 +30,15 @@ compile with RESOURCE_EXHAUSTED; the report says so with the HBM the compiler as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import re
 import time
 from pathlib import Path
+
+from dflash_jax.attention_tpu import expected_live
 
 GIB = 1 << 30
 
@@ -180,7 +183,7 @@ def streaming_rate(device, nbytes: int, batch: int) -> float:
 
 def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
     """Compile a traced program; its cost, memory and HLO figures, or why it did not compile."""
-    from dflash_jax.model.layers import compiling_for
+    from dflash_jax.platform import compiling_for
 
     t = time.perf_counter()
     try:
@@ -205,9 +208,30 @@ def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
 
 
 def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cache_len: int, page_size: int,
-                    hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "") -> dict:
+                    hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "", attention: str = "kernel") -> dict:
     """Compile the engine's prefill / AR run_cycles / DFlash run_cycles on `mesh` for abstract
-    inputs; per program its `_compile` figures and the ideal bytes."""
+    inputs; per program its `_compile` figures and the ideal bytes. attention: the Pallas kernel
+    (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or the
+    portable walk."""
+    with _tpu_attention(attention), expected_live(context):
+        return _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir,
+                                programs, tag)
+
+
+@contextlib.contextmanager
+def _tpu_attention(name: str):
+    from dflash_jax import attention
+
+    saved = attention.IMPLEMENTATIONS["tpu"]
+    if name == "walk":
+        attention.IMPLEMENTATIONS["tpu"] = attention.attend_pages_xla
+    try:
+        yield
+    finally:
+        attention.IMPLEMENTATIONS["tpu"] = saved
+
+
+def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir, programs, tag):
     import jax
     import jax.numpy as jnp
 
@@ -285,13 +309,16 @@ def run_aot(args) -> dict:
     print(describe_published(tcfg, dcfg, scale, dtype) + "; abstract weights (nothing allocated)")
     print(f"batch {batch}, context {context}, cache {cache_len} positions per row (pages of {args.page_size})",
           flush=True)
-    figs = engine_programs(tcfg, dcfg, mesh, batch, context, cache_len, args.page_size, hlo_dir, programs)
+    attention = getattr(args, "attention", "kernel")
+    print(f"attention: {'the Pallas kernel' if attention == 'kernel' else 'the portable walk'}")
+    figs = engine_programs(tcfg, dcfg, mesh, batch, context, cache_len, args.page_size, hlo_dir, programs,
+                           attention=attention)
     compare = None
     other = cache_length(max(args.compare_cache_len or 0, context + 2 * b), args.page_size)
     if args.compare_cache_len and other != cache_len:
         compare = dict(cache_len=other, **engine_programs(tcfg, dcfg, mesh, batch, context, other, args.page_size,
                                                           hlo_dir, tuple(p for p in programs if p != "prefill"),
-                                                          tag=f"-cache{other}"))
+                                                          tag=f"-cache{other}", attention=attention))
     one_chip = target.num_chips == 1
     weights = param_bytes(abstract_params(tcfg))
     rate = streaming_rate(target.devices[0], weights, batch) if one_chip else None
@@ -305,7 +332,7 @@ def run_aot(args) -> dict:
     report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
                   chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape, scale=scale,
                   dtype=dtype, batch_size=batch, context=context, cache_len=cache_len, page_size=args.page_size,
-                  paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
+                  attention=attention, paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
                   compare=compare)
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
         report["cycle_over_step"] = figs["dflash"]["seconds"] / figs["ar"]["seconds"]

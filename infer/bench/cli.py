@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how the topology's chips are split (default: every chip on model)")
     aot.add_argument("--programs", default="prefill,ar,dflash", help="which programs to compile, comma-separated")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
+    aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel",
+                     help="the TPU attention: the Pallas kernel (the engine's on a TPU) or the portable walk")
 
     work = p.add_argument_group("workloads")
     work.add_argument("--cache-prompt-lens", default="128,8192",

@@ -1,0 +1,217 @@
+"""The TPU attention kernel: a Pallas (Mosaic) kernel with the signature and the results of the
+portable walk (`attention.attend_pages_xla`), registered as `attention.IMPLEMENTATIONS["tpu"]`.
+
+Grid: (query row, query tile, key block). Each step copies one block of `block` cache
+positions of the row's own batch row (all K/V heads, as the cache stores them) into VMEM and
+folds it into an online softmax held in VMEM scratch (float32 running max, sum and values per
+K/V head). The key-block axis is ragged: its index map starts at the first block a query of
+the tile can see (sliding windows) and stops at the last block holding a key below the tile's
+`kv_limit`; steps past the row's last block keep the same block index, so the pipeline copies
+nothing and the step computes nothing. A row reads the blocks it uses, not what the cache was
+sized for.
+
+Masks, in the kernel: a query sees cached keys at positions < its own `kv_limit` (causal at the
+row's offset for the target's verify, the context length for the drafter) and, with a window,
+> its position - window. The drafter's block keys (`chunk`, never cached, with their own
+arbitrary [n, T, C] mask: the drafter's non-causal block, or a tree's in-block mask) and
+attention sinks join the kernel's softmax statistics afterwards, outside the kernel: they are
+a few keys, and merging two online-softmax states is exact.
+
+The compiler cannot see into the kernel, so its `pl.CostEstimate` declares the bytes and flops
+of the blocks a row reads: `expected_live(n)` (the bench sets it to the context it models)
+says how many cache positions a row holds; without it the kernel is charged the whole cache.
+
+Off a TPU the kernel runs in Pallas's TPU interpret mode (the tests, on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dflash_jax import attention
+from dflash_jax.platform import target_platform
+
+Q_ROWS = 256  # query rows (queries x heads per K/V head) per tile: a tile's scores are [Q_ROWS, block]
+BLOCK = 512  # cache positions per grid step (a divisor of the cache length, at least a page)
+
+_expected_live: list[int] = []
+
+
+@contextlib.contextmanager
+def expected_live(positions: int):
+    """Declare, for the kernels traced inside, how many cache positions a row holds: their cost
+    estimates charge the blocks that many positions fill (the compiler's estimate of a step
+    then reflects the K/V the kernel reads, not the cache's size)."""
+    _expected_live.append(int(positions))
+    try:
+        yield
+    finally:
+        _expected_live.pop()
+
+
+def _block_len(max_len: int, page: int) -> int:
+    """The largest multiple of the page, at most BLOCK, that divides the cache length."""
+    if max_len <= BLOCK:
+        return max_len
+    for size in range(BLOCK, page - 1, -page):
+        if max_len % size == 0:
+            return size
+    return page
+
+
+def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float):
+    """One online-softmax step per K/V head over a [keys, kv_heads, d] block: the walk's
+    `attention._update`, with masked scores at -inf and the running max from the finite NEG."""
+    for h in range(kv_heads):
+        q = q_ref[h]  # [rows, d]
+        k = k_ref[:, h, :].astype(q.dtype)  # [keys, d]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask, s, -jnp.inf)
+        m_prev = m_scr[h]
+        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        v = v_ref[:, h, :]
+        m_scr[h] = m_new
+        l_scr[h] = l_scr[h] * alpha + p.sum(axis=-1, keepdims=True)
+        acc_scr[h] = acc_scr[h] * alpha + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads: int, window: int | None,
+            scale: float, has_sinks: bool, has_chunk: bool):
+    del rows_ref  # used by the index maps only
+    refs = list(refs)
+    q_ref, pos_ref, lim_ref = refs[:3]
+    sink_ref = refs.pop(3) if has_sinks else None
+    ck_ref, cv_ref, cmask_ref = (refs.pop(3), refs.pop(3), refs.pop(3)) if has_chunk else (None, None, None)
+    k_ref, v_ref, out_ref, m_scr, l_scr, acc_scr = refs[3:]
+    b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = b * n_tiles + t
+    blk = lo_ref[tile] + j
+
+    @pl.when(j == 0)
+    def _init():
+        if has_sinks:  # a key every query sees, with its own logit and no value
+            m_scr[...] = sink_ref[...]
+            l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
+        else:
+            m_scr[...] = jnp.full(m_scr.shape, attention.NEG, jnp.float32)
+            l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+        if has_chunk:
+            _fold(q_ref, ck_ref, cv_ref, cmask_ref[...] != 0, m_scr, l_scr, acc_scr, kv_heads, scale)
+
+    @pl.when(blk < hi_ref[tile])
+    def _cache():
+        key_pos = blk * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        mask = key_pos < lim_ref[...]  # [rows, block]
+        if window is not None:
+            mask &= key_pos > pos_ref[...] - window
+        _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads, scale)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _store():
+        out_ref[...] = acc_scr[...] / jnp.maximum(l_scr[...], jnp.finfo(jnp.float32).tiny)
+
+
+def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
+                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, interpret=None):
+    """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
+    the kernel compiled on a TPU and in TPU interpret mode elsewhere."""
+    n, t, kv_heads, groups, d = q.shape
+    _, batch, max_len, _, _ = k_buf.shape
+    page = attention.page_size_of(max_len, page_size)
+    block = _block_len(max_len, page)
+    n_blocks = max_len // block
+    scale = d ** -0.5 if scale is None else scale
+
+    # Query tiles: whole queries, a multiple of 8 rows (the TPU's sublanes) unless one tile.
+    if t * groups <= Q_ROWS:
+        tq = t
+    else:
+        tq = 8 * max(1, Q_ROWS // (8 * groups))
+    n_tiles = -(-t // tq)
+    t_pad = n_tiles * tq
+    pad = t_pad - t
+    q_pos = q_pos.astype(jnp.int32)
+    kv_limit = kv_limit.astype(jnp.int32)
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+        q_pos = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge")
+        kv_limit = jnp.pad(kv_limit, ((0, 0), (0, pad)))  # sees nothing: no bound moves
+
+    # Per (row, tile): the key blocks that can hold a visible key.
+    lim_t = jnp.minimum(kv_limit.reshape(n, n_tiles, tq).max(-1), max_len)
+    hi = (lim_t + block - 1) // block
+    lo = jnp.zeros_like(hi)
+    if window is not None:
+        lo = jnp.clip((q_pos.reshape(n, n_tiles, tq).min(-1) - window + 1) // block, 0, hi)
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 0, batch - 1)
+
+    # Queries as [n, kv, T*groups, d] (head-major: a K/V head's queries are one matrix), the
+    # per-query bounds as [n, T*groups, 1] columns.
+    qk = q.transpose(0, 2, 1, 3, 4).reshape(n, kv_heads, t_pad * groups, d)
+    col = lambda x: jnp.repeat(x, groups, axis=1)[..., None]  # noqa: E731
+    rows_per_tile = tq * groups
+
+    def kv_index(b, t_, j, rows_ref, lo_ref, hi_ref):
+        tile = b * n_tiles + t_
+        last = jnp.maximum(hi_ref[tile] - 1, lo_ref[tile])
+        return (layer, rows_ref[b], jnp.minimum(lo_ref[tile] + j, last), 0, 0)
+
+    q_spec = pl.BlockSpec((None, kv_heads, rows_per_tile, d), lambda b, t_, j, *_: (b, 0, t_, 0))
+    col_spec = pl.BlockSpec((None, rows_per_tile, 1), lambda b, t_, j, *_: (b, t_, 0))
+    in_specs, inputs = [q_spec, col_spec, col_spec], [qk, col(q_pos), col(kv_limit)]
+    if sinks is not None:
+        sink_col = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, :], (kv_heads, t_pad, groups))
+        in_specs.append(pl.BlockSpec((kv_heads, rows_per_tile, 1), lambda b, t_, j, *_: (0, t_, 0)))
+        inputs.append(sink_col.reshape(kv_heads, t_pad * groups, 1))
+    n_chunk = 0
+    if chunk is not None:
+        ck, cv, cmask = chunk
+        n_chunk = ck.shape[1]
+        cmask = jnp.pad(cmask.astype(jnp.int32), ((0, 0), (0, pad), (0, 0)))
+        in_specs += [pl.BlockSpec((None, n_chunk, kv_heads, d), lambda b, t_, j, *_: (b, 0, 0, 0))] * 2
+        in_specs.append(pl.BlockSpec((None, rows_per_tile, n_chunk), lambda b, t_, j, *_: (b, t_, 0)))
+        inputs += [ck.astype(q.dtype), cv.astype(v_buf.dtype), jnp.repeat(cmask, groups, axis=1)]
+    in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
+    inputs += [k_buf, v_buf]
+
+    live = min(_expected_live[-1], max_len) if _expected_live else max_len
+    keys = min(n_blocks, -(-live // block)) * block * n_tiles + n_chunk
+    itemsize = jnp.dtype(k_buf.dtype).itemsize
+    rows_total = n * t_pad * kv_heads * groups
+    cost = pl.CostEstimate(
+        flops=4 * rows_total * d * keys,
+        transcendentals=rows_total * keys,
+        bytes_accessed=2 * n * keys * kv_heads * d * itemsize + rows_total * d * (qk.dtype.itemsize + 4))
+
+    if interpret is None:
+        interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_tiles=n_tiles, block=block, kv_heads=kv_heads, window=window, scale=scale,
+                          has_sinks=sinks is not None, has_chunk=chunk is not None),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(n, n_tiles, n_blocks),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((kv_heads, rows_per_tile, 1), jnp.float32),
+                            pltpu.VMEM((kv_heads, rows_per_tile, 1), jnp.float32),
+                            pltpu.VMEM((kv_heads, rows_per_tile, d), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((n, kv_heads, t_pad * groups, d), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+        name=f"dflash_attention_l{layer}",
+    )(rows, lo.reshape(-1), hi.reshape(-1), *inputs)
+    out = out.reshape(n, kv_heads, t_pad, groups, d)[:, :, :t]  # [n, kv, T, g, d]
+    return out.transpose(0, 2, 1, 3, 4).reshape(n, t, kv_heads * groups * d)

@@ -1,0 +1,203 @@
+"""The TPU attention kernel (dflash_jax.attention_tpu), run here in Pallas's TPU interpret mode,
+held to the portable walk's exactness tests, and compiled through Mosaic for a TPU chip.
+
+- It equals the walk (and dense float64 attention) for every mask kind the engine uses: the
+  target's causal decode (1 query) and verify (a block at each row's own offset), the drafter's
+  context plus its non-causal block of uncached keys, an arbitrary in-block mask (a tree), sliding
+  windows, attention sinks, the scale override, prefill into chosen rows with a padding row; over
+  GQA ratios 1/4/8 and head dims 64/128/256; with several query tiles and a query count that
+  does not fill the last. (Everyday: GQA 4 at head dim 128; the other ratios are -m heavy.)
+- It is ragged: each row reads only its own key blocks. Blocks past a row's last visible key (or
+  before its window) hold NaN, which a read would spread into the output.
+- The engine with the kernel selected decodes the walk's tokens and acceptance lengths (heavy:
+  interpret mode takes half a minute).
+- Compiled for a v5e chip (libtpu), the kernel is a Mosaic custom call whose cost estimate
+  charges the blocks a row holds (`expected_live`), not the cache's size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import attention, attention_tpu
+from dflash_jax.attention_tpu import attend_pallas
+from test_attention import dense_reference, small_engine
+
+LAYERS, PAGE = 2, 8
+
+
+def buffers(rs, batch, length, kv, d):
+    return (jnp.asarray(rs.randn(LAYERS, batch, length, kv, d), jnp.float32) for _ in range(2))
+
+
+def both(q, q_pos, k, v, layer, kv_limit, **kw):
+    walk = attention.attend_pages_xla(q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
+    kernel = attend_pallas(q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
+    return np.asarray(walk), np.asarray(kernel)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Key blocks of two pages and query tiles of 16 rows, so small caches span several blocks
+    and several tiles."""
+    monkeypatch.setattr(attention_tpu, "BLOCK", 2 * PAGE)
+    monkeypatch.setattr(attention_tpu, "Q_ROWS", 16)
+
+
+@pytest.mark.parametrize("kv,groups,d", [pytest.param(2, 1, 64, marks=pytest.mark.heavy), (2, 4, 128),
+                                          pytest.param(1, 8, 256, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("kind", ["decode", "verify", "window", "drafter", "tree", "sinks", "scale", "rows"])
+def test_kernel_equals_the_walk(small_blocks, kv, groups, d, kind):
+    rs = np.random.RandomState(kv * 100 + groups * 10 + d + len(kind))
+    n, length = 3, 8 * PAGE
+    t = 1 if kind == "decode" else 5
+    offsets = np.array([0, 37, 21])  # ragged rows; one verifies from position 0
+    q_pos = offsets[:, None] + np.arange(t)[None, :]
+    batch = 4 if kind == "rows" else n
+    k, v = buffers(rs, batch, length, kv, d)
+    q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
+    kv_limit, kw = q_pos + 1, {}
+    if kind == "window":
+        kw["window"] = 6
+    elif kind in ("drafter", "tree"):  # the context below each row's length, and its block's own keys
+        kv_limit = np.broadcast_to(offsets[:, None], (n, t))
+        mask = np.ones((n, t, t), bool) if kind == "drafter" else rs.rand(n, t, t) < 0.5
+        mask[:, :, 0] = True  # every query sees at least one key (row 0 has no context)
+        kw["chunk"] = (jnp.asarray(rs.randn(n, t, kv, d), jnp.float32), jnp.asarray(rs.randn(n, t, kv, d), jnp.float32),
+                       jnp.asarray(mask))
+    elif kind == "sinks":
+        kw["sinks"] = jnp.asarray(rs.randn(kv, groups) * 2, jnp.float32)
+    elif kind == "scale":
+        kw["scale"] = 0.3
+    elif kind == "rows":  # prefill into rows 3 and 0; the last query row is padding (row == batch)
+        kw["rows"] = jnp.asarray([3, 0, batch])
+    walk, kernel = both(q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(kv_limit), **kw)
+    rows = slice(0, 2) if kind == "rows" else slice(None)
+    assert np.isfinite(kernel[rows]).all()
+    np.testing.assert_allclose(kernel[rows], walk[rows], atol=2e-5, rtol=1e-5)
+    if kind == "verify":  # and both are attention: dense float64 over the causal mask
+        mask = np.arange(length)[None, None, :] <= q_pos[:, :, None]
+        np.testing.assert_allclose(kernel, dense_reference(q, np.asarray(k[1]), np.asarray(v[1]), mask), atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_each_row_reads_only_its_own_blocks(small_blocks, window):
+    """NaN in every block past a row's last visible key, and (window) before its first: the walk
+    bounds pages over the whole batch, the kernel per row, so the kernel's output stays finite
+    where the walk's would not, and equals dense attention over the live keys."""
+    rs = np.random.RandomState(11)
+    n, t, kv, groups, d, length = 3, 4, 2, 2, 64, 12 * PAGE
+    block = 2 * PAGE
+    offsets = np.array([3, 70, 30])
+    q_pos = offsets[:, None] + np.arange(t)[None, :]
+    k, v = (np.array(x) for x in buffers(rs, n, length, kv, d))
+    for b in range(n):
+        end = -(-(q_pos[b].max() + 1) // block) * block
+        k[:, b, end:] = np.nan
+        v[:, b, end:] = np.nan
+        if window is not None:
+            start = max(0, (q_pos[b].min() - window + 1) // block * block)
+            k[:, b, :start] = np.nan
+            v[:, b, :start] = np.nan
+    q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
+    out = np.asarray(attend_pallas(q, jnp.asarray(q_pos), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(q_pos + 1),
+                                   window=window, page_size=PAGE))
+    assert np.isfinite(out).all()
+    key_pos = np.arange(length)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    expected = dense_reference(q, np.nan_to_num(k[0]), np.nan_to_num(v[0]), mask)
+    np.testing.assert_allclose(out, expected, atol=2e-5)
+
+
+def test_many_query_tiles_with_a_ragged_last_one(small_blocks):
+    """A prefill-sized query count: 13 queries x 4 heads per K/V head is four tiles of 16 rows
+    (four queries), the last holding one query and padding."""
+    rs = np.random.RandomState(5)
+    n, t, kv, groups, d = 2, 13, 2, 4, 64
+    q_pos = np.array([0, 9])[:, None] + np.arange(t)[None, :]
+    k, v = buffers(rs, n, 4 * PAGE, kv, d)
+    q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
+    walk, kernel = both(q, jnp.asarray(q_pos), k, v, 0, jnp.asarray(q_pos + 1), window=9)
+    np.testing.assert_allclose(kernel, walk, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.heavy
+def test_engine_on_the_kernel_decodes_as_on_the_walk(monkeypatch):
+    """The engine with the kernel selected (interpret mode): prefill, the target's decode and
+    verify and the drafter all attend through it, and the tokens and acceptance lengths are the
+    walk's."""
+    prompts = [[5, 9, 3, 7, 1, 4], [2, 8, 6]]
+
+    def run():
+        res = sorted(small_engine(16).generate(prompts), key=lambda r: r.index)
+        return [r.output_ids for r in res], [r.acceptance_lengths for r in res]
+
+    walk = run()
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(("chunk" if kwargs.get("chunk") is not None else "rows" if kwargs.get("rows") is not None
+                      else "target"))
+        return attend_pallas(*args, **kwargs)
+
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), kernel)
+    jax.clear_caches()
+    assert run() == walk
+    assert {"chunk", "rows", "target"} <= set(calls), set(calls)
+
+
+def test_the_kernel_is_the_tpus():
+    from dflash_jax.platform import compiling_for
+
+    assert attention.IMPLEMENTATIONS["tpu"] is attention.attend_tpu
+    with compiling_for("tpu"):
+        assert attention.implementation() is attention.attend_tpu
+    assert attention.implementation("cpu") is attention.attend_pages_xla
+
+
+@pytest.fixture
+def no_compile_cache():
+    """A TPU executable has no place in the CPU tests' persistent compilation cache."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed: pip install -e '.[tpu]' to compile for TPUs")
+def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache):
+    """Through Mosaic for one v5e chip: one custom call, and its declared bytes are the K/V of the
+    blocks `expected_live` positions fill (+ queries and output), whatever the cache's length."""
+    from infer.bench.aot import topology
+    from dflash_jax.platform import compiling_for
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(topology("v5e:1x1").devices).reshape(1), ("x",))
+    n, t, kv, groups, d = 4, 16, 2, 4, 128
+
+    def declared(cache_len, live):
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+        args = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32),
+                sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
+                sds((n, t), jnp.int32))
+        with compiling_for("tpu"), attention_tpu.expected_live(live):
+            hlo = jax.jit(lambda *a: attention.attend(*a[:4], 1, a[4])).trace(*args).lower().compile().as_text()
+        calls = re.findall(r'custom_call_target="tpu_custom_call"', hlo)
+        assert len(calls) == 1, len(calls)
+        return int(re.search(r'"bytes_accessed":"(\d+)"', hlo).group(1))
+
+    kv_bytes = lambda keys: 2 * n * keys * kv * d * 2  # noqa: E731  K and V, bfloat16
+    rest = n * t * kv * groups * d * (2 + 4)  # queries in, float32 output
+    assert declared(1024, 512) == kv_bytes(512) + rest
+    assert declared(8192, 512) == kv_bytes(512) + rest  # the cache's size is not charged
+    assert declared(8192, 1000) == kv_bytes(1024) + rest  # whole blocks
