@@ -37,8 +37,12 @@ from jax.experimental.pallas import tpu as pltpu
 from dflash_jax import attention
 from dflash_jax.platform import target_platform
 
-Q_ROWS = 256  # query rows (queries x heads per K/V head) per tile: a tile's scores are [Q_ROWS, block]
-BLOCK = 512  # cache positions per grid step (a divisor of the cache length, at least a page)
+Q_ROWS = 256  # at most this many query rows (queries x heads per K/V head) per tile
+BLOCK = 512  # at most this many cache positions per grid step (a divisor of the cache length, at least a page)
+# VMEM the pipeline's buffers may take (the default scoped VMEM limit is 16 MiB on v4 and v5): K and V
+# blocks double-buffered, and a query tile's queries and output (double-buffered) and float32 sums.
+KV_VMEM = 8 << 20
+Q_VMEM = 4 << 20
 
 _expected_live: list[int] = []
 
@@ -55,11 +59,13 @@ def expected_live(positions: int):
         _expected_live.pop()
 
 
-def _block_len(max_len: int, page: int) -> int:
-    """The largest multiple of the page, at most BLOCK, that divides the cache length."""
-    if max_len <= BLOCK:
+def _block_len(max_len: int, page: int, position_bytes: int) -> int:
+    """The largest multiple of the page, at most BLOCK, that divides the cache length and whose
+    K and V blocks, double-buffered, fit KV_VMEM (position_bytes: one position's K/V heads)."""
+    most = max(page, min(BLOCK, KV_VMEM // (4 * position_bytes) // page * page))
+    if max_len <= most:
         return max_len
-    for size in range(BLOCK, page - 1, -page):
+    for size in range(most, page - 1, -page):
         if max_len % size == 0:
             return size
     return page
@@ -128,15 +134,22 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
     n, t, kv_heads, groups, d = q.shape
     _, batch, max_len, _, _ = k_buf.shape
     page = attention.page_size_of(max_len, page_size)
-    block = _block_len(max_len, page)
+    # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
+    # rows of bfloat16, 8 of float32).
+    itemsize = jnp.dtype(k_buf.dtype).itemsize
+    sublanes = 8 * max(1, 4 // itemsize)
+    block = _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize)
     n_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
 
     # Query tiles: whole queries, a multiple of 8 rows (the TPU's sublanes) unless one tile.
-    if t * groups <= Q_ROWS:
+    # Each query row holds d values per K/V head: queries in, the float32 output (both
+    # double-buffered) and the float32 sums.
+    most_rows = max(8, min(Q_ROWS, Q_VMEM // (kv_heads * d * (2 * q.dtype.itemsize + 12)) // 8 * 8))
+    if t * groups <= most_rows:
         tq = t
     else:
-        tq = 8 * max(1, Q_ROWS // (8 * groups))
+        tq = 8 * max(1, most_rows // (8 * groups))
     n_tiles = -(-t // tq)
     t_pad = n_tiles * tq
     pad = t_pad - t
@@ -184,14 +197,18 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
     in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
     inputs += [k_buf, v_buf]
 
+    # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans),
+    # once per tile; scores and values for its own rows.
     live = min(_expected_live[-1], max_len) if _expected_live else max_len
-    keys = min(n_blocks, -(-live // block)) * block * n_tiles + n_chunk
-    itemsize = jnp.dtype(k_buf.dtype).itemsize
+    if window is not None:
+        live = min(live, window + t_pad + block)
+    keys = min(n_blocks, -(-live // block)) * block
     rows_total = n * t_pad * kv_heads * groups
     cost = pl.CostEstimate(
-        flops=4 * rows_total * d * keys,
-        transcendentals=rows_total * keys,
-        bytes_accessed=2 * n * keys * kv_heads * d * itemsize + rows_total * d * (qk.dtype.itemsize + 4))
+        flops=4 * rows_total * d * (keys + n_chunk),
+        transcendentals=rows_total * (keys + n_chunk),
+        bytes_accessed=(2 * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
+                        + rows_total * d * (qk.dtype.itemsize + 4)))
 
     if interpret is None:
         interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()

@@ -201,3 +201,27 @@ def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache)
     assert declared(1024, 512) == kv_bytes(512) + rest
     assert declared(8192, 512) == kv_bytes(512) + rest  # the cache's size is not charged
     assert declared(8192, 1000) == kv_bytes(1024) + rest  # whole blocks
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed: pip install -e '.[tpu]' to compile for TPUs")
+def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
+    """Gemma 4's global layers (4 K/V heads of 512, 8 queries each) verifying 16 tokens over an
+    8192-position cache compile for a v5e chip: blocks and query tiles are sized to the 16 MiB of
+    scoped VMEM, with the K/V heads padded to whole sublane tiles (unpadded sizing asked 18.6 MiB)."""
+    from infer.bench.aot import topology
+    from dflash_jax.platform import compiling_for
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(topology("v5e:1x1").devices).reshape(1), ("x",))
+    n, t, kv, groups, d, cache_len = 8, 16, 4, 8, 512, 8192
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    args = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32),
+            sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
+            sds((n, t), jnp.int32))
+    with compiling_for("tpu"):
+        hlo = jax.jit(lambda *a: attention.attend(*a[:4], 1, a[4])).trace(*args).lower().compile().as_text()
+    assert 'custom_call_target="tpu_custom_call"' in hlo
