@@ -130,7 +130,57 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
 def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
                   page_size=attention.PAGE_SIZE, sinks=None, scale=None, interpret=None):
     """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
-    the kernel compiled on a TPU and in TPU interpret mode elsewhere."""
+    the kernel compiled on a TPU and in TPU interpret mode elsewhere.
+
+    Under a mesh (the engine traces under its own, `jax.sharding.use_abstract_mesh`) the kernel
+    runs per device in a shard_map: K/V heads over `model`, rows over `data`, as the sharding
+    rules store the cache (XLA cannot partition a Mosaic kernel itself). Admission into chosen
+    rows with rows split over `data` (a row's cache may be on another device) takes the walk."""
+    kw = dict(window=window, page_size=page_size, scale=scale, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows, sinks=sinks, **kw)
+    from jax.sharding import PartitionSpec as P
+
+    n, t, kv_heads, groups, d = q.shape
+    split = lambda axis, size: axis if axis in mesh.axis_names and size % mesh.shape[axis] == 0 else None  # noqa: E731
+    heads, data = split("model", kv_heads), split("data", k_buf.shape[1])
+    if data is not None and (rows is not None or n != k_buf.shape[1]):
+        if mesh.shape["data"] > 1:
+            return attention.attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows,
+                                              sinks=sinks, window=window, page_size=page_size, scale=scale)
+        data = None
+    args, specs = [q, q_pos, k_buf, v_buf, kv_limit], [P(data, None, heads, None, None), P(data, None),
+                                                     P(None, data, None, heads, None), P(None, data, None, heads, None),
+                                                     P(data, None)]
+    names = ["chunk"] * 3 * (chunk is not None) + ["sinks"] * (sinks is not None) + ["rows"] * (rows is not None)
+    if chunk is not None:
+        args += list(chunk)
+        specs += [P(data, None, heads, None), P(data, None, heads, None), P(data, None, None)]
+    if sinks is not None:
+        args.append(sinks)
+        specs.append(P(heads, None))
+    if rows is not None:
+        args.append(rows)
+        specs.append(P())
+
+    def local(q, q_pos, k_buf, v_buf, kv_limit, *extra):
+        extra = list(extra)
+        got = {}
+        for name in dict.fromkeys(names):
+            take = 3 if name == "chunk" else 1
+            got[name] = tuple(extra[:take]) if name == "chunk" else extra[0]
+            extra = extra[take:]
+        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=got.get("chunk"), rows=got.get("rows"),
+                       sinks=got.get("sinks"), **kw)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(data, None, heads),
+                         check_vma=False)(*args)
+
+
+def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
+            page_size=attention.PAGE_SIZE, sinks=None, scale=None, interpret=None):
+    """The kernel on one device's arrays."""
     n, t, kv_heads, groups, d = q.shape
     _, batch, max_len, _, _ = k_buf.shape
     page = attention.page_size_of(max_len, page_size)

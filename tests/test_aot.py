@@ -107,3 +107,36 @@ def test_bad_topology_and_mesh_are_one_line_errors(tmp_path):
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: unknown TPU topology 'v9:1x1'")
     p, _ = aot(tmp_path, "v5e:2x2", "--mesh", "model=3", check=False)
     assert p.returncode != 0 and "error:" in p.stderr.strip().splitlines()[-1]
+
+
+def test_prefetched_weights_are_counted_five_times():
+    """The report's HBM figure subtracts 4 x the bytes the HLO prefetches into on-chip memory:
+    that is how the TPU compiler's cost analysis counts them. A chain of matvecs over separate
+    [4096, 4096] weights, p of them prefetched: bytes accessed = (n + 4 p) weights."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from infer.bench.aot import cost_of, prefetched_bytes, topology
+
+    mesh = Mesh(np.array(topology("v5p:1x1x1").devices).reshape(1), ("x",))
+    d, n = 4096, 8
+
+    def chain(x, *ws):
+        for w in ws:
+            x = (x @ w).astype(x.dtype)
+        return x
+
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU executable in the CPU tests' cache
+    try:
+        compiled = jax.jit(chain).trace(sds((8, d)), *[sds((d, d))] * n).lower().compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    weight = d * d * 2
+    prefetched = prefetched_bytes(compiled.as_text())
+    assert prefetched > 0 and prefetched % weight == 0, prefetched
+    # (+ the [8, 4096] activations: 0.1 %)
+    assert cost_of(compiled)["bytes"] == pytest.approx((n + 4 * prefetched // weight) * weight, rel=0.005)
+    assert cost_of(compiled)["bytes"] > (n + 1) * weight  # without the correction it would be off

@@ -6,7 +6,8 @@ held to the portable walk's exactness tests, and compiled through Mosaic for a T
   context plus its non-causal block of uncached keys, an arbitrary in-block mask (a tree), sliding
   windows, attention sinks, the scale override, prefill into chosen rows with a padding row; over
   GQA ratios 1/4/8 and head dims 64/128/256; with several query tiles and a query count that
-  does not fill the last. (Everyday: GQA 4 at head dim 128; the other ratios are -m heavy.)
+  does not fill the last. (Everyday: GQA 4 at head dim 128 for verify, tree, sinks and rows; the
+  other kinds and ratios are -m heavy.)
 - It is ragged: each row reads only its own key blocks. Blocks past a row's last visible key (or
   before its window) hold NaN, which a read would spread into the output.
 - The engine with the kernel selected decodes the walk's tokens and acceptance lengths (heavy:
@@ -30,6 +31,9 @@ from dflash_jax.attention_tpu import attend_pallas
 from test_attention import dense_reference, small_engine
 
 LAYERS, PAGE = 2, 8
+# everyday: verify, a tree's mask over the drafter's block, sinks, admission rows (windows: the
+# ragged-read test); the rest of the matrix is -m heavy
+HEAVY_KINDS = ("decode", "window", "drafter", "scale")
 
 
 def buffers(rs, batch, length, kv, d):
@@ -52,7 +56,8 @@ def small_blocks(monkeypatch):
 
 @pytest.mark.parametrize("kv,groups,d", [pytest.param(2, 1, 64, marks=pytest.mark.heavy), (2, 4, 128),
                                           pytest.param(1, 8, 256, marks=pytest.mark.heavy)])
-@pytest.mark.parametrize("kind", ["decode", "verify", "window", "drafter", "tree", "sinks", "scale", "rows"])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.heavy) if k in HEAVY_KINDS else k
+                                  for k in ("decode", "verify", "window", "drafter", "tree", "sinks", "scale", "rows")])
 def test_kernel_equals_the_walk(small_blocks, kv, groups, d, kind):
     rs = np.random.RandomState(kv * 100 + groups * 10 + d + len(kind))
     n, length = 3, 8 * PAGE
@@ -225,3 +230,48 @@ def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
     with compiling_for("tpu"):
         hlo = jax.jit(lambda *a: attention.attend(*a[:4], 1, a[4])).trace(*args).lower().compile().as_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo
+
+
+MESH_CHECK = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dflash_jax import attention
+from dflash_jax.attention_tpu import attend_pallas
+from jax.sharding import AxisType
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)  # as the engine's mesh
+rs = np.random.RandomState(0)
+n, t, kv, g, d, length = 4, 3, 4, 2, 64, 64
+q_pos = np.array([0, 17, 40, 9])[:, None] + np.arange(t)[None, :]
+k, v = (rs.randn(2, n, length, kv, d).astype(np.float32) for _ in range(2))
+q = rs.randn(n, t, kv, g, d).astype(np.float32)
+chunk = (rs.randn(n, t, kv, d).astype(np.float32), rs.randn(n, t, kv, d).astype(np.float32), rs.rand(n, t, t) < 0.6)
+sinks = rs.randn(kv, g).astype(np.float32)
+put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+args = (put(q, P("data", None, "model")), put(q_pos, P("data")), put(k, P(None, "data", None, "model")),
+        put(v, P(None, "data", None, "model")), put(q_pos + 1, P("data")))
+for kw in (dict(), dict(window=5, sinks=jnp.asarray(sinks)), dict(chunk=tuple(jnp.asarray(c) for c in chunk)),
+           dict(rows=jnp.asarray([1, 0, 3, 2]))):
+    @jax.jit
+    def run(*a):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return attend_pallas(*a[:4], 1, a[4], page_size=8, **kw)
+    got = np.asarray(run(*args))
+    want = np.asarray(attention.attend_pages_xla(*(jnp.asarray(x) for x in (q, q_pos, k, v)), 1, jnp.asarray(q_pos + 1),
+                                                 page_size=8, **kw))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    print("ok", sorted(kw))
+"""
+
+
+@pytest.mark.heavy
+def test_on_a_mesh_the_kernel_runs_per_device():
+    """On 8 CPU devices (data=2, model=4), traced under the mesh as the engine traces: the kernel
+    in a shard_map (heads over model, rows over data) equals the walk on one device, for the
+    target's verify, a window with sinks, the drafter's block, and admission rows (the walk)."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count("ok") == 4, p.stdout
