@@ -330,6 +330,11 @@ def test_bad_flags_are_refused():
         bench.main(["--cost", "--mixed-workload"])
     with pytest.raises(SystemExit, match="--target and --drafter go together"):
         bench.main(["--target", str(TINY / "target"), "--no-split"])
+    # a cache too short for the prompts is refused before anything compiles (it was a traceback from the scheduler)
+    with pytest.raises(SystemExit, match=r"--cache-prompt-lens 8,64: the longest prompt has \d+ tokens, more than a "
+                                         r"max_prompt_len of 8 holds; give both at least \d+"):
+        bench.main(["--cache-scaling", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
+                    "--cache-prompt-lens", "8,64", "--repeats", "1"])
 
 
 def test_an_unknown_flag_value_is_one_line_and_modes_write_their_own_files(capsys):

@@ -85,6 +85,10 @@ def run_cache_scaling(args) -> dict:
     print(describe_pair(pair))
     print(f"target max_position_embeddings raised in memory to {top}")
     prompts, snippets, kind = heldout_prompts(args, pair)
+    longest = max(len(p) for p in prompts)
+    if longest > min(small, large):
+        raise SystemExit(f"error: --cache-prompt-lens {small},{large}: the longest prompt has {longest} tokens, more "
+                         f"than a max_prompt_len of {min(small, large)} holds; give both at least {longest}")
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
     print(f"greedy, {args.max_new_tokens} new tokens per row, no stop tokens, batch {batch}; Generator "
           f"max_prompt_len {small} vs {large}; median of {args.repeats} interleaved runs\n", flush=True)
