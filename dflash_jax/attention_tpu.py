@@ -150,32 +150,18 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
             return attention.attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows,
                                               sinks=sinks, window=window, page_size=page_size, scale=scale)
         data = None
-    args, specs = [q, q_pos, k_buf, v_buf, kv_limit], [P(data, None, heads, None, None), P(data, None),
-                                                     P(None, data, None, heads, None), P(None, data, None, heads, None),
-                                                     P(data, None)]
-    names = ["chunk"] * 3 * (chunk is not None) + ["sinks"] * (sinks is not None) + ["rows"] * (rows is not None)
-    if chunk is not None:
-        args += list(chunk)
-        specs += [P(data, None, heads, None), P(data, None, heads, None), P(data, None, None)]
-    if sinks is not None:
-        args.append(sinks)
-        specs.append(P(heads, None))
-    if rows is not None:
-        args.append(rows)
-        specs.append(P())
+    row_heads = P(data, None, heads, None)
+    extra = {k: v for k, v in dict(chunk=chunk, sinks=sinks, rows=rows).items() if v is not None}
+    extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
+                                               sinks=P(heads, None), rows=P()).items() if k in extra}
+    cache = P(None, data, None, heads, None)
 
-    def local(q, q_pos, k_buf, v_buf, kv_limit, *extra):
-        extra = list(extra)
-        got = {}
-        for name in dict.fromkeys(names):
-            take = 3 if name == "chunk" else 1
-            got[name] = tuple(extra[:take]) if name == "chunk" else extra[0]
-            extra = extra[take:]
-        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=got.get("chunk"), rows=got.get("rows"),
-                       sinks=got.get("sinks"), **kw)
+    def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
+        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, **extra, **kw)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(data, None, heads),
-                         check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, None, None), P(data, None), cache, cache,
+                                                     P(data, None), extra_specs),
+                         out_specs=P(data, None, heads), check_vma=False)(q, q_pos, k_buf, v_buf, kv_limit, extra)
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,

@@ -151,6 +151,12 @@ def small_engine(max_prompt_len):
                      max_new_tokens=16, max_prompt_len=max_prompt_len, page_size=PAGE)
 
 
+def small_engine_tokens(prompts=((5, 9, 3, 7, 1, 4), (2, 8, 6))):
+    """The small DFlash engine's output tokens and acceptance lengths for `prompts`, in order."""
+    res = sorted(small_engine(16).generate([list(p) for p in prompts]), key=lambda r: r.index)
+    return [r.output_ids for r in res], [r.acceptance_lengths for r in res]
+
+
 def compiled_loop(gen):
     state = jax.eval_shape(gen.new_state)
     return run_cycles.lower(gen.tparams, gen.dparams, gen.spec, state, gen.stop_ids, np.int32(4),
@@ -227,13 +233,7 @@ def test_engine_on_the_fused_path_decodes_as_on_the_walk(monkeypatch):
     and acceptance lengths are the walk's."""
     import dflash_jax.attention as attention
 
-    prompts = [[5, 9, 3, 7, 1, 4], [2, 8, 6]]
-
-    def run():
-        res = sorted(small_engine(16).generate(prompts), key=lambda r: r.index)
-        return [r.output_ids for r in res], [r.acceptance_lengths for r in res]
-
-    walk = run()
+    walk = small_engine_tokens()
     calls = []
 
     def fused(*args, **kwargs):
@@ -242,5 +242,5 @@ def test_engine_on_the_fused_path_decodes_as_on_the_walk(monkeypatch):
 
     monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), fused)
     jax.clear_caches()
-    assert run() == walk
+    assert small_engine_tokens() == walk
     assert any(calls) and not all(calls)  # the target's decode/verify took it; the drafter and prefill fell back

@@ -28,7 +28,7 @@ import pytest
 
 from dflash_jax import attention, attention_tpu
 from dflash_jax.attention_tpu import attend_pallas
-from test_attention import dense_reference, small_engine
+from test_attention import dense_reference, small_engine_tokens
 
 LAYERS, PAGE = 2, 8
 # everyday: verify, a tree's mask over the drafter's block, sinks, admission rows (windows: the
@@ -139,13 +139,7 @@ def test_engine_on_the_kernel_decodes_as_on_the_walk(monkeypatch):
     """The engine with the kernel selected (interpret mode): prefill, the target's decode and
     verify and the drafter all attend through it, and the tokens and acceptance lengths are the
     walk's."""
-    prompts = [[5, 9, 3, 7, 1, 4], [2, 8, 6]]
-
-    def run():
-        res = sorted(small_engine(16).generate(prompts), key=lambda r: r.index)
-        return [r.output_ids for r in res], [r.acceptance_lengths for r in res]
-
-    walk = run()
+    walk = small_engine_tokens()
     calls = []
 
     def kernel(*args, **kwargs):
@@ -155,7 +149,7 @@ def test_engine_on_the_kernel_decodes_as_on_the_walk(monkeypatch):
 
     monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), kernel)
     jax.clear_caches()
-    assert run() == walk
+    assert small_engine_tokens() == walk
     assert {"chunk", "rows", "target"} <= set(calls), set(calls)
 
 
