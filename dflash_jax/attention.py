@@ -29,6 +29,14 @@ under its backend with the same signature and must pass the same exactness tests
 
 An arbitrary in-block mask (a tree's) goes through `chunk`: the block's keys and values, with
 their own [n, T, C] mask, beside the cached context below `kv_limit`.
+
+Page pool. With a page table (`pages` [batch, pages per row] int32) the buffers are one pool
+of pages shared by every row, `[layers, num_pages, page_size, kv_heads, head_dim]`, and page
+j of row b is `buf[layer, pages[b, j]]`: rows of different lengths hold only the pages they
+were given (`dflash_jax.engine.scheduler` hands them out and takes them back). An entry of
+`num_pages` or more is no page: writes to it are dropped and reads of it are masked (they
+are past the row's length). Every implementation takes the same table; the GPU path walks
+the pool (cuDNN's attention wants each row's keys contiguous).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ def page_size_of(max_len: int, page_size: int = PAGE_SIZE) -> int:
     return min(page_size, max_len)
 
 
-def write_kv(buf, layer: int | None, new, offsets, rows=None):
+def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None):
     """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
     row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
     with layer None, into every layer: new is then [layers, n, T, ...]).
@@ -62,7 +70,13 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None):
     loop-carried buffer (a scatter is in place too, but XLA's cost analysis counts it as the
     whole buffer read and written; a loop body is counted once, so cost reports add the
     other rows' writes). Rows out of range are padding (an admission batch points them at
-    row `batch`) and write back what is there. The caller keeps offsets + T <= len."""
+    row `batch`) and write back what is there. The caller keeps offsets + T <= len.
+
+    With a page table (`pages` [batch, pages per row]; buf a pool [layers, num_pages, page,
+    ...]) it is one scatter of every (row, position) into its page, positions in no page of
+    the row (padding rows, pages past its reservation) dropped."""
+    if pages is not None:
+        return _write_pool(buf, layer, new, offsets, rows, pages)
     n = new.shape[-4]
     batch = buf.shape[1]
     new = new.astype(buf.dtype)
@@ -79,6 +93,26 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None):
         return jax.lax.dynamic_update_slice(buf, update, start)
 
     return jax.lax.fori_loop(0, n, one, buf)
+
+
+def _write_pool(buf, layer, new, offsets, rows, pages):
+    layers, num_pages, page, heads, dim = buf.shape
+    n, t = new.shape[-4], new.shape[-3]
+    batch, per_row = pages.shape
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    pos = offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [n, T]
+    logical = pos // page
+    table = jnp.take(pages, rows, axis=0, mode="clip")  # [n, per_row]
+    phys = jnp.take_along_axis(table, jnp.clip(logical, 0, per_row - 1), axis=1)
+    ok = (rows < batch)[:, None] & (logical < per_row) & (phys >= 0) & (phys < num_pages)
+    flat = jnp.where(ok, phys * page + pos % page, num_pages * page).reshape(-1)  # out of range: dropped
+    pool = buf.reshape(layers, num_pages * page, heads, dim)
+    new = new.astype(buf.dtype)
+    if layer is None:  # [layers, n, T, kv, d]
+        pool = pool.at[:, flat].set(new.reshape(layers, n * t, heads, dim), mode="drop")
+    else:
+        pool = pool.at[layer, flat].set(new.reshape(n * t, heads, dim), mode="drop")
+    return pool.reshape(buf.shape)
 
 
 def _page(buf, layer, start, size, rows):
@@ -111,11 +145,18 @@ def _update(carry, scores, mask, v):
 
 
 def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                     page_size=PAGE_SIZE, sinks=None, scale=None):
+                     page_size=PAGE_SIZE, sinks=None, scale=None, pages=None):
     """The portable reference: see `attend`."""
     n, t, kv_heads, groups, d = q.shape
-    max_len = k_buf.shape[2]
-    page = page_size_of(max_len, page_size)
+    if pages is None:
+        max_len = k_buf.shape[2]
+        page = page_size_of(max_len, page_size)
+        load = lambda buf, j: _page(buf, layer, j * page, page, rows)  # noqa: E731
+    else:  # a pool: page j of each query row is its table's entry j (past the pool: clamped, masked)
+        page = k_buf.shape[2]
+        max_len = pages.shape[1] * page
+        table = jnp.clip(pages if rows is None else jnp.take(pages, rows, axis=0, mode="clip"), 0, k_buf.shape[1] - 1)
+        load = lambda buf, j: buf[layer, jnp.take(table, j, axis=1)]  # noqa: E731
     assert max_len % page == 0, (max_len, page)
     carry = (jnp.full((n, kv_heads, groups, t), NEG, jnp.float32), jnp.zeros((n, kv_heads, groups, t), jnp.float32),
              jnp.zeros((n, kv_heads, groups, t, d), jnp.float32))
@@ -137,8 +178,7 @@ def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, ch
 
     def body(j, carry):
         start = j * page
-        k = _page(k_buf, layer, start, page, rows)
-        v = _page(v_buf, layer, start, page, rows)
+        k, v = load(k_buf, j), load(v_buf, j)
         key_pos = start + jnp.arange(page)
         mask = key_pos[None, None, :] < kv_limit[:, :, None]
         if window is not None:
@@ -162,21 +202,22 @@ def dense_attention(q, k, v, mask):
 
 
 def attend_fused(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                 page_size=PAGE_SIZE, sinks=None, scale=None, implementation: str = "cudnn"):
+                 page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, implementation: str = "cudnn"):
     """The GPU path: one fused attention (cuDNN flash attention through
     `jax.nn.dot_product_attention`) of the queries over the layer's whole cache, with the
     walk's mask (keys < kv_limit, inside the window) as a boolean mask: no score matrix in
     memory, no per-page loop. It reads the allocated cache, not only the pages in use, so it
     suits caches sized near the contexts served. Falls back to `attend_pages_xla` where cuDNN
     has no equivalent: attention sinks (gpt-oss), a chunk of uncached keys (the drafter's
-    block), prefill into chosen rows (a row gather would copy their caches), and float32
-    (cuDNN's kernels are bfloat16/float16). `implementation="xla"` runs the same call through
-    jax's reference implementation (the CPU tests)."""
-    fallback = (sinks is not None or chunk is not None or rows is not None
+    block), prefill into chosen rows (a row gather would copy their caches), a page pool (rows'
+    keys are not contiguous), and float32 (cuDNN's kernels are bfloat16/float16).
+    `implementation="xla"` runs the same call through jax's reference implementation (the CPU
+    tests)."""
+    fallback = (sinks is not None or chunk is not None or rows is not None or pages is not None
                 or (implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16)))
     if fallback:
         return attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                                page_size=page_size, sinks=sinks, scale=scale)
+                                page_size=page_size, sinks=sinks, scale=scale, pages=pages)
     n, t, kv_heads, groups, d = q.shape
     k, v = k_buf[layer], v_buf[layer]  # [batch, max_len, kv_heads, head_dim]
     key_pos = jnp.arange(k.shape[1])
@@ -208,7 +249,7 @@ def implementation(backend: str | None = None) -> Callable:
 
 
 def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None = None, chunk=None, rows=None,
-           page_size: int = PAGE_SIZE, sinks=None, scale: float | None = None):
+           page_size: int = PAGE_SIZE, sinks=None, scale: float | None = None, pages=None):
     """Grouped-query attention of queries over one layer of a paged cache.
 
     q: [n, T, kv_heads, groups, head_dim] (rotated); q_pos: [n, T] their positions.
@@ -222,7 +263,9 @@ def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None =
     sinks: optional [kv_heads, groups] attention-sink logits (gpt-oss): one more term in each
         softmax's denominator, with no value.
     scale: the scores' scale (default head_dim ** -0.5; Gemma 4: 1, its q/k norms set the scale).
+    pages: optional [batch, pages per row] page table: k_buf and v_buf are then a page pool
+        [layers, num_pages, page_size, kv_heads, head_dim] (see the module's docstring).
     Returns [n, T, kv_heads * groups * head_dim] in float32.
     """
     return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                            page_size=page_size, sinks=sinks, scale=scale)
+                            page_size=page_size, sinks=sinks, scale=scale, pages=pages)

@@ -8,7 +8,9 @@ K/V head). The key-block axis is ragged: its index map starts at the first block
 the tile can see (sliding windows) and stops at the last block holding a key below the tile's
 `kv_limit`; steps past the row's last block keep the same block index, so the pipeline copies
 nothing and the step computes nothing. A row reads the blocks it uses, not what the cache was
-sized for.
+sized for. With a page pool (a page table per row) a block is one page, and the index map
+finds it through the row's table (scalar-prefetched with the bounds), so a row's pages may lie
+anywhere in the pool.
 
 Masks, in the kernel: a query sees cached keys at positions < its own `kv_limit` (causal at the
 row's offset for the target's verify, the context length for the drafter) and, with a window,
@@ -91,9 +93,9 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
 
 
 def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads: int, window: int | None,
-            scale: float, has_sinks: bool, has_chunk: bool):
-    del rows_ref  # used by the index maps only
-    refs = list(refs)
+            scale: float, has_sinks: bool, has_chunk: bool, paged: bool):
+    del rows_ref  # used by the index maps only (as is a pool's page table)
+    refs = list(refs[1:] if paged else refs)
     q_ref, pos_ref, lim_ref = refs[:3]
     sink_ref = refs.pop(3) if has_sinks else None
     ck_ref, cv_ref, cmask_ref = (refs.pop(3), refs.pop(3), refs.pop(3)) if has_chunk else (None, None, None)
@@ -128,32 +130,35 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
 
 
 def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, interpret=None):
+                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, interpret=None):
     """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
     the kernel compiled on a TPU and in TPU interpret mode elsewhere.
 
     Under a mesh (the engine traces under its own, `jax.sharding.use_abstract_mesh`) the kernel
     runs per device in a shard_map: K/V heads over `model`, rows over `data`, as the sharding
     rules store the cache (XLA cannot partition a Mosaic kernel itself). Admission into chosen
-    rows with rows split over `data` (a row's cache may be on another device) takes the walk."""
+    rows with rows split over `data` (a row's cache may be on another device) takes the walk,
+    as does a page pool with rows split over `data` (the pool is not split)."""
     kw = dict(window=window, page_size=page_size, scale=scale, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
-        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows, sinks=sinks, **kw)
+        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows, sinks=sinks, pages=pages,
+                       **kw)
     from jax.sharding import PartitionSpec as P
 
     n, t, kv_heads, groups, d = q.shape
     split = lambda axis, size: axis if axis in mesh.axis_names and size % mesh.shape[axis] == 0 else None  # noqa: E731
-    heads, data = split("model", kv_heads), split("data", k_buf.shape[1])
-    if data is not None and (rows is not None or n != k_buf.shape[1]):
+    heads, data = split("model", kv_heads), split("data", n if pages is not None else k_buf.shape[1])
+    if data is not None and (rows is not None or pages is not None or n != k_buf.shape[1]):
         if mesh.shape["data"] > 1:
             return attention.attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows,
-                                              sinks=sinks, window=window, page_size=page_size, scale=scale)
+                                              sinks=sinks, window=window, page_size=page_size, scale=scale,
+                                              pages=pages)
         data = None
     row_heads = P(data, None, heads, None)
-    extra = {k: v for k, v in dict(chunk=chunk, sinks=sinks, rows=rows).items() if v is not None}
+    extra = {k: v for k, v in dict(chunk=chunk, sinks=sinks, rows=rows, pages=pages).items() if v is not None}
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
-                                               sinks=P(heads, None), rows=P()).items() if k in extra}
+                                               sinks=P(heads, None), rows=P(), pages=P()).items() if k in extra}
     cache = P(None, data, None, heads, None)
 
     def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
@@ -165,16 +170,22 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-            page_size=attention.PAGE_SIZE, sinks=None, scale=None, interpret=None):
+            page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, interpret=None):
     """The kernel on one device's arrays."""
     n, t, kv_heads, groups, d = q.shape
-    _, batch, max_len, _, _ = k_buf.shape
-    page = attention.page_size_of(max_len, page_size)
-    # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
-    # rows of bfloat16, 8 of float32).
     itemsize = jnp.dtype(k_buf.dtype).itemsize
-    sublanes = 8 * max(1, 4 // itemsize)
-    block = _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize)
+    if pages is None:
+        _, batch, max_len, _, _ = k_buf.shape
+        page = attention.page_size_of(max_len, page_size)
+        # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
+        # rows of bfloat16, 8 of float32).
+        sublanes = 8 * max(1, 4 // itemsize)
+        block = _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize)
+    else:  # a pool: a block is a page, found through the row's page table
+        num_pages, block = k_buf.shape[1], k_buf.shape[2]
+        batch, per_row = pages.shape
+        max_len = per_row * block
+        table = jnp.clip(pages.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
     n_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
 
@@ -210,10 +221,13 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
     col = lambda x: jnp.repeat(x, groups, axis=1)[..., None]  # noqa: E731
     rows_per_tile = tq * groups
 
-    def kv_index(b, t_, j, rows_ref, lo_ref, hi_ref):
+    def kv_index(b, t_, j, rows_ref, lo_ref, hi_ref, *table_ref):
         tile = b * n_tiles + t_
         last = jnp.maximum(hi_ref[tile] - 1, lo_ref[tile])
-        return (layer, rows_ref[b], jnp.minimum(lo_ref[tile] + j, last), 0, 0)
+        blk = jnp.minimum(lo_ref[tile] + j, last)
+        if table_ref:
+            return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, 0, 0)
+        return (layer, rows_ref[b], blk, 0, 0)
 
     q_spec = pl.BlockSpec((None, kv_heads, rows_per_tile, d), lambda b, t_, j, *_: (b, 0, t_, 0))
     col_spec = pl.BlockSpec((None, rows_per_tile, 1), lambda b, t_, j, *_: (b, t_, 0))
@@ -250,9 +264,9 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()
     out = pl.pallas_call(
         functools.partial(_kernel, n_tiles=n_tiles, block=block, kv_heads=kv_heads, window=window, scale=scale,
-                          has_sinks=sinks is not None, has_chunk=chunk is not None),
+                          has_sinks=sinks is not None, has_chunk=chunk is not None, paged=pages is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=3 + (pages is not None),
             grid=(n, n_tiles, n_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -265,6 +279,6 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         cost_estimate=cost,
         interpret=interpret,
         name=f"dflash_attention_l{layer}",
-    )(rows, lo.reshape(-1), hi.reshape(-1), *inputs)
+    )(rows, lo.reshape(-1), hi.reshape(-1), *([] if pages is None else [table]), *inputs)
     out = out.reshape(n, kv_heads, t_pad, groups, d)[:, :, :t]  # [n, kv, T, g, d]
     return out.transpose(0, 2, 1, 3, 4).reshape(n, t, kv_heads * groups * d)

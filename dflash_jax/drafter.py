@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
-from dflash_jax.attention import PAGE_SIZE, attend, cache_length, dense_attention, write_kv
-from dflash_jax.model import MLP, KVCache, RMSNorm, apply_rope, jnp_dtype, rope_angles, row_lengths, unfused
+from dflash_jax.attention import PAGE_SIZE, attend, dense_attention, write_kv
+from dflash_jax.model import (MLP, KVCache, RMSNorm, apply_rope, cache_layout, jnp_dtype, rope_angles, row_lengths,
+                             unfused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ class DraftAttention(nn.Module):
         block = (k, v, jnp.ones((b, t, t), bool))  # the block is non-causal and never cached
         kv_limit = jnp.broadcast_to(context.lengths[:, None], (b, t))
         out = attend(self.queries(x, cos, sin), positions, context.k, context.v, layer, kv_limit,
-                     window=self.window, chunk=block, page_size=context.page_size)
+                     window=self.window, chunk=block, page_size=context.page_size, pages=context.pages)
         return self.o_proj(out.astype(x.dtype))
 
     def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask):
@@ -303,13 +304,16 @@ def abstract_drafter_params(config: DrafterConfig):
 
 
 def init_context_cache(config: DrafterConfig, batch: int, max_len: int, dtype=None,
-                       page_size: int = PAGE_SIZE) -> KVCache:
-    """An empty context cache for at least max_len positions per row (whole pages)."""
+                       page_size: int = PAGE_SIZE, num_pages: int | None = None) -> KVCache:
+    """An empty context cache for at least max_len positions per row (whole pages); with
+    num_pages, a pool of pages (the target's page table serves it: position p of a row sits in
+    the same page of both pools)."""
     c = config.model
     dtype = dtype or jnp_dtype(c.dtype)
-    shape = (c.num_hidden_layers, batch, cache_length(max_len, page_size), c.num_key_value_heads, c.head_dim)
+    dims, pages = cache_layout(batch, max_len, page_size, num_pages)
+    shape = (c.num_hidden_layers, *dims, c.num_key_value_heads, c.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   page_size=page_size)
+                   pages=pages, page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -324,7 +328,8 @@ def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_
     k, v = DFlashDrafter(config).apply({"params": params}, features, positions, method=DFlashDrafter.context_kv)
     num_tokens = num_tokens.astype(jnp.int32)
     new_lengths = cache.lengths + num_tokens if rows is None else cache.lengths.at[rows].add(num_tokens, mode="drop")
-    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows), v=write_kv(cache.v, None, v, lengths, rows),
+    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows, cache.pages),
+                         v=write_kv(cache.v, None, v, lengths, rows, cache.pages),
                          lengths=new_lengths)
 
 

@@ -73,6 +73,12 @@ def add_generation_flags(p: argparse.ArgumentParser):
     p.add_argument("--max-prompt-len", type=int, default=None,
                    help="longest prompt in tokens, which sizes the KV cache (default: the longest in the input, "
                         "rounded up); attention reads only what rows use, so a larger cache costs memory, not time")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="keep K/V in a pool of N pages (of --page-size positions) shared by the rows: each row "
+                        "holds the pages of its own prompt and max_new_tokens and returns them when it finishes, "
+                        "so the cache is sized by N, not batch x the longest row, and many short rows share what "
+                        "one long row would reserve; prompts wait for pages (default: per-row caches)")
+    p.add_argument("--page-size", type=int, default=128, help="K/V positions per page (default 128)")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
@@ -388,7 +394,7 @@ def run_generation(args, make_record=None) -> int:
         return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
                          stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh, draft_tokens=drafts,
-                         watchdog=watchdog)
+                         watchdog=watchdog, kv_pages=args.kv_pages, page_size=args.page_size)
 
     gen = engine(args.block_size)
     block_size = gen.spec.block_size
@@ -410,7 +416,7 @@ def run_generation(args, make_record=None) -> int:
         while pending:
             runnable, next_pending = [], []
             for r in pending:
-                why = gen.check_prompt(r.turn_ids[turn])
+                why = gen.check_prompt(r.turn_ids[turn], row_limit(r, args))
                 if why:
                     writer.write({"id": r.id, "error": f"line {r.line}: {why}"})
                     say(f"warning: id {r.id!r} (line {r.line}): {why}")
@@ -509,7 +515,8 @@ def check_flags(args):
     """Range checks that need no model, so a bad flag fails before anything loads."""
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                         ("--sync-every", args.sync_every), ("--block-size", args.block_size),
-                        ("--draft-tokens", args.draft_tokens), ("--max-prompt-len", args.max_prompt_len)):
+                        ("--draft-tokens", args.draft_tokens), ("--max-prompt-len", args.max_prompt_len),
+                        ("--kv-pages", args.kv_pages), ("--page-size", args.page_size)):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
     if not args.stall_timeout >= 0:
@@ -524,7 +531,7 @@ def baseline_summary(gen, rows, args) -> dict:
     """Plain decoding of the same first-turn prompts (with the same limits), timed."""
     from dflash_jax.engine import GenerationStats, timed
 
-    runnable = [r for r in rows if gen.check_prompt(r.turn_ids[0]) is None]
+    runnable = [r for r in rows if gen.check_prompt(r.turn_ids[0], row_limit(r, args)) is None]
     gen.warmup([len(r.turn_ids[0]) for r in runnable], exact=True)
     stats = GenerationStats(1)
     results = gen.generate([r.turn_ids[0] for r in runnable], indices=list(range(len(runnable))), seed=args.seed,

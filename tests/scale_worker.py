@@ -33,6 +33,13 @@ def inference(meshes):
             "up_proj_spec": str(kernel.sharding.spec) if mesh else None,
             "devices": len(kernel.sharding.device_set),
         }
+        if spec == "model=8":  # a page pool, on a mesh that splits the model (a pool needs data=1)
+            gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
+                            kv_pages=30, page_size=16)
+            res = sorted(gen.generate(prompts), key=lambda r: r.index)
+            out["model=8 pool"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
+                                   "acceptance": [r.acceptance_lengths for r in res],
+                                   "pool_spec": str(gen.new_state().target_cache.k.sharding.spec)}
     out["expected"] = {"outputs": case["outputs"], "acceptance": case["acceptance_lengths"]}
     return out
 

@@ -377,6 +377,30 @@ def test_the_bundled_pair_gets_text_prompts(tmp_path):
 
 
 @pytest.mark.heavy
+def test_page_pool_mode(tmp_path, capsys):
+    """--page-pool on the tiny pair: per-slot caches and a pool of the same K/V bytes decode the
+    same tokens; the concurrency figures are the row cycles' (while prompts wait: the busy rows of
+    each run call that stopped for a free slot), and the pool runs more rows at once."""
+    out = tmp_path / "pool.json"
+    argv = ["--page-pool", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),
+            "--mixed-prompts", "12", "--mixed-range", "2,24", "--batch-size", "2", "--pool-slots", "8",
+            "--page-size", "16", "--max-prompt-tokens", "32", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    m = json.loads(out.read_text())["page_pool"]
+    assert m["same_outputs"] and m["kv_bytes"]["pool"] == m["kv_bytes"]["per_slot"] > 0
+    assert m["per_slot_batch"] == 2 and m["pool_slots"] == 8 and m["page_size"] == 16
+    assert all(2 <= x <= 24 for x in m["limits"]) and all(1 <= n <= 32 for n in m["prompts"]["lengths"])
+    per_slot, pool = m["engines"]["per_slot"], m["engines"]["pool"]
+    assert per_slot["row_cycles"] == pool["row_cycles"]  # the same rows, cycle for cycle
+    for f in (per_slot, pool):
+        assert f["concurrent_rows"] == pytest.approx(f["row_cycles"] / f["loop_cycles"])
+    assert per_slot["concurrent_rows_while_waiting"] <= 2
+    assert m["concurrency_gain"] == pytest.approx(pool["concurrent_rows_while_waiting"]
+                                                  / per_slot["concurrent_rows_while_waiting"]) and m["concurrency_gain"] > 1
+    assert "the concurrent rows while prompts wait (goal >= 2x)" in capsys.readouterr().out
+
+
+@pytest.mark.heavy
 def test_mixed_workload_mode(tmp_path, capsys):
     out = tmp_path / "mixed.json"
     argv = ["--mixed-workload", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"),

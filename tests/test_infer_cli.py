@@ -328,6 +328,29 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
     assert read_jsonl(out)[-1]["id"] == "long" and read_jsonl(out)[-1]["num_output_tokens"] == 5
 
 
+def test_a_page_pool_reproduces_the_reference_and_refuses_what_it_cannot_hold(tmp_path, capsys):
+    """--kv-pages: the reference pair's rows through a pool of 12 pages of 16 positions (per-row
+    caches would take 8 x 208), the same tokens as the reference; a row longer than the whole pool
+    is a row error naming the pages, and the other rows complete. --kv-pages 0 is a flag error."""
+    rows = read_jsonl(DEMO_DIR / "tiny" / "prompts.jsonl") + [{"id": "long", "input_ids": [5] * 150}]
+    out = tmp_path / "out.jsonl"
+    args = tiny_pair()
+    args[args.index("--input") + 1] = str(write_jsonl(tmp_path / "in.jsonl", rows))
+    assert main(args + ["--output", str(out), "--kv-pages", "12", "--page-size", "16", "--quiet"]) == 0
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert got.pop("long")["error"] == ("line 9: needs 13 pages of 16 positions (150 prompt tokens + 40 new + "
+                                        "7 drafts); the pool has 12: raise kv_pages")
+    cases = json.loads((tiny() / "greedy_cases.json").read_text())
+    assert len(got) == len(rows) - 1
+    for r in got.values():
+        i = int(r["id"].split("-")[1])
+        assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
+    capsys.readouterr()
+    code = main(tiny_pair() + ["--kv-pages", "0", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--kv-pages must be >= 1, got 0" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("sampled", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     """Rows carrying their own max_new_tokens get exactly that many tokens, the first tokens of the

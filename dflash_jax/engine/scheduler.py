@@ -8,6 +8,13 @@ compiled by `warmup`. The host syncs once per `sync_every` cycles, or as soon as
 slot while prompts wait, never per token; once nothing waits, the next cycles are queued
 before a sync's figures are read, so the device never waits on the host. Outputs are cut at
 the first stop token and at each row's own `max_new_tokens`.
+
+With `kv_pages` the caches are one pool of pages shared by the slots (`dflash_jax.attention`):
+a row is admitted only when the pool has the pages it can ever need (its prompt, its own
+max_new_tokens and a verify block, in whole pages), holds exactly those, and gives them back when
+it finishes. So the memory goes to the rows' own lengths, not batch x the longest row, and a
+batch of many slots fits where per-slot caches would not; a prompt waits while the pool is
+short (never a row stalled mid-way: what a row is given covers its whole life).
 """
 
 from __future__ import annotations
@@ -45,6 +52,24 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+class PagePool:
+    """The host's ledger of a page pool: which pages are free."""
+
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
+
+    @property
+    def available(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        taken, self.free = self.free[len(self.free) - n:][::-1], self.free[:len(self.free) - n]
+        return taken
+
+    def give(self, pages: Sequence[int]):
+        self.free.extend(reversed(pages))
+
+
 class Generator:
     """Batch generation with a target and (optionally) a DFlash drafter.
 
@@ -65,7 +90,7 @@ class Generator:
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
-                 watchdog: Watchdog | None = None):
+                 watchdog: Watchdog | None = None, kv_pages: int | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -81,12 +106,17 @@ class Generator:
         if page_size < 1 or prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise DFlashError(f"page size must be >= 1 and the prefill chunk a power of two >= 16, got "
                               f"{page_size} and {prefill_chunk}")
+        if kv_pages is not None and kv_pages < 1:
+            raise DFlashError(f"the page pool needs at least one page, got kv_pages={kv_pages}")
+        if kv_pages is not None and mesh is not None and mesh.shape["data"] > 1:
+            raise DFlashError(f"a page pool is shared by every row, so it needs a mesh whose data axis is 1 "
+                              f"(got data={mesh.shape['data']}); split the model instead, or drop --kv-pages")
         self.max_prompt_len = bucket(max_prompt_len)
         self.spec = EngineSpec(
             target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size, mesh=mesh,
-            draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk,
+            draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
         )
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
@@ -102,8 +132,8 @@ class Generator:
 
     # ------------------------------------------------------------------ checks
 
-    def check_prompt(self, prompt: Sequence[int]) -> str | None:
-        """Why this prompt cannot run, or None."""
+    def check_prompt(self, prompt: Sequence[int], max_new: int | None = None) -> str | None:
+        """Why this prompt cannot run (with max_new new tokens, default the engine's), or None."""
         n, limit = len(prompt), min(self.max_prompt_len, self.spec.target.max_position_embeddings)
         if n == 0:
             return "empty prompt"
@@ -112,7 +142,21 @@ class Generator:
         bad = [t for t in prompt if not 0 <= t < self.spec.target.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary (size {self.spec.target.vocab_size})"
+        pool = self.spec.kv_pages
+        need = self.pages_needed(n, max_new or self.spec.max_new_tokens) if pool else 0
+        if need > (pool or 0):
+            return (f"needs {need} pages of {self.spec.page_size} positions ({n} prompt tokens + "
+                    f"{max_new or self.spec.max_new_tokens} new + {self.spec.num_drafts} drafts); the pool has {pool}: "
+                    f"raise kv_pages")
         return None
+
+    def pages_needed(self, prompt_len: int, max_new: int) -> int:
+        """Pages a row holds in the pool: every position it can write. Its cache holds
+        prompt_len + num_generated - 1 positions, and its last cycle starts at num_generated <=
+        max_new and writes the K + 1 verified tokens from there: positions below prompt_len +
+        max_new + K (the drafter's context, never longer, writes no further)."""
+        spec = self.spec
+        return -(-min(spec.cache_len, prompt_len + max_new + spec.num_drafts) // spec.page_size)
 
     def _limits(self, max_new_tokens, n: int) -> list[int]:
         top = self.spec.max_new_tokens
@@ -148,9 +192,14 @@ class Generator:
         return min(bucket(len(prompt)), self.max_prompt_len)
 
     def admit(self, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-              row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0) -> DecodeState:
+              row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0,
+              pages: Sequence[Sequence[int]] | None = None) -> DecodeState:
         """Prefill prompts into the given free slots of a state (grouped by prompt bucket, each
-        group padded to an admission width). The state is donated."""
+        group padded to an admission width). With a page pool, pages[i] are the pool pages
+        prompt i's row holds (None: no pages, every write dropped: the warm-up's compiles).
+        The state is donated."""
+        pool = self.spec.kv_pages
+        per_row = state.target_cache.pages.shape[1] if pool else 0
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(self._bucket(p), []).append(i)
@@ -163,11 +212,14 @@ class Generator:
                 lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
+                table = np.full((width, per_row), pool or 0, np.int32)  # the pool's size: no page
                 for j, i in enumerate(chunk):
                     tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
+                    if pool and pages is not None:
+                        table[j, :len(pages[i])] = pages[i]
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
-                                put(ids), np.int32(seed), put(limits), self.stop_ids)
+                                put(ids), np.int32(seed), put(limits), self.stop_ids, put(table) if pool else None)
         return state
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False):
@@ -213,12 +265,15 @@ class Generator:
         if bad:
             raise DFlashError(f"row index {bad[0]} outside 0..2**32-1 (indices key the random streams)")
         limits = self._limits(max_new_tokens, len(prompts))
-        for p in prompts:
-            why = self.check_prompt(p)
+        for i, p, m in zip(indices, prompts, limits):
+            why = self.check_prompt(p, m)
             if why:
-                raise DFlashError(why)
+                raise DFlashError(f"prompt {i}: {why}")
         if not prompts:
             return
+        pool = PagePool(self.spec.kv_pages) if self.spec.kv_pages else None
+        need = [self.pages_needed(len(p), m) for p, m in zip(prompts, limits)] if pool else []
+        held: list[list[int]] = [[] for _ in range(self.batch_size)]  # each slot's pool pages
         # Longest first: a long row admitted last would run on alone while the other slots
         # idle; admitting by descending limit (stable: equal limits keep their order) leaves
         # the short rows for the end, where they fill the slots the long ones free.
@@ -227,14 +282,23 @@ class Generator:
         counted = np.zeros(self.batch_size, np.int64)  # tokens of each slot's row already reported
 
         def fill(state):
-            free = np.flatnonzero(occupant < 0)[:len(waiting)]
-            if not len(free):
+            free, new, tables = np.flatnonzero(occupant < 0), [], []
+            for s in free:
+                if not waiting or (pool and need[waiting[0]] > pool.available):
+                    break  # in order: the next prompt waits for pages rather than be overtaken
+                if pool:
+                    held[s] = pool.take(need[waiting[0]])
+                    tables.append(held[s])
+                new.append(waiting.popleft())
+            if not new:
+                if waiting and (occupant < 0).all():  # cannot happen: every prompt fits the empty pool
+                    raise DFlashError("no row is running and the next prompt does not fit the page pool")
                 return state
-            new = [waiting.popleft() for _ in free]
+            free = free[:len(new)]
             occupant[free] = new
             counted[free] = 0
             return self.admit(state, free.tolist(), [prompts[i] for i in new], [indices[i] for i in new],
-                              [limits[i] for i in new], seed)
+                              [limits[i] for i in new], seed, tables if pool else None)
 
         state = fill(self._take_state())
         state, info = self._run(state, until_free=bool(waiting))
@@ -261,6 +325,10 @@ class Generator:
                     i = occupant[s]
                     yield self._finish(indices[i], output[s], num_generated[s], acceptance[s], num_cycles[s], limits[i])
                 occupant[finished] = -1
+                for s in finished:
+                    if pool:
+                        pool.give(held[s])
+                    held[s] = []
             if ahead:
                 if (occupant < 0).all():
                     self._idle = state  # every slot free: the next call starts from here

@@ -32,7 +32,7 @@ from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
-from dflash_jax.sharding import CACHE_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of
+from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of
 
 # --------------------------------------------------------------------------- spec and state
 
@@ -51,6 +51,7 @@ class EngineSpec:
     draft_tokens: int | None = None  # drafts sent to the verify per cycle, K <= B - 1 (None: B - 1)
     page_size: int = PAGE_SIZE  # cache positions per page: attention walks the pages rows have used
     prefill_chunk: int = 512  # prompts longer than this prefill in chunks of it, one after another
+    kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
 
     def __post_init__(self):
         k, b = self.draft_tokens, self.block_size
@@ -115,9 +116,12 @@ def _map_cache(cache: KVCache | None, f) -> KVCache | None:
     """f(array, logical axes) over a cache's arrays."""
     if cache is None:
         return None
-    cache = cache.replace(k=f(cache.k, CACHE_AXES), v=f(cache.v, CACHE_AXES), lengths=f(cache.lengths, ("batch",)))
+    axes = CACHE_AXES if cache.pages is None else POOL_AXES
+    cache = cache.replace(k=f(cache.k, axes), v=f(cache.v, axes), lengths=f(cache.lengths, ("batch",)))
+    if cache.pages is not None:
+        cache = cache.replace(pages=f(cache.pages, ("batch", None)))
     if cache.k_global is not None:
-        cache = cache.replace(k_global=f(cache.k_global, CACHE_AXES), v_global=f(cache.v_global, CACHE_AXES))
+        cache = cache.replace(k_global=f(cache.k_global, axes), v_global=f(cache.v_global, axes))
     if cache.state is not None:
         cache = cache.replace(state=tuple(f(s, STATE_AXES) for s in cache.state),
                               tail=tuple(f(t, TAIL_AXES) for t in cache.tail))
@@ -156,9 +160,10 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
     """`batch` free slots: every row done, caches empty (allocated once, reused by every row)."""
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     return constrain_state(DecodeState(
-        target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size),
-        context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size)
-                       if spec.uses_drafter else None),
+        target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size,
+                                num_pages=spec.kv_pages),
+        context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size,
+                                          num_pages=spec.kv_pages) if spec.uses_drafter else None),
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
@@ -202,16 +207,22 @@ def traced_on_mesh(fn):
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 @traced_on_mesh
 def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
-            max_new_tokens, stop_ids) -> DecodeState:
+            max_new_tokens, stop_ids, pages=None) -> DecodeState:
     """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
     state (a slot of `batch` or more is padding). The target runs the prompts straight into
     those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
     taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
     max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
     run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
-    is wider than a page nor taller than a chunk. One compilation per (n, bucket)."""
+    is wider than a page nor taller than a chunk. With a page pool, pages [n, pages per row]
+    are the rows' page tables (the pages the host gave them; spec.kv_pages: none). One
+    compilation per (n, bucket)."""
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
-    fresh = lambda cache: cache.reset_rows(slots)
+
+    def fresh(cache):
+        cache = cache.reset_rows(slots)
+        return cache if pages is None else cache.assign_pages(slots, pages)
+
     n, bucket_len = tokens.shape
     chunk = min(bucket_len, spec.prefill_chunk)
     last = prompt_lens - 1  # the position whose logits give the first new token
@@ -237,8 +248,13 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     (target_cache, context_cache, logits), _ = jax.lax.scan(run_chunk, carry, jnp.arange(bucket_len // chunk))
     first = sample(logits, position_keys(row_keys, prompt_lens[:, None])[:, 0], spec.sampling)
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
-    state = state.replace(target_cache=target_cache, context_cache=context_cache)
-    return constrain_state(insert(spec, state, slots, first, stopped, row_keys, max_new_tokens), spec.mesh)
+    state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
+                   row_keys, max_new_tokens)
+    # A row whose first token stops it is done before any cycle runs: its pages go back now.
+    state = state.replace(target_cache=state.target_cache.release_pages(state.done),
+                          context_cache=(state.context_cache.release_pages(state.done)
+                                         if spec.uses_drafter else None))
+    return constrain_state(state, spec.mesh)
 
 
 # --------------------------------------------------------------------------- one cycle
@@ -304,10 +320,13 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     anchor = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
     # Rollback is a length update. A finished row's caches are dead (its tokens are in `output`):
     # length 0 keeps it from stretching the other rows' page walks until its slot is refilled.
+    # With a page pool a finished row also gives up its page table: the host hands its pages to
+    # the next rows, and the row, riding along until then, writes nothing.
     lengths = jnp.where(done, 0, start + n_new)
     if context_cache is not None:
         context_cache = context_cache.replace(lengths=jnp.where(done, 0, context_cache.lengths))
-    target_cache = settle(verified.cache, verified.pending, n_new)
+        context_cache = context_cache.release_pages(done)
+    target_cache = settle(verified.cache, verified.pending, n_new).release_pages(done)
     return state.replace(
         target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,

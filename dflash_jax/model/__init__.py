@@ -12,8 +12,8 @@ Which switches a checkpoint turns on is its family's business (`dflash_jax.famil
 """
 
 from dflash_jax.model.decoder import (  # noqa: F401
-    CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, forward, init_cache, init_params,
-    row_lengths, settle,
+    CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, cache_layout, forward, init_cache,
+    init_params, row_lengths, settle,
 )
 from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles, unfused  # noqa: F401
 from dflash_jax.model.moe import MoE  # noqa: F401

@@ -57,6 +57,11 @@ class KVCache:
              stacked buffer: a step rewrites each whole, and an update of one slice of a stacked
              buffer that reads the same slice is copied whole by XLA.
     tail:    per linear layer [batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
+    pages:   None (each row owns max_len positions of the buffers), or a page pool's table
+             [batch, pages per row] int32: k, v (and k_global, v_global) are then
+             [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
+             every row, and row b's page j is page pages[b, j] (num_pages: none; see
+             `dflash_jax.attention`).
     page_size: positions per page (static), the unit attention walks in.
     """
 
@@ -67,11 +72,30 @@ class KVCache:
     v_global: jax.Array | None = None
     state: tuple[jax.Array, ...] | None = None
     tail: tuple[jax.Array, ...] | None = None
+    pages: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        """Positions a row can hold."""
+        return self.k.shape[2] if self.pages is None else self.pages.shape[1] * self.page_size
+
+    @property
+    def num_pages(self) -> int | None:
+        """The pool's pages (None: no pool)."""
+        return None if self.pages is None else self.k.shape[1]
+
+    def assign_pages(self, rows, table) -> "KVCache":
+        """Rows `rows` [n] (out of range: ignored) take the page table rows `table` [n, pages
+        per row] (a pool only)."""
+        return self.replace(pages=self.pages.at[rows].set(table, mode="drop"))
+
+    def release_pages(self, rows_done) -> "KVCache":
+        """Rows where rows_done [batch] lose their pages (their writes are dropped from now on:
+        the host hands the pages to other rows). A no-op without a pool."""
+        if self.pages is None:
+            return self
+        return self.replace(pages=jnp.where(rows_done[:, None], self.num_pages, self.pages))
 
     def reset_rows(self, rows) -> "KVCache":
         """Rows `rows` [n] (out of range: ignored) emptied for a new sequence: length 0 and,
@@ -88,16 +112,26 @@ def row_lengths(cache: KVCache, rows):
     return jnp.where(rows < cache.lengths.shape[0], jnp.take(cache.lengths, rows, mode="clip"), 0)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE) -> KVCache:
-    """An empty cache for at least max_len positions per row (rounded up to whole pages)."""
+def cache_layout(batch: int, max_len: int, page_size: int, num_pages: int | None):
+    """(the [batch-or-pages, positions] dims of a cache buffer, its page table or None)."""
+    if num_pages is None:
+        return (batch, cache_length(max_len, page_size)), None
+    per_row = -(-max_len // page_size)
+    return (num_pages, page_size), jnp.full((batch, per_row), num_pages, jnp.int32)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE,
+               num_pages: int | None = None) -> KVCache:
+    """An empty cache for at least max_len positions per row (rounded up to whole pages); with
+    num_pages, a pool of that many pages shared by the rows, every row without a page yet."""
     dtype = dtype or jnp_dtype(config.dtype)
-    length = cache_length(max_len, page_size)
-    shape = (config.num_kv_slots(False), batch, length, config.num_key_value_heads, config.head_dim)
+    dims, pages = cache_layout(batch, max_len, page_size, num_pages)
+    shape = (config.num_kv_slots(False), *dims, config.num_key_value_heads, config.head_dim)
     k_global = v_global = None
     if config.num_kv_slots(True):
         g = next(i for i in range(config.num_hidden_layers) if config.is_global(i))
         head_dim, kv_heads = config.attention_shape(g)
-        global_shape = (config.num_kv_slots(True), batch, length, kv_heads, head_dim)
+        global_shape = (config.num_kv_slots(True), *dims, kv_heads, head_dim)
         k_global, v_global = jnp.zeros(global_shape, dtype), jnp.zeros(global_shape, dtype)
     state = tail = None
     if config.num_linear_layers:
@@ -105,7 +139,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
         state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
         tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   k_global=k_global, v_global=v_global, state=state, tail=tail, page_size=page_size)
+                   k_global=k_global, v_global=v_global, state=state, tail=tail, pages=pages, page_size=page_size)
 
 
 # --------------------------------------------------------------------------- layers

@@ -146,11 +146,11 @@ class Attention(nn.Module):
                 v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
             k = apply_rope(k, cos, sin)
             offsets = query_pos[:, 0]
-            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows),
-                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows)})
+            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows, cache.pages),
+                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows, cache.pages)})
         q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
         out = attend(q, query_pos, getattr(cache, keys), getattr(cache, values), slot, query_pos + 1, window=window,
-                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale)
+                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale, pages=cache.pages)
         out = out.astype(dtype)
         if gated == 2:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)

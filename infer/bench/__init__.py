@@ -39,6 +39,8 @@ Other modes:
 --published-shapes  the same shapes with random weights, the engine's pieces timed.
 --cache-scaling     tokens/s with a Generator max_prompt_len of 128 and of 8192 (demo pair).
 --mixed-workload    tokens/s with per-row max_new_tokens spread over 8..256 vs all at the mean.
+--page-pool         concurrent rows of mixed-length rows in the same K/V memory: per-slot caches
+                    against a page pool (Generator kv_pages); the tokens must be the same.
 
     python -m infer.bench                                   # bundled demo pair
     python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
@@ -48,6 +50,7 @@ Other modes:
     python -m infer.bench --cost [--scale 0.25] [--context 1024] [--cache-len N] [--batch-size 8]
     python -m infer.bench --published-shapes [--scale 0.05] [--context 1024]
     python -m infer.bench --cache-scaling | --mixed-workload
+    python -m infer.bench --page-pool [--batch-size 8] [--pool-slots 32] [--page-size 16]
 """
 
 from infer.bench.cost import (
@@ -67,5 +70,5 @@ from infer.bench.timing import (
     bench_generator, compile_counts, counted_generate, delta, first_state, piece_calls, pieces, split_figures,
     synthetic_state, time_calls, time_pieces, time_prefill,
 )
-from infer.bench.workloads import run_cache_scaling, run_mixed_workload
+from infer.bench.workloads import run_cache_scaling, run_mixed_workload, run_page_pool
 from infer.bench.cli import build_parser, main  # noqa: E402  (last: it reads this docstring)

@@ -227,14 +227,15 @@ def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
 
 
 def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cache_len: int, page_size: int,
-                    hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "", attention: str = "kernel") -> dict:
+                    hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "", attention: str = "kernel",
+                    kv_pages: int | None = None) -> dict:
     """Compile the engine's prefill / AR run_cycles / DFlash run_cycles on `mesh` for abstract
     inputs; per program its `_compile` figures and the ideal bytes. attention: the Pallas kernel
     (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or the
-    portable walk."""
+    portable walk. kv_pages: the caches as a page pool of that many pages."""
     with _tpu_attention(attention), expected_live(context):
         return _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir,
-                                programs, tag)
+                                programs, tag, kv_pages)
 
 
 @contextlib.contextmanager
@@ -250,7 +251,8 @@ def _tpu_attention(name: str):
         attention.IMPLEMENTATIONS["tpu"] = saved
 
 
-def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir, programs, tag):
+def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir, programs, tag,
+                     kv_pages):
     import jax
     import jax.numpy as jnp
 
@@ -261,9 +263,10 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
 
     specs = dict(
         ar=EngineSpec(target=target_cfg, drafter=None, block_size=1, sampling=Sampling(), max_new_tokens=64,
-                      cache_len=cache_len, page_size=page_size, mesh=mesh),
+                      cache_len=cache_len, page_size=page_size, mesh=mesh, kv_pages=kv_pages),
         dflash=EngineSpec(target=target_cfg, drafter=drafter_cfg, block_size=drafter_cfg.block_size,
-                          sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh))
+                          sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh,
+                          kv_pages=kv_pages))
     specs["prefill"] = specs["dflash"]
     rep = functools.partial(_replicated, mesh)
     out = {}
@@ -276,7 +279,8 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
             empty = jax.eval_shape(functools.partial(init_state, spec, batch))
             args = (tparams, dparams, spec, _sharded(empty, decode_state_shardings(empty, mesh)),
                     rep((batch, context), jnp.int32), rep((batch,), jnp.int32), rep((batch,), jnp.int32),
-                    rep((batch,), jnp.uint32), rep((), jnp.int32), rep((batch,), jnp.int32), rep((8,), jnp.int32))
+                    rep((batch,), jnp.uint32), rep((), jnp.int32), rep((batch,), jnp.int32), rep((8,), jnp.int32),
+                    None if kv_pages is None else rep(empty.target_cache.pages.shape, jnp.int32))
             fig = _compile(prefill, args, hlo_dir, f"prefill{tag}")
         else:
             args = (tparams, dparams, spec, _sharded(state, decode_state_shardings(state, mesh)), rep((8,), jnp.int32),
@@ -330,14 +334,19 @@ def run_aot(args) -> dict:
           flush=True)
     attention = getattr(args, "attention", "kernel")
     print(f"attention: {'the Pallas kernel' if attention == 'kernel' else 'the portable walk'}")
+    kv_pages = getattr(args, "kv_pages", None)
+    if kv_pages is not None:
+        print(f"K/V in a page pool of {kv_pages} pages ({kv_pages * args.page_size} positions; per-slot caches: "
+              f"{batch * cache_len})")
     figs = engine_programs(tcfg, dcfg, mesh, batch, context, cache_len, args.page_size, hlo_dir, programs,
-                           attention=attention)
+                           attention=attention, kv_pages=kv_pages)
     compare = None
     other = cache_length(max(args.compare_cache_len or 0, context + 2 * b), args.page_size)
     if args.compare_cache_len and other != cache_len:
         compare = dict(cache_len=other, **engine_programs(tcfg, dcfg, mesh, batch, context, other, args.page_size,
                                                           hlo_dir, tuple(p for p in programs if p != "prefill"),
-                                                          tag=f"-cache{other}", attention=attention))
+                                                          tag=f"-cache{other}", attention=attention,
+                                                          kv_pages=kv_pages))
     one_chip = target.num_chips == 1
     weights = param_bytes(abstract_params(tcfg))
     rate = streaming_rate(target.devices[0], weights, batch) if one_chip else None
@@ -354,7 +363,7 @@ def run_aot(args) -> dict:
     report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
                   chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape, scale=scale,
                   dtype=dtype, batch_size=batch, context=context, cache_len=cache_len, page_size=args.page_size,
-                  attention=attention, paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
+                  attention=attention, kv_pages=kv_pages, paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
                   compare=compare)
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
         report["cycle_over_step"] = figs["dflash"]["seconds"] / figs["ar"]["seconds"]

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens/s with a small and a large Generator max_prompt_len (allocated cache)")
     mode.add_argument("--mixed-workload", action="store_true",
                       help="tokens/s with per-row max_new_tokens spread out, against every row at the mean")
+    mode.add_argument("--page-pool", action="store_true",
+                      help="concurrent rows of a mixed-length workload in the same K/V memory: per-slot caches "
+                           "against a page pool (Generator kv_pages)")
 
     pair = p.add_argument_group("pair")
     pair.add_argument("--target", metavar="DIR", help="target directory, HF or converted (default: the bundled "
@@ -127,12 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel",
                      help="the TPU attention: the Pallas kernel (the engine's on a TPU) or the portable walk")
+    aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                     help="the caches as a page pool of N pages of --page-size shared by the rows (default: per-slot "
+                          "caches)")
 
     work = p.add_argument_group("workloads")
     work.add_argument("--cache-prompt-lens", default="128,8192",
                       help="--cache-scaling: the small and large Generator max_prompt_len")
     work.add_argument("--mixed-prompts", type=int, default=48, help="--mixed-workload: prompts")
-    work.add_argument("--mixed-range", default="8,256", help="--mixed-workload: per-row max_new_tokens lo,hi")
+    work.add_argument("--mixed-range", default="8,256",
+                      help="--mixed-workload, --page-pool: per-row max_new_tokens lo,hi")
+    work.add_argument("--pool-slots", type=int, default=None,
+                      help="--page-pool: the pool's batch slots (default 4 x --batch-size)")
 
     p.add_argument("--json", default=None, metavar="PATH",
                    help=f"figures as JSON (default: {BENCH_DIR}/MODE.json, e.g. suite.json, cost-qwen3-8b-x0.25.json)")
@@ -153,12 +162,12 @@ def env_info() -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload")
-             if getattr(args, m)]
+    modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload",
+                         "page_pool") if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
-    workload = bool({"cache_scaling", "mixed_workload"} & set(modes))
+    workload = bool({"cache_scaling", "mixed_workload", "page_pool"} & set(modes))
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if args.cache_scaling else 128
     if args.repeats is None:
@@ -167,8 +176,9 @@ def main(argv=None) -> int:
                  "page_size", "mixed_prompts"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise SystemExit("error: --batch-size must be >= 1")
+    for flag in ("batch_size", "pool_slots", "kv_pages"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Dd]onat.*")  # backends that cannot donate still work
         return run(args, modes[0] if modes else "suite")
@@ -211,9 +221,13 @@ def run(args, mode: str) -> int:
         from infer.bench.workloads import run_cache_scaling
 
         result["cache_scaling"] = run_cache_scaling(args)
-    else:
+    elif mode == "mixed_workload":
         from infer.bench.workloads import run_mixed_workload
 
         result["mixed_workload"] = run_mixed_workload(args)
+    else:
+        from infer.bench.workloads import run_page_pool
+
+        result["page_pool"] = run_page_pool(args)
     write_outputs(result, args.json)
     return 0

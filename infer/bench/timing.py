@@ -69,24 +69,29 @@ def device_peak_bytes() -> int | None:
 # --------------------------------------------------------------------------- engines
 
 
-def counted_generate(gen, prompts, seed: int, max_new_tokens=None):
+def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list | None = None):
     """One `generate` run that also counts the engine's loop cycles (the iterations of every
     run_cycles call: the largest rise of a row's num_cycles during the call, since a row running
     at a call's last cycle ran at all of them) and records the admissions (prefill calls) the
     scheduler made. The state is read before and after each call, so this run is not timed.
-    Returns (results by index, loop cycles, admissions)."""
+    calls: a list to which each run_cycles call appends (rows running at its start, its loop
+    cycles, whether prompts were waiting: then the call ends as soon as a row finishes, so those
+    rows ran every cycle of it). Returns (results by index, loop cycles, admissions)."""
     admissions, cycles = [], []
     run, admit = gen._run, gen.admit
 
-    def counting_run(state, *args, **kwargs):
+    def counting_run(state, cycles_=None, until_free=False):
         before = np.asarray(state.num_cycles)  # read before the call takes the state donated
-        state, info = run(state, *args, **kwargs)
+        busy = int((~np.asarray(state.done)).sum())
+        state, info = run(state, cycles_, until_free)
         cycles.append(int((np.asarray(state.num_cycles) - before).max(initial=0)))
+        if calls is not None:
+            calls.append((busy, cycles[-1], bool(until_free)))
         return state, info
 
-    def recording_admit(state, slots, prompts_, row_ids, max_new, seed=0):
+    def recording_admit(state, slots, prompts_, row_ids, max_new, seed=0, pages=None):
         admissions.append((list(slots), [list(p) for p in prompts_], list(row_ids), list(max_new)))
-        return admit(state, slots, prompts_, row_ids, max_new, seed)
+        return admit(state, slots, prompts_, row_ids, max_new, seed, pages)
 
     gen._run, gen.admit = counting_run, recording_admit
     try:
@@ -171,10 +176,14 @@ def synthetic_state(spec, batch: int, context: int, seed: int = 0):
 
     state = init_state(spec, batch)
     lengths = jnp.full((batch,), context, jnp.int32)
-    ctx = state.context_cache
+    ctx, pages = state.context_cache, {}
+    if state.target_cache.pages is not None:  # a page pool: each row its own pages (the pool's, round robin)
+        table = state.target_cache.pages
+        pages = dict(pages=(jnp.arange(table.size, dtype=jnp.int32) % state.target_cache.num_pages).reshape(
+            table.shape))
     return state.replace(
-        target_cache=state.target_cache.replace(lengths=lengths),
-        context_cache=None if ctx is None else ctx.replace(lengths=lengths),
+        target_cache=state.target_cache.replace(lengths=lengths, **pages),
+        context_cache=None if ctx is None else ctx.replace(lengths=lengths, **pages),
         anchor=jnp.ones((batch,), jnp.int32), num_generated=jnp.ones((batch,), jnp.int32),
         done=jnp.zeros((batch,), bool), max_new_tokens=jnp.full((batch,), spec.max_new_tokens, jnp.int32),
         row_keys=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), jnp.arange(batch)),

@@ -1,4 +1,4 @@
-"""Two workload measurements (figures only; nothing is asserted):
+"""Three workload measurements (figures only; nothing is asserted):
 
 --cache-scaling: does a large allocated cache slow decoding? The same prompts through plain
 decoding and DFlash with the Generator's max_prompt_len small (default 128) and large (default
@@ -12,7 +12,18 @@ all asking for the mean length (the same tokens in all); tokens/s ratio mixed / 
 plain decoding and DFlash (goal >= 0.85), and the slot occupancy (row cycles / (loop cycles x
 batch)) of each run.
 
-Both run greedy with no stop tokens, each engine warmed up first, the configurations' timed runs
+--page-pool: how many rows run at once in the same K/V memory, per-slot caches against a page
+pool? The mixed-workload prompts, each cut to a length drawn (seeded, log-uniform: most rows short,
+a few long, as served traffic is) from 16..--max-prompt-tokens, with per-row max_new_tokens drawn
+log-uniform from --mixed-range. Per-slot caches: --batch-size slots, each
+holding max_prompt_len (--max-prompt-tokens) + max_new + 2 blocks. The pool: the same K/V
+memory as pages (`--kv-pages` = that memory / --page-size) shared by --pool-slots slots (default
+4 x the batch), each row holding the pages of its own length. Concurrent rows: rows running per
+loop cycle while prompts wait for room (the steady state; goal: the pool >= 2x per-slot), and
+over the whole run (row cycles / loop cycles, the final drain included); the tokens identical,
+tokens/s of each.
+
+All run greedy with no stop tokens, each engine warmed up first, the configurations' timed runs
 interleaved round by round (a change in machine load hits each alike), median of --repeats.
 """
 
@@ -50,12 +61,19 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
         if id(gen) not in warmed:
             gen.warmup([len(p) for p in prompts])
             warmed.add(id(gen))
-        results, loop_cycles, admissions = counted_generate(gen, prompts, seed, limits)
+        calls = []
+        results, loop_cycles, admissions = counted_generate(gen, prompts, seed, limits, calls)
         row_cycles = sum(len(r.acceptance_lengths) for r in results.values())
+        waiting = [(busy, n) for busy, n, until_free in calls if until_free]
+        waiting_cycles = sum(n for _, n in waiting)
         tokens = sum(len(r.output_ids) for r in results.values())
         out[name] = dict(loop_cycles=loop_cycles, row_cycles=row_cycles, admissions=len(admissions),
                          tokens_per_loop_cycle=tokens / loop_cycles if loop_cycles else 0.0,
                          slot_occupancy=row_cycles / (loop_cycles * gen.batch_size) if loop_cycles else 0.0,
+                         concurrent_rows=row_cycles / loop_cycles if loop_cycles else 0.0,
+                         concurrent_rows_while_waiting=(sum(b * n for b, n in waiting) / waiting_cycles
+                                                        if waiting_cycles else None),
+                         loop_cycles_while_waiting=waiting_cycles,
                          compiles_warmup=delta(compile_counts(), before), runs=[],
                          outputs=[results[i].output_ids for i in range(len(prompts))])
     before = compile_counts()
@@ -157,3 +175,62 @@ def run_mixed_workload(args) -> dict:
     return dict(pair=pair_record(pair), batch_size=batch, max_new_tokens_range=[lo, hi], limits=limits,
                 uniform_limit=mean, prompts=dict(kind=kind, lengths=[len(p) for p in prompts]), repeats=args.repeats,
                 rows=rows, compiles_timed=res["compiles_timed"])
+
+
+def run_page_pool(args) -> dict:
+    from dflash_jax.attention import cache_length
+    from dflash_jax.engine import Generator
+
+    pair = _load(args)
+    batch = args.batch_size or 8
+    slots = args.pool_slots or 4 * batch
+    lo, hi = int_list(args.mixed_range, "--mixed-range")[:2]
+    print(describe_pair(pair))
+    prompts, snippets, kind = heldout_prompts(args, pair, num=args.mixed_prompts)
+    rng = np.random.default_rng(args.seed)
+    cap = args.max_prompt_tokens
+    log_uniform = lambda a, b: np.exp(rng.uniform(np.log(a), np.log(b + 1), size=len(prompts))).astype(int)  # noqa: E731
+    prompts = [p[:n] for p, n in zip(prompts, log_uniform(min(16, cap), cap).tolist())]
+    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    limits = np.clip(log_uniform(lo, hi), lo, hi).tolist()
+    common = dict(max_new_tokens=hi, max_prompt_len=cap, stop_token_ids=(), sync_every=args.sync_every,
+                  page_size=args.page_size)
+    per_slot = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=batch, **common)
+    positions = batch * cache_length(per_slot.spec.cache_len, args.page_size)  # the per-slot K/V memory
+    pages = positions // args.page_size
+    pool = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=slots, kv_pages=pages,
+                     **common)
+    kv_bytes = {name: sum(x.size * x.dtype.itemsize for c in (s.target_cache, s.context_cache) for x in (c.k, c.v))
+                for name, s in (("per_slot", _abstract_state(per_slot)), ("pool", _abstract_state(pool)))}
+    print(f"greedy, no stop tokens; prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens (cap {cap}), "
+          f"max_new_tokens {min(limits)}..{max(limits)} (log-uniform in {lo}..{hi}); per-slot: {batch} slots of "
+          f"{per_slot.spec.cache_len} positions; pool: {pages} pages of {args.page_size} positions for {slots} slots; "
+          f"K/V bytes {kv_bytes['per_slot']} vs {kv_bytes['pool']}; median of {args.repeats} interleaved runs\n",
+          flush=True)
+    res = _interleaved({"per_slot": (per_slot, limits), "pool": (pool, limits)}, prompts, args.repeats, args.seed)
+    figs = res["engines"]
+    same = figs["per_slot"].pop("outputs") == figs["pool"].pop("outputs")
+    ratio = lambda key: (figs["pool"][key] / figs["per_slot"][key]  # noqa: E731
+                         if figs["pool"][key] and figs["per_slot"][key] else None)
+    gain, steady, speed = ratio("concurrent_rows_while_waiting"), ratio("concurrent_rows"), ratio("tokens_per_second")
+    for name, f in figs.items():
+        w = f["concurrent_rows_while_waiting"]
+        print(f"{name:9} {w or 0:.2f} concurrent rows while prompts wait ({f['loop_cycles_while_waiting']} loop "
+              f"cycles), {f['concurrent_rows']:.2f} over the whole run ({f['row_cycles']} row cycles in "
+              f"{f['loop_cycles']} loop cycles, the drain included), {f['tokens_per_second']:.1f} tok/s, "
+              f"tau {f['tau']:.2f}")
+    print(f"pool / per-slot in the same K/V memory: {gain or 0:.2f}x the concurrent rows while prompts wait (goal "
+          f">= 2x), {steady or 0:.2f}x over the whole run; {speed or 0:.2f}x the tokens/s on this machine; same "
+          f"tokens: {same}")
+    return dict(pair=pair_record(pair), per_slot_batch=batch, pool_slots=slots, kv_pages=pages,
+                page_size=args.page_size, kv_bytes=kv_bytes, max_prompt_len=cap, max_new_tokens_range=[lo, hi],
+                limits=limits, prompts=dict(kind=kind, lengths=[len(p) for p in prompts]), repeats=args.repeats,
+                engines=figs, concurrency_gain=gain, concurrency_gain_whole_run=steady, tokens_per_second_ratio=speed,
+                same_outputs=same,
+                compiles_timed=res["compiles_timed"])
+
+
+def _abstract_state(gen):
+    import jax
+
+    return jax.eval_shape(gen.new_state)
