@@ -34,9 +34,16 @@ Page pool. With a page table (`pages` [batch, pages per row] int32) the buffers 
 of pages shared by every row, `[layers, num_pages, page_size, kv_heads, head_dim]`, and page
 j of row b is `buf[layer, pages[b, j]]`: rows of different lengths hold only the pages they
 were given (`dflash_jax.engine.scheduler` hands them out and takes them back). An entry of
-`num_pages` or more is no page: writes to it are dropped and reads of it are masked (they
-are past the row's length). Every implementation takes the same table; the GPU path walks
+`num_pages` or more (`NO_PAGE`) is no page: writes to it are dropped and reads of it are masked
+(they are past the row's length). Every implementation takes the same table; the GPU path walks
 the pool (cuDNN's attention wants each row's keys contiguous).
+
+Rings. A group whose layers all slide (Gemma 4's sliding layers; with a page pool, see
+`KVCache.ring`) can keep, per row, only the last `ring` positions: position p lives at
+`p % ring`, so the pages behind the window are written over by new ones and the group's memory is
+its window's, not the row's length. A ring holds at least the window plus the longest chunk
+written at once, so no key a query can see is overwritten before the query reads it
+(`ring=True` to `write_kv` and `attend`; the buffer's length is the ring's).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 PAGE_SIZE = 128
+NO_PAGE = 1 << 30  # a page table's entry for no page (any entry past the pool is none)
 NEG = float(jnp.finfo(jnp.float32).min)
 
 
@@ -61,7 +69,7 @@ def page_size_of(max_len: int, page_size: int = PAGE_SIZE) -> int:
     return min(page_size, max_len)
 
 
-def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None):
+def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False):
     """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
     row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
     with layer None, into every layer: new is then [layers, n, T, ...]).
@@ -74,9 +82,12 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None):
 
     With a page table (`pages` [batch, pages per row]; buf a pool [layers, num_pages, page,
     ...]) it is one scatter of every (row, position) into its page, positions in no page of
-    the row (padding rows, pages past its reservation) dropped."""
+    the row (padding rows, pages past its reservation) dropped. A ring (`ring`) is one scatter
+    too, position p at p % the buffer's length."""
     if pages is not None:
         return _write_pool(buf, layer, new, offsets, rows, pages)
+    if ring:
+        return _write_ring(buf, layer, new, offsets, rows)
     n = new.shape[-4]
     batch = buf.shape[1]
     new = new.astype(buf.dtype)
@@ -105,7 +116,7 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     table = jnp.take(pages, rows, axis=0, mode="clip")  # [n, per_row]
     phys = jnp.take_along_axis(table, jnp.clip(logical, 0, per_row - 1), axis=1)
     ok = (rows < batch)[:, None] & (logical < per_row) & (phys >= 0) & (phys < num_pages)
-    flat = jnp.where(ok, phys * page + pos % page, num_pages * page).reshape(-1)  # out of range: dropped
+    flat = jnp.where(ok, jnp.where(ok, phys, 0) * page + pos % page, num_pages * page).reshape(-1)  # none: dropped
     pool = buf.reshape(layers, num_pages * page, heads, dim)
     new = new.astype(buf.dtype)
     if layer is None:  # [layers, n, T, kv, d]
@@ -113,6 +124,17 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     else:
         pool = pool.at[layer, flat].set(new.reshape(n * t, heads, dim), mode="drop")
     return pool.reshape(buf.shape)
+
+
+def _write_ring(buf, layer, new, offsets, rows):
+    n, t = new.shape[-4], new.shape[-3]
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
+    where = jnp.broadcast_to(rows[:, None], pos.shape)  # rows out of range (padding): dropped
+    new = new.astype(buf.dtype)
+    if layer is None:
+        return buf.at[:, where, pos].set(new, mode="drop")
+    return buf.at[layer, where, pos].set(new, mode="drop")
 
 
 def _page(buf, layer, start, size, rows):
@@ -145,13 +167,14 @@ def _update(carry, scores, mask, v):
 
 
 def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                     page_size=PAGE_SIZE, sinks=None, scale=None, pages=None):
+                     page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False):
     """The portable reference: see `attend`."""
     n, t, kv_heads, groups, d = q.shape
     if pages is None:
         max_len = k_buf.shape[2]
         page = page_size_of(max_len, page_size)
-        load = lambda buf, j: _page(buf, layer, j * page, page, rows)  # noqa: E731
+        slots = max_len // page  # a ring's pages: logical page j is page j % slots
+        load = lambda buf, j: _page(buf, layer, (j % slots if ring else j) * page, page, rows)  # noqa: E731
     else:  # a pool: page j of each query row is its table's entry j (past the pool: clamped, masked)
         page = k_buf.shape[2]
         max_len = pages.shape[1] * page
@@ -171,7 +194,7 @@ def attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, ch
 
     # Pages that can hold a visible key: key positions < kv_limit, and (sliding window)
     # > q_pos - window. Bounds over the whole batch; the mask does the per-row work.
-    last_page = (jnp.minimum(kv_limit.max(), max_len) + page - 1) // page
+    last_page = ((kv_limit.max() if ring else jnp.minimum(kv_limit.max(), max_len)) + page - 1) // page
     first_page = jnp.int32(0)
     if window is not None:
         first_page = jnp.clip((q_pos.min() - window + 1) // page, 0, last_page)
@@ -202,22 +225,22 @@ def dense_attention(q, k, v, mask):
 
 
 def attend_fused(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                 page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, implementation: str = "cudnn"):
+                 page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, implementation: str = "cudnn"):
     """The GPU path: one fused attention (cuDNN flash attention through
     `jax.nn.dot_product_attention`) of the queries over the layer's whole cache, with the
     walk's mask (keys < kv_limit, inside the window) as a boolean mask: no score matrix in
     memory, no per-page loop. It reads the allocated cache, not only the pages in use, so it
     suits caches sized near the contexts served. Falls back to `attend_pages_xla` where cuDNN
     has no equivalent: attention sinks (gpt-oss), a chunk of uncached keys (the drafter's
-    block), prefill into chosen rows (a row gather would copy their caches), a page pool (rows'
-    keys are not contiguous), and float32 (cuDNN's kernels are bfloat16/float16).
+    block), prefill into chosen rows (a row gather would copy their caches), a page pool or a ring
+    (a row's keys are not in position order), and float32 (cuDNN's kernels are bfloat16/float16).
     `implementation="xla"` runs the same call through jax's reference implementation (the CPU
     tests)."""
-    fallback = (sinks is not None or chunk is not None or rows is not None or pages is not None
+    fallback = (sinks is not None or chunk is not None or rows is not None or pages is not None or ring
                 or (implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16)))
     if fallback:
         return attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                                page_size=page_size, sinks=sinks, scale=scale, pages=pages)
+                                page_size=page_size, sinks=sinks, scale=scale, pages=pages, ring=ring)
     n, t, kv_heads, groups, d = q.shape
     k, v = k_buf[layer], v_buf[layer]  # [batch, max_len, kv_heads, head_dim]
     key_pos = jnp.arange(k.shape[1])
@@ -249,7 +272,7 @@ def implementation(backend: str | None = None) -> Callable:
 
 
 def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None = None, chunk=None, rows=None,
-           page_size: int = PAGE_SIZE, sinks=None, scale: float | None = None, pages=None):
+           page_size: int = PAGE_SIZE, sinks=None, scale: float | None = None, pages=None, ring: bool = False):
     """Grouped-query attention of queries over one layer of a paged cache.
 
     q: [n, T, kv_heads, groups, head_dim] (rotated); q_pos: [n, T] their positions.
@@ -265,7 +288,11 @@ def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None =
     scale: the scores' scale (default head_dim ** -0.5; Gemma 4: 1, its q/k norms set the scale).
     pages: optional [batch, pages per row] page table: k_buf and v_buf are then a page pool
         [layers, num_pages, page_size, kv_heads, head_dim] (see the module's docstring).
+    ring: the buffers are rings holding each row's last max_len positions (needs a window).
     Returns [n, T, kv_heads * groups * head_dim] in float32.
     """
+    if ring:
+        assert window is not None and pages is None, "a ring serves sliding-window layers of per-row caches"
+    kw = dict(ring=True) if ring else {}
     return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                            page_size=page_size, sinks=sinks, scale=scale, pages=pages)
+                            page_size=page_size, sinks=sinks, scale=scale, pages=pages, **kw)

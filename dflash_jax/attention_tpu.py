@@ -10,7 +10,8 @@ the tile can see (sliding windows) and stops at the last block holding a key bel
 nothing and the step computes nothing. A row reads the blocks it uses, not what the cache was
 sized for. With a page pool (a page table per row) a block is one page, and the index map
 finds it through the row's table (scalar-prefetched with the bounds), so a row's pages may lie
-anywhere in the pool.
+anywhere in the pool. In a ring (a sliding-window group keeping only its window) logical block
+b is block b % the ring's blocks, and the grid's key-block axis spans a window, not the cache.
 
 Masks, in the kernel: a query sees cached keys at positions < its own `kv_limit` (causal at the
 row's offset for the target's verify, the context length for the drafter) and, with a window,
@@ -130,7 +131,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
 
 
 def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, interpret=None):
+                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
     """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
     the kernel compiled on a TPU and in TPU interpret mode elsewhere.
 
@@ -139,7 +140,7 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
     rules store the cache (XLA cannot partition a Mosaic kernel itself). Admission into chosen
     rows with rows split over `data` (a row's cache may be on another device) takes the walk,
     as does a page pool with rows split over `data` (the pool is not split)."""
-    kw = dict(window=window, page_size=page_size, scale=scale, interpret=interpret)
+    kw = dict(window=window, page_size=page_size, scale=scale, ring=ring, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows, sinks=sinks, pages=pages,
@@ -153,7 +154,7 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
         if mesh.shape["data"] > 1:
             return attention.attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows,
                                               sinks=sinks, window=window, page_size=page_size, scale=scale,
-                                              pages=pages)
+                                              pages=pages, ring=ring)
         data = None
     row_heads = P(data, None, heads, None)
     extra = {k: v for k, v in dict(chunk=chunk, sinks=sinks, rows=rows, pages=pages).items() if v is not None}
@@ -170,7 +171,7 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-            page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, interpret=None):
+            page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
     """The kernel on one device's arrays."""
     n, t, kv_heads, groups, d = q.shape
     itemsize = jnp.dtype(k_buf.dtype).itemsize
@@ -186,7 +187,7 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         batch, per_row = pages.shape
         max_len = per_row * block
         table = jnp.clip(pages.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
-    n_blocks = max_len // block
+    n_blocks = ring_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
 
     # Query tiles: whole queries, a multiple of 8 rows (the TPU's sublanes) unless one tile.
@@ -207,8 +208,13 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         q_pos = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge")
         kv_limit = jnp.pad(kv_limit, ((0, 0), (0, pad)))  # sees nothing: no bound moves
 
+    if ring:  # logical block b is block b % ring_blocks; a tile sees window + its queries' keys
+        n_blocks = -(-(window + tq - 1) // block) + 1
+
     # Per (row, tile): the key blocks that can hold a visible key.
-    lim_t = jnp.minimum(kv_limit.reshape(n, n_tiles, tq).max(-1), max_len)
+    lim_t = kv_limit.reshape(n, n_tiles, tq).max(-1)
+    if not ring:
+        lim_t = jnp.minimum(lim_t, max_len)
     hi = (lim_t + block - 1) // block
     lo = jnp.zeros_like(hi)
     if window is not None:
@@ -227,7 +233,7 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         blk = jnp.minimum(lo_ref[tile] + j, last)
         if table_ref:
             return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, 0, 0)
-        return (layer, rows_ref[b], blk, 0, 0)
+        return (layer, rows_ref[b], blk % ring_blocks if ring else blk, 0, 0)
 
     q_spec = pl.BlockSpec((None, kv_heads, rows_per_tile, d), lambda b, t_, j, *_: (b, 0, t_, 0))
     col_spec = pl.BlockSpec((None, rows_per_tile, 1), lambda b, t_, j, *_: (b, t_, 0))

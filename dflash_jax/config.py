@@ -179,6 +179,14 @@ class ModelConfig:
         return (self.global_head_dim is not None or self.global_kv_heads is not None) and not (
             self.sliding_windows and self.sliding_windows[layer]) and not self.is_linear(layer)
 
+    def local_window(self) -> int | None:
+        """The widest window of the main K/V group when every attention layer in it slides (Gemma 4's
+        sliding layers, beside their global group; a Mistral-style decoder), else None: such a group
+        never reads a key older than that window."""
+        layers = [i for i in range(self.num_hidden_layers) if not self.is_linear(i) and not self.is_global(i)]
+        windows = [self.sliding_windows[i] if self.sliding_windows else None for i in layers]
+        return max(windows) if layers and None not in windows else None
+
     def attention_shape(self, layer: int) -> tuple[int, int]:
         """(head_dim, KV heads) of an attention layer."""
         if self.is_global(layer):

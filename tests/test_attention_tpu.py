@@ -226,6 +226,41 @@ def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
     assert 'custom_call_target="tpu_custom_call"' in hlo
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed: pip install -e '.[tpu]' to compile for TPUs")
+@pytest.mark.parametrize("layout", ["pool", "ring"])
+def test_a_pool_and_a_ring_compile_for_a_tpu(no_compile_cache, layout):
+    """Through Mosaic for one v5e chip: the kernel over a page pool (the page found through the
+    row's table in the index map) and over a sliding window's ring (the block taken modulo the
+    ring); with rows of 8192 positions declared, a pool's bytes are the row's pages and a ring's at
+    most the ring (its window of 512 in blocks of 512), not the row."""
+    from infer.bench.aot import topology
+    from dflash_jax.platform import compiling_for
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(topology("v5e:1x1").devices).reshape(1), ("x",))
+    n, t, kv, groups, d, page = 4, 16, 2, 4, 128, 128
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    q = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32))
+    if layout == "pool":
+        cache = (sds((2, 40, page, kv, d), jnp.bfloat16),) * 2
+        call = lambda q, pos, k, v, lim, pages: attention.attend(q, pos, k, v, 1, lim, pages=pages)  # noqa: E731
+        extra = (sds((n, 16), jnp.int32),)
+    else:
+        cache = (sds((2, n, 1024, kv, d), jnp.bfloat16),) * 2
+        call = lambda q, pos, k, v, lim: attention.attend(q, pos, k, v, 1, lim, window=512, ring=True)  # noqa: E731
+        extra = ()
+    with compiling_for("tpu"), attention_tpu.expected_live(8192):
+        hlo = jax.jit(call).trace(*q, *cache, sds((n, t), jnp.int32), *extra).lower().compile().as_text()
+    assert len(re.findall(r'custom_call_target="tpu_custom_call"', hlo)) == 1
+    declared = int(re.search(r'"bytes_accessed":"(\d+)"', hlo).group(1))
+    keys = 16 * page if layout == "pool" else 1024  # the pool: a row's 16 pages; the ring: all of it
+    assert declared == 2 * n * keys * kv * d * 2 + n * t * kv * groups * d * 6
+
+
 MESH_CHECK = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P

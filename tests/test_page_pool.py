@@ -6,6 +6,7 @@ through its page table (`Generator(kv_pages=...)`).
   rows and the free pages hold large stale values that would change any output they leaked into.
 - The paged write puts each position in its row's page, drops what falls in no page of the row
   (padding rows, positions past its reservation) and touches no other page.
+- A sliding window's ring (the pages behind the window written over) attends as a full cache does.
 - An engine on a pool decodes exactly the per-slot engine's tokens and acceptance lengths, with
   rows admitted only when the pool has their pages (admission waits while slots are free), pages
   handed back as rows finish (every table is empty at the end), stop tokens (a row stopped by its
@@ -106,6 +107,33 @@ def test_a_paged_write_lands_in_the_rows_pages_only(layer):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("rows", [None, heavy([2, 0, 1])])
+def test_a_ring_holds_what_a_window_sees(rows):
+    """A sliding-window group kept as a ring of 24 positions per row (window 10 plus chunks of 8):
+    chunk after chunk written into it, attention over it (the walk, and the TPU kernel) equals
+    attention over per-slot caches that keep every position, up to 70 positions."""
+    rs = np.random.RandomState(9)
+    batch, kv, groups, d, window, t = 3, 2, 2, 128, 10, 8
+    full = jnp.zeros((LAYERS, batch, 96, kv, d))
+    ring = jnp.zeros((LAYERS, batch, 24, kv, d))
+    caches = {"full": (full, full), "ring": (ring, ring)}
+    kw = {} if rows is None else dict(rows=jnp.asarray(rows))
+    for offset in range(0, 70, t):
+        offsets = jnp.full((batch,), offset) + jnp.asarray([0, 3, 1])
+        new = [jnp.asarray(rs.randn(batch, t, kv, d), jnp.float32) for _ in range(2)]
+        for name, (k, v) in caches.items():
+            caches[name] = tuple(attention.write_kv(buf, 1, x, offsets, kw.get("rows"), ring=name == "ring")
+                                 for buf, x in zip((k, v), new))
+        q = jnp.asarray(rs.randn(batch, t, kv, groups, d), jnp.float32)
+        q_pos = offsets[:, None] + jnp.arange(t)[None, :]  # query row i is cache row rows[i], written at offsets[i]
+        want = attention.attend_pages_xla(q, q_pos, *caches["full"], 1, q_pos + 1, window=window, page_size=P, **kw)
+        walk = attention.attend_pages_xla(q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P,
+                                          ring=True, **kw)
+        kernel = attend_pallas(q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P, ring=True, **kw)
+        np.testing.assert_allclose(np.asarray(walk), np.asarray(want), atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(kernel), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -144,9 +172,12 @@ def test_a_pooled_engine_decodes_the_per_slot_tokens(name, block_size):
     assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
     assert sum(n for n, _ in admissions) == len(LIMITS)
     assert any(n < free for n, free in admissions[1:])  # a prompt waited for pages, not for a slot
-    assert (np.asarray(gen._idle.target_cache.pages) == 10).all()  # every row gave its pages back
+    assert (np.asarray(gen._idle.target_cache.pages) >= 10).all()  # every row gave its pages back
+    cache = gen._idle.target_cache
+    if name == "gemma4-v8":  # its sliding layers keep a ring of their window (6) + a chunk (16): 2 pages
+        assert cache.ring and cache.k.shape[1:3] == (6, 32) and cache.k_global.shape[1:3] == (10, PAGE)
     if block_size > 1:
-        assert (np.asarray(gen._idle.context_cache.pages) == 10).all()
+        assert (np.asarray(gen._idle.context_cache.pages) >= 10).all()
 
 
 def test_rows_stopped_by_their_first_token_give_their_pages_back():
@@ -168,7 +199,7 @@ def test_rows_stopped_by_their_first_token_give_their_pages_back():
     state = gen.admit(gen.new_state(), [0, 1], [prompts(name)[stopped[0]], prompts(name)[going]], [0, 1], [24, 24],
                       pages=[[0, 1, 2, 3], [4, 5, 6, 7]])
     tables = np.asarray(state.target_cache.pages)
-    assert (tables[0] == 8).all() and tables[1, :4].tolist() == [4, 5, 6, 7]
+    assert (tables[0] >= 8).all() and tables[1, :4].tolist() == [4, 5, 6, 7]
     assert (np.asarray(state.context_cache.pages) == tables).all()
 
 

@@ -55,7 +55,7 @@ def test_sharded_inference_equals_one_device_on_the_fixture_pair():
     # heads do not divide 8: replicated), not by row.
     assert out["model=8 pool"]["outputs"] == single["outputs"]
     assert out["model=8 pool"]["acceptance"] == single["acceptance"]
-    assert out["model=8 pool"]["pool_spec"] == "P(None, None, None, None, None)"
+    assert out["model=8 pool"]["pool_spec"] == "P()"
     # Parameters really are split over the model axis where there is one.
     assert out["model=8"]["up_proj_spec"] == "P(None, 'model')"
     assert out["data=2,model=4"]["up_proj_spec"] == "P(None, 'model')"

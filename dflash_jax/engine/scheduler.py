@@ -14,7 +14,8 @@ a row is admitted only when the pool has the pages it can ever need (its prompt,
 max_new_tokens and a verify block, in whole pages), holds exactly those, and gives them back when
 it finishes. So the memory goes to the rows' own lengths, not batch x the longest row, and a
 batch of many slots fits where per-slot caches would not; a prompt waits while the pool is
-short (never a row stalled mid-way: what a row is given covers its whole life).
+short (never a row stalled mid-way: what a row is given covers its whole life). Layers that all
+slide keep only their window, in a ring per row (`KVCache.ring`), instead of pages.
 """
 
 from __future__ import annotations

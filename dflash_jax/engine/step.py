@@ -116,12 +116,13 @@ def _map_cache(cache: KVCache | None, f) -> KVCache | None:
     """f(array, logical axes) over a cache's arrays."""
     if cache is None:
         return None
-    axes = CACHE_AXES if cache.pages is None else POOL_AXES
+    pooled = CACHE_AXES if cache.pages is None else POOL_AXES
+    axes = CACHE_AXES if cache.ring else pooled  # a ring is per row
     cache = cache.replace(k=f(cache.k, axes), v=f(cache.v, axes), lengths=f(cache.lengths, ("batch",)))
     if cache.pages is not None:
         cache = cache.replace(pages=f(cache.pages, ("batch", None)))
     if cache.k_global is not None:
-        cache = cache.replace(k_global=f(cache.k_global, axes), v_global=f(cache.v_global, axes))
+        cache = cache.replace(k_global=f(cache.k_global, pooled), v_global=f(cache.v_global, pooled))
     if cache.state is not None:
         cache = cache.replace(state=tuple(f(s, STATE_AXES) for s in cache.state),
                               tail=tuple(f(t, TAIL_AXES) for t in cache.tail))
@@ -161,7 +162,7 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     return constrain_state(DecodeState(
         target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size,
-                                num_pages=spec.kv_pages),
+                                num_pages=spec.kv_pages, ring_chunk=max(spec.prefill_chunk, spec.verify_len)),
         context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size,
                                           num_pages=spec.kv_pages) if spec.uses_drafter else None),
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),

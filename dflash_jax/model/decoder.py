@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.attention import PAGE_SIZE, cache_length
+from dflash_jax.attention import NO_PAGE, PAGE_SIZE, cache_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
 from dflash_jax.model.layers import ACTIVATIONS, MLP, Attention, jnp_dtype, norm, rope_angles
@@ -60,8 +60,12 @@ class KVCache:
     pages:   None (each row owns max_len positions of the buffers), or a page pool's table
              [batch, pages per row] int32: k, v (and k_global, v_global) are then
              [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
-             every row, and row b's page j is page pages[b, j] (num_pages: none; see
-             `dflash_jax.attention`).
+             every row, and row b's page j is page pages[b, j] (an entry past the pool, as
+             NO_PAGE: none; see `dflash_jax.attention`).
+    ring:    (static) with a pool, k and v (the main group) are rings of the last k.shape[2]
+             positions of each row, [layers, batch, ring, kv_heads, head_dim], position p at p % ring:
+             the group's layers all slide (`ModelConfig.local_window`), so the pages behind the
+             window are written over instead of held (see `dflash_jax.attention`).
     page_size: positions per page (static), the unit attention walks in.
     """
 
@@ -73,6 +77,7 @@ class KVCache:
     state: tuple[jax.Array, ...] | None = None
     tail: tuple[jax.Array, ...] | None = None
     pages: jax.Array | None = None
+    ring: bool = struct.field(pytree_node=False, default=False)
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
 
     @property
@@ -80,10 +85,11 @@ class KVCache:
         """Positions a row can hold."""
         return self.k.shape[2] if self.pages is None else self.pages.shape[1] * self.page_size
 
-    @property
-    def num_pages(self) -> int | None:
-        """The pool's pages (None: no pool)."""
-        return None if self.pages is None else self.k.shape[1]
+    def layout(self, global_group: bool) -> tuple[jax.Array | None, bool]:
+        """(page table or None, ring) of a K/V group: the main one or Gemma 4's global one."""
+        if global_group:
+            return self.pages, False
+        return (None, True) if self.ring else (self.pages, False)
 
     def assign_pages(self, rows, table) -> "KVCache":
         """Rows `rows` [n] (out of range: ignored) take the page table rows `table` [n, pages
@@ -95,7 +101,7 @@ class KVCache:
         the host hands the pages to other rows). A no-op without a pool."""
         if self.pages is None:
             return self
-        return self.replace(pages=jnp.where(rows_done[:, None], self.num_pages, self.pages))
+        return self.replace(pages=jnp.where(rows_done[:, None], NO_PAGE, self.pages))
 
     def reset_rows(self, rows) -> "KVCache":
         """Rows `rows` [n] (out of range: ignored) emptied for a new sequence: length 0 and,
@@ -117,16 +123,31 @@ def cache_layout(batch: int, max_len: int, page_size: int, num_pages: int | None
     if num_pages is None:
         return (batch, cache_length(max_len, page_size)), None
     per_row = -(-max_len // page_size)
-    return (num_pages, page_size), jnp.full((batch, per_row), num_pages, jnp.int32)
+    return (num_pages, page_size), jnp.full((batch, per_row), NO_PAGE, jnp.int32)
+
+
+def ring_length(config: ModelConfig, max_len: int, page_size: int, chunk: int | None) -> int | None:
+    """Positions of a ring for the main K/V group (whole pages holding its window plus `chunk`, the
+    most positions written at once), or None where its layers do not all slide or a ring would be
+    no shorter than the row."""
+    window = config.local_window()
+    if window is None or chunk is None:
+        return None
+    ring = -(-(window + chunk) // page_size) * page_size
+    return ring if ring < -(-max_len // page_size) * page_size else None
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE,
-               num_pages: int | None = None) -> KVCache:
+               num_pages: int | None = None, ring_chunk: int | None = None) -> KVCache:
     """An empty cache for at least max_len positions per row (rounded up to whole pages); with
-    num_pages, a pool of that many pages shared by the rows, every row without a page yet."""
+    num_pages, a pool of that many pages shared by the rows, every row without a page yet, and
+    (ring_chunk: the most positions a call writes) the main group a ring of its window per row
+    where its layers all slide."""
     dtype = dtype or jnp_dtype(config.dtype)
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
-    shape = (config.num_kv_slots(False), *dims, config.num_key_value_heads, config.head_dim)
+    ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
+    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), config.num_key_value_heads,
+             config.head_dim)
     k_global = v_global = None
     if config.num_kv_slots(True):
         g = next(i for i in range(config.num_hidden_layers) if config.is_global(i))
@@ -139,7 +160,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
         state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
         tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   k_global=k_global, v_global=v_global, state=state, tail=tail, pages=pages, page_size=page_size)
+                   k_global=k_global, v_global=v_global, state=state, tail=tail, pages=pages, ring=ring is not None,
+                   page_size=page_size)
 
 
 # --------------------------------------------------------------------------- layers
@@ -358,7 +380,8 @@ def forward(
         them as they were, and the output's `pending` says what the chunk would write;
         `settle` then commits each row's accepted prefix (the verify pass of speculative
         decoding). Otherwise their states advance by num_tokens per row.
-    The caller guarantees cache.lengths + T <= cache.max_len.
+    The caller guarantees cache.lengths + T <= cache.max_len (and, with a ring, T at most the
+    chunk it was sized for).
     Jit-compiled (config, taps, return_logits and defer_recurrent are static); callable inside other jits.
     """
     taps = tuple(int(l) for l in taps)

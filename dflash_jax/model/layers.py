@@ -133,6 +133,7 @@ class Attention(nn.Module):
             sinks = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads)
 
         keys, values = ("k_global", "v_global") if c.is_global(i) else ("k", "v")
+        pages, ring = cache.layout(c.is_global(i))
         slot = c.cache_slot(i)
         if c.kv_producer(i) == i:
             k = unfused(dense(kv_heads * head_dim, "k_proj", c.qkv_bias)(x)).reshape(b, t, kv_heads, head_dim)
@@ -146,11 +147,11 @@ class Attention(nn.Module):
                 v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
             k = apply_rope(k, cos, sin)
             offsets = query_pos[:, 0]
-            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows, cache.pages),
-                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows, cache.pages)})
+            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows, pages, ring),
+                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows, pages, ring)})
         q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
         out = attend(q, query_pos, getattr(cache, keys), getattr(cache, values), slot, query_pos + 1, window=window,
-                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale, pages=cache.pages)
+                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale, pages=pages, ring=ring)
         out = out.astype(dtype)
         if gated == 2:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)

@@ -179,8 +179,7 @@ def synthetic_state(spec, batch: int, context: int, seed: int = 0):
     ctx, pages = state.context_cache, {}
     if state.target_cache.pages is not None:  # a page pool: each row its own pages (the pool's, round robin)
         table = state.target_cache.pages
-        pages = dict(pages=(jnp.arange(table.size, dtype=jnp.int32) % state.target_cache.num_pages).reshape(
-            table.shape))
+        pages = dict(pages=(jnp.arange(table.size, dtype=jnp.int32) % spec.kv_pages).reshape(table.shape))
     return state.replace(
         target_cache=state.target_cache.replace(lengths=lengths, **pages),
         context_cache=None if ctx is None else ctx.replace(lengths=lengths, **pages),
