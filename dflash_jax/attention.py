@@ -116,7 +116,7 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     table = jnp.take(pages, rows, axis=0, mode="clip")  # [n, per_row]
     phys = jnp.take_along_axis(table, jnp.clip(logical, 0, per_row - 1), axis=1)
     ok = (rows < batch)[:, None] & (logical < per_row) & (phys >= 0) & (phys < num_pages)
-    flat = jnp.where(ok, jnp.where(ok, phys, 0) * page + pos % page, num_pages * page).reshape(-1)  # none: dropped
+    flat = (jnp.where(ok, phys, num_pages) * page + pos % page).reshape(-1)  # no page: past the pool, dropped
     pool = buf.reshape(layers, num_pages * page, heads, dim)
     new = new.astype(buf.dtype)
     if layer is None:  # [layers, n, T, kv, d]
@@ -293,6 +293,5 @@ def attend(q, q_pos, k_buf, v_buf, layer: int, kv_limit, *, window: int | None =
     """
     if ring:
         assert window is not None and pages is None, "a ring serves sliding-window layers of per-row caches"
-    kw = dict(ring=True) if ring else {}
     return implementation()(q, q_pos, k_buf, v_buf, layer, kv_limit, window=window, chunk=chunk, rows=rows,
-                            page_size=page_size, sinks=sinks, scale=scale, pages=pages, **kw)
+                            page_size=page_size, sinks=sinks, scale=scale, pages=pages, ring=ring)

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.attention import PAGE_SIZE
+from dflash_jax.attention import NO_PAGE, PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling
@@ -143,12 +143,10 @@ class Generator:
         bad = [t for t in prompt if not 0 <= t < self.spec.target.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary (size {self.spec.target.vocab_size})"
-        pool = self.spec.kv_pages
-        need = self.pages_needed(n, max_new or self.spec.max_new_tokens) if pool else 0
-        if need > (pool or 0):
-            return (f"needs {need} pages of {self.spec.page_size} positions ({n} prompt tokens + "
-                    f"{max_new or self.spec.max_new_tokens} new + {self.spec.num_drafts} drafts); the pool has {pool}: "
-                    f"raise kv_pages")
+        pool, max_new = self.spec.kv_pages, max_new or self.spec.max_new_tokens
+        if pool and self.pages_needed(n, max_new) > pool:
+            return (f"needs {self.pages_needed(n, max_new)} pages of {self.spec.page_size} positions ({n} prompt "
+                    f"tokens + {max_new} new + {self.spec.num_drafts} drafts); the pool has {pool}: raise kv_pages")
         return None
 
     def pages_needed(self, prompt_len: int, max_new: int) -> int:
@@ -213,7 +211,7 @@ class Generator:
                 lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
-                table = np.full((width, per_row), pool or 0, np.int32)  # the pool's size: no page
+                table = np.full((width, per_row), NO_PAGE, np.int32)
                 for j, i in enumerate(chunk):
                     tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]

@@ -178,6 +178,8 @@ def run_mixed_workload(args) -> dict:
 
 
 def run_page_pool(args) -> dict:
+    import jax
+
     from dflash_jax.attention import cache_length
     from dflash_jax.engine import Generator
 
@@ -201,7 +203,7 @@ def run_page_pool(args) -> dict:
     pool = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=slots, kv_pages=pages,
                      **common)
     kv_bytes = {name: sum(x.size * x.dtype.itemsize for c in (s.target_cache, s.context_cache) for x in (c.k, c.v))
-                for name, s in (("per_slot", _abstract_state(per_slot)), ("pool", _abstract_state(pool)))}
+                for name, s in (("per_slot", jax.eval_shape(per_slot.new_state)), ("pool", jax.eval_shape(pool.new_state)))}
     print(f"greedy, no stop tokens; prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens (cap {cap}), "
           f"max_new_tokens {min(limits)}..{max(limits)} (log-uniform in {lo}..{hi}); per-slot: {batch} slots of "
           f"{per_slot.spec.cache_len} positions; pool: {pages} pages of {args.page_size} positions for {slots} slots; "
@@ -228,9 +230,3 @@ def run_page_pool(args) -> dict:
                 engines=figs, concurrency_gain=gain, concurrency_gain_whole_run=steady, tokens_per_second_ratio=speed,
                 same_outputs=same,
                 compiles_timed=res["compiles_timed"])
-
-
-def _abstract_state(gen):
-    import jax
-
-    return jax.eval_shape(gen.new_state)
