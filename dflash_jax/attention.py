@@ -224,6 +224,34 @@ def dense_attention(q, k, v, mask):
     return out.reshape(n, t, kv_heads * groups * d)
 
 
+def block_attention(q, ctx_k, ctx_v, ctx_mask, blk_k, blk_v, block_size: int):
+    """Drafter training, every block of a sequence at once, without scoring one block against
+    another: each query attends to the context keys its mask allows (the target's positions
+    before its block's anchor) and to the keys of its own block (non-causally), under one
+    softmax. The two score sets are merged by their common maximum (log-sum-exp), so the result
+    is `dense_attention` over [context ; all blocks] with the same-block mask, at N*B*B block
+    scores instead of (N*B)^2.
+
+    q [n, T, kv, groups, d] with T = N*B (block j holds rows j*B .. j*B+B-1); ctx_k/v
+    [n, S, kv, d]; ctx_mask [n, T, S]; blk_k/v [n, T, kv, d] -> [n, T, kv * groups * d] float32."""
+    n, t, kv_heads, groups, d = q.shape
+    nb = t // block_size
+    ctx_scores = jnp.where(ctx_mask[:, None, None], _scores(q, ctx_k), NEG)  # [n, kv, g, T, S]
+    qb = q.reshape(n, nb, block_size, kv_heads, groups, d)
+    kb = blk_k.reshape(n, nb, block_size, kv_heads, d)
+    blk_scores = jnp.einsum("bnikgd,bnjkd->bkgnij", qb, kb, preferred_element_type=jnp.float32) * d ** -0.5
+    blk_scores = blk_scores.reshape(n, kv_heads, groups, t, block_size)
+    m = jnp.maximum(ctx_scores.max(-1), blk_scores.max(-1))[..., None]  # a block always sees itself: finite
+    p_ctx, p_blk = jnp.exp(ctx_scores - m), jnp.exp(blk_scores - m)
+    total = p_ctx.sum(-1) + p_blk.sum(-1)
+    out = jnp.einsum("bkgts,bskd->bkgtd", p_ctx.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
+    vb = blk_v.reshape(n, nb, block_size, kv_heads, d)
+    p_blk = p_blk.reshape(n, kv_heads, groups, nb, block_size, block_size).astype(blk_v.dtype)
+    out += jnp.einsum("bkgnij,bnjkd->bkgnid", p_blk, vb, preferred_element_type=jnp.float32).reshape(out.shape)
+    out = out / total[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(n, t, kv_heads * groups * d)
+
+
 def attend_fused(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
                  page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, implementation: str = "cudnn"):
     """The GPU path: one fused attention (cuDNN flash attention through

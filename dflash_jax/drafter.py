@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
-from dflash_jax.attention import PAGE_SIZE, attend, dense_attention, write_kv
+from dflash_jax.attention import PAGE_SIZE, attend, block_attention, write_kv
 from dflash_jax.model import (MLP, KVCache, RMSNorm, apply_rope, cache_layout, jnp_dtype, rope_angles, row_lengths,
                              unfused)
 
@@ -185,16 +185,20 @@ class DraftAttention(nn.Module):
                      window=self.window, chunk=block, page_size=context.page_size, pages=context.pages)
         return self.o_proj(out.astype(x.dtype))
 
-    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask):
-        """Training, every block of a sequence at once: x [batch, N*B, hidden]; ctx_k/v
-        [batch, S, kv_heads, head_dim]; ctx_mask [batch, N*B, S]; block_mask [batch, N*B, N*B]."""
-        b, t, _ = x.shape
+    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size: int):
+        """Training, every block of a sequence at once: x [batch, N*B, hidden] (B = block_size);
+        ctx_k/v [batch, S, kv_heads, head_dim]; ctx_mask [batch, N*B, S]. Each block sees the
+        context its mask allows and itself, never another block."""
         k, v = self.kv(x, cos, sin)
-        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
-        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
-        mask = jnp.concatenate([ctx_mask, block_mask], axis=-1)
-        out = dense_attention(self.queries(x, cos, sin), keys, values, mask)
+        out = block_attention(self.queries(x, cos, sin), ctx_k.astype(k.dtype), ctx_v.astype(v.dtype), ctx_mask, k, v,
+                              block_size)
         return self.o_proj(out.astype(x.dtype))
+
+
+# Rematerialisation in training (`DFlashDrafter.remat`): what a layer's forward keeps for its backward.
+# "attention": the projections' and MLP's outputs (dots against weights); the attention scores,
+# the largest tensors of the step, are recomputed. "layer": only the layer's inputs.
+REMAT_POLICIES = {"attention": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "layer": None}
 
 
 class DraftLayer(nn.Module):
@@ -216,8 +220,8 @@ class DraftLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, context, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask):
-        x = x + self.self_attn.train_pass(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
+    def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size: int):
+        x = x + self.self_attn.train_pass(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -225,6 +229,7 @@ class DFlashDrafter(nn.Module):
     """Parameter paths mirror the z-lab names: `fc`, `hidden_norm`, `layers_{i}/...`, `norm`."""
 
     config: DrafterConfig
+    remat: str = "none"  # training's rematerialisation of each layer: a key of REMAT_POLICIES
 
     def setup(self):
         c = self.config.model
@@ -232,7 +237,11 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
         windows = c.sliding_windows or (None,) * c.num_hidden_layers
-        self.layers = [DraftLayer(c, windows[i]) for i in range(c.num_hidden_layers)]  # layers_{i}
+        layer = DraftLayer
+        if self.remat != "none":  # the same parameters; train_pass's backward recomputes what the policy drops
+            layer = nn.remat(DraftLayer, policy=REMAT_POLICIES[self.remat], methods=["train_pass"],
+                             static_argnums=(7,))
+        self.layers = [layer(c, windows[i]) for i in range(c.num_hidden_layers)]  # layers_{i}
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
 
     def context(self, features):
@@ -260,12 +269,12 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, positions, context, i)
         return self.norm(x)
 
-    def train_hidden(self, block_embeds, block_positions, features, ctx_mask, block_mask):
+    def train_hidden(self, block_embeds, block_positions, features, ctx_mask):
         """All blocks of a sequence in one pass (training).
 
-        block_embeds [batch, N*B, hidden] at block_positions [batch, N*B]; features
-        [batch, S, n*hidden] of positions 0..S-1; ctx_mask [batch, N*B, S] (a block sees context
-        strictly before its anchor); block_mask [batch, N*B, N*B] (a block sees itself only).
+        block_embeds [batch, N*B, hidden] at block_positions [batch, N*B], B = the block size;
+        features [batch, S, n*hidden] of positions 0..S-1; ctx_mask [batch, N*B, S] (a block sees
+        context strictly before its anchor). A block also sees itself, and no other block.
         """
         c = self.config.model
         s = features.shape[1]
@@ -277,7 +286,7 @@ class DFlashDrafter(nn.Module):
             mask = ctx_mask
             if layer.window is not None:
                 mask &= jnp.arange(s)[None, None, :] > block_positions[:, :, None] - layer.window
-            x = layer.train_pass(x, cos, sin, ctx_k[i], ctx_v[i], mask, block_mask)
+            x = layer.train_pass(x, cos, sin, ctx_k[i], ctx_v[i], mask, self.config.block_size)
         return self.norm(x)
 
     def _init_all(self, features, block_embeds):

@@ -14,7 +14,8 @@ import pytest
 
 from dflash_jax import load_drafter, load_target
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
+from dflash_jax.attention import dense_attention
+from dflash_jax.drafter import DFlashDrafter, DraftAttention, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
     init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.engine import Generator
@@ -142,7 +143,7 @@ def block_hiddens(dparams, features, embeds, anchors, s):
     lay = block_layout(jnp.zeros((1, s), jnp.int32), jnp.ones((1, s)), a, jnp.ones_like(a, bool),
                        block_size=b, mask_token_id=DRAFTER.mask_token_id, gamma=4.0)
     h = DFlashDrafter(DRAFTER).apply({"params": dparams}, embeds, lay.positions, features, lay.ctx_mask,
-                                     lay.block_mask[None], method=DFlashDrafter.train_hidden)
+                                     method=DFlashDrafter.train_hidden)
     return h.reshape(n, b, -1)
 
 
@@ -167,6 +168,42 @@ def test_a_block_sees_only_context_before_its_anchor_and_itself(models):
         ctx = extend_context(dparams, DRAFTER, features[:, :a], init_context_cache(DRAFTER, 1, 32), jnp.array([a]))
         decode = draft_hidden(dparams, DRAFTER, embeds[:, j * b:(j + 1) * b], ctx)
         np.testing.assert_allclose(np.asarray(decode[0]), np.asarray(ref[j]), atol=1e-5)
+
+
+def dense_train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size):
+    """The drafter's training attention as first written: one dense softmax over [context ; every
+    block's keys] with a same-block mask (every block scored against every other, then masked)."""
+    k, v = self.kv(x, cos, sin)
+    t = x.shape[1]
+    same = jnp.arange(t)[:, None] // block_size == jnp.arange(t)[None, :] // block_size
+    mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(same, (x.shape[0], t, t))], axis=-1)
+    out = dense_attention(self.queries(x, cos, sin), jnp.concatenate([ctx_k, k], 1), jnp.concatenate([ctx_v, v], 1),
+                          mask)
+    return self.o_proj(out.astype(x.dtype))
+
+
+@pytest.mark.parametrize("remat", ["none", "attention", "layer"])
+def test_block_attention_loss_and_gradients_equal_the_dense_path(models, monkeypatch, remat):
+    """Context-before-anchor plus in-block attention, merged by log-sum-exp and rematerialised by
+    each policy, gives the loss and gradients of dense attention over every block (float32)."""
+    tparams, dparams = models
+    drafter = dataclasses.replace(DRAFTER, model=DRAFTER.model.replace(sliding_windows=(None, 6)))
+    dparams = jax.tree.map(lambda p: p * 3.0, dparams)  # sharper attention than the init's
+    rng = np.random.RandomState(3)
+    tokens = jnp.asarray(rng.randint(0, 60, (2, 20)), jnp.int32)
+    mask = jnp.ones((2, 20), jnp.int32).at[1, :4].set(0)
+    spec = LossSpec(target=TARGET, drafter=drafter, num_anchors=4, gamma=4.0, remat=remat)
+    run = lambda: jax.jit(jax.value_and_grad(drafter_loss, has_aux=True), static_argnums=2)  # noqa: E731 (a new cache)
+    (loss, metrics), grads = run()(dparams, tparams, spec, tokens, mask, jax.random.PRNGKey(5))
+    monkeypatch.setattr(DraftAttention, "train_pass", dense_train_pass)
+    (ref_loss, ref_metrics), ref_grads = run()(dparams, tparams, dataclasses.replace(spec, remat="none"), tokens, mask,
+                                             jax.random.PRNGKey(5))
+    assert float(metrics["anchors"]) == 8 and float(ref_loss) > 0.1
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    assert max(float(jnp.abs(g).max()) for g in ref_flat) > 1e-3
+    for g, r in zip(flat, ref_flat):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
 def test_drafter_miss_is_the_decoding_first_slot_miss(models):

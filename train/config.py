@@ -50,6 +50,9 @@ DEFAULTS: dict[str, Any] = {
         "anchor_hardness": 0.0,  # > 0: favour anchors after tokens the target found hard
         "anchor_miss": 0.0,  # > 0: favour anchors where the drafter misses its first slot
         "compute_dtype": "bfloat16",
+        # What each drafter layer's backward recomputes: "attention" (its scores; the projections'
+        # outputs are kept), "layer" (everything but its input), "none" (nothing).
+        "remat": "attention",
         "ce_chunk": 2048,
         "log_every": 10,
         "save_every": 200,
@@ -124,6 +127,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     t = config["train"]
     if t["compute_dtype"] not in ("float32", "bfloat16"):
         raise TrainConfigError(f"train.compute_dtype must be float32 or bfloat16, got {t['compute_dtype']!r}")
+    if t["remat"] not in ("none", "attention", "layer"):
+        raise TrainConfigError(f"train.remat must be none, attention or layer, got {t['remat']!r}")
     for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
