@@ -144,6 +144,19 @@ def param_shardings(abstract, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, abstract)
 
 
+def split_over_data(sharding: NamedSharding, shape: Sequence[int]) -> NamedSharding:
+    """The sharding with its largest dimension that no mesh axis splits yet (and `data` divides)
+    split over `data` as well: an array that is otherwise replicated over data-parallel replicas,
+    held once across them (FSDP / ZeRO style). Unchanged when no dimension qualifies."""
+    mesh, n = sharding.mesh, sharding.mesh.shape["data"]
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    free = [i for i, size in enumerate(shape) if spec[i] is None and size % n == 0]
+    if n == 1 or not free:
+        return sharding
+    spec[max(free, key=lambda i: shape[i])] = "data"
+    return NamedSharding(mesh, P(*spec))
+
+
 def shard_params(params, mesh: Mesh | None):
     if mesh is None:
         return params

@@ -11,6 +11,7 @@ slot of block j, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -23,7 +24,7 @@ from jax.sharding import Mesh
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
 from dflash_jax.model import CausalLM, forward, init_cache
-from dflash_jax.sharding import param_shardings
+from dflash_jax.sharding import param_shardings, split_over_data
 
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
 
@@ -78,7 +79,6 @@ class BlockLayout:
     tokens: jax.Array  # [batch, N*B] drafter input: [x_a, MASK, ...] per block
     positions: jax.Array  # [batch, N*B] a..a+B-1 per block
     ctx_mask: jax.Array  # [batch, N*B, S] context position < anchor
-    block_mask: jax.Array  # [N*B, N*B] same block
     targets: jax.Array  # [batch, N, B] x_{a+k} (slot 0 unused)
     weights: jax.Array  # [batch, N, B] decay weight, 0 where no loss
 
@@ -97,12 +97,10 @@ def block_layout(tokens, loss_mask, anchors, anchor_valid, *, block_size: int, m
     weights = decay[None, None, :] * (in_range & covered & anchor_valid[:, :, None])
     block_tokens = jnp.where(k[None, None, :] == 0, targets[:, :, :1], mask_token_id)
     ctx_mask = jnp.arange(s)[None, None, :] < jnp.repeat(anchors, block_size, axis=1)[:, :, None]
-    block_ids = jnp.repeat(jnp.arange(n), block_size)
     return BlockLayout(
         tokens=block_tokens.reshape(b, n * block_size).astype(jnp.int32),
         positions=pos.reshape(b, n * block_size).astype(jnp.int32),
         ctx_mask=ctx_mask,
-        block_mask=block_ids[:, None] == block_ids[None, :],
         targets=targets.astype(jnp.int32),
         weights=weights.astype(jnp.float32),
     )
@@ -149,6 +147,7 @@ class LossSpec:
     # its first slot (one extra drafter pass over 4N two-slot blocks, no gradient).
     anchor_miss: float = 0.0
     mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
+    remat: str = "attention"  # what the drafter's layers recompute in the backward: drafter.REMAT_POLICIES
 
 
 def target_features(tparams, target: ModelConfig, tokens, taps):
@@ -173,9 +172,9 @@ def drafter_miss(dparams, drafter: DrafterConfig, embed_fn, head_fn, features, t
     b, n = anchors.shape
     lay = block_layout(tokens, jnp.ones(tokens.shape, bool), anchors, jnp.ones((b, n), bool), block_size=2,
                        mask_token_id=drafter.mask_token_id, gamma=1.0)
-    hidden = DFlashDrafter(drafter).apply(
+    hidden = DFlashDrafter(dataclasses.replace(drafter, block_size=2)).apply(
         {"params": jax.lax.stop_gradient(dparams)}, embed_fn(lay.tokens), lay.positions, features, lay.ctx_mask,
-        jnp.broadcast_to(lay.block_mask, (b,) + lay.block_mask.shape), method=DFlashDrafter.train_hidden)
+        method=DFlashDrafter.train_hidden)
     first = hidden.reshape(b, n, 2, -1)[:, :, 1]
     ce, _ = chunked_cross_entropy(first.reshape(b * n, -1), head_fn, lay.targets[:, :, 1].reshape(-1), chunk)
     return jnp.where(lay.weights[:, :, 1] > 0, 1.0 - jnp.exp(-ce.reshape(b, n)), 0.0)
@@ -221,11 +220,9 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
         anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors, anchor_weights)
     lay = block_layout(tokens, loss_mask, anchors, valid, block_size=bsz, mask_token_id=d.mask_token_id,
                        gamma=spec.gamma)
-    hidden = DFlashDrafter(d).apply(
+    hidden = DFlashDrafter(d, remat=spec.remat).apply(
         {"params": compute}, embed(lay.tokens), lay.positions, features, lay.ctx_mask,
-        jnp.broadcast_to(lay.block_mask, lay.ctx_mask.shape[:1] + lay.block_mask.shape),
-        method=DFlashDrafter.train_hidden,
-    )
+        method=DFlashDrafter.train_hidden)
     b, n = anchors.shape
     hidden = hidden.reshape(b, n, bsz, -1)[:, :, 1:]  # slot 0 carries no loss
     ce, correct = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head,
@@ -276,8 +273,12 @@ def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec:
     """One optimiser step. Anchors are keyed by (seed, step): redrawn every time a
     sequence is seen again, and identical when a resumed run replays a step."""
     key = jax.random.fold_in(seed_key, state.step)
-    (loss, metrics), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
-        state.params, tparams, spec, tokens, loss_mask, key)
+    # Traced under the mesh, as the engine is, so that the layers which split work by hand over it
+    # (the TPU attention kernel, the MoE block's experts: shard_maps) see it.
+    on_mesh = contextlib.nullcontext() if spec.mesh is None else jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh)
+    with on_mesh:
+        (loss, metrics), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
+            state.params, tparams, spec, tokens, loss_mask, key)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.global_norm(grads)
@@ -288,6 +289,10 @@ def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec:
 
 
 def state_shardings(state, mesh: Mesh):
-    """Shardings of a TrainState: parameters and their optimizer moments by the parameter
-    rules (the moments' paths end in the parameter's names), scalars replicated."""
-    return param_shardings(state, mesh)
+    """Shardings of a TrainState: parameters by the parameter rules, scalars replicated, and the
+    optimizer's moments by the same rules (their paths end in the parameter's names) and split
+    over `data` as well (ZeRO-1): each data-parallel replica keeps and updates its share of the
+    Adam state (two float32 copies of the drafter), and the updated parameters are gathered."""
+    shardings = param_shardings(state, mesh)
+    moments = jax.tree.map(lambda s, leaf: split_over_data(s, leaf.shape), shardings.opt_state, state.opt_state)
+    return shardings.replace(opt_state=moments)

@@ -77,8 +77,10 @@ def training(meshes):
             losses.append(float(m["loss"]))
         flat = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)]
         kernel = state.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+        moment = state.opt_state[1][0].mu["layers_0"]["mlp"]["up_proj"]["kernel"]  # (clip, (adam, ...))
         out[spec_text or "single"] = {"losses": losses, "params": flat,
-                                      "up_proj_spec": str(kernel.sharding.spec) if mesh else None}
+                                      "up_proj_spec": str(kernel.sharding.spec) if mesh else None,
+                                      "up_proj_moment_spec": str(moment.sharding.spec) if mesh else None}
     return out
 
 
