@@ -192,7 +192,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
                     ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]),
-                    anchor_miss=float(t["anchor_miss"]), mesh=mesh)
+                    anchor_miss=float(t["anchor_miss"]), mesh=mesh, remat=t["remat"])
     if mesh is not None and t["global_batch"] % mesh.shape["data"]:
         raise TrainConfigError(f"train.global_batch {t['global_batch']} is not divisible by the data axis "
                                f"({mesh.shape['data']})")
@@ -291,6 +291,16 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     return {"steps": total, "output_dir": str(out), "history": history}
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train", description=(
         "Train a DFlash drafter against a frozen target. Settings come from --config (YAML) and "
@@ -299,10 +309,24 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_distributed_flags(p)
+    aot = p.add_argument_group("--aot: compile the training step for a TPU and report (trains nothing; no TPU needed)")
+    aot.add_argument("--aot", metavar="TOPOLOGY", help="e.g. v5p:1x1x1, v5e:2x2 (needs libtpu: pip install -e '.[tpu]')")
+    aot.add_argument("--shape", default=None, help="a published target shape (qwen3-8b, ...) instead of the "
+                     "config's target directory")
+    aot.add_argument("--batch", type=_positive, default=None, help="sequences per step (default: one per data shard)")
+    aot.add_argument("--conversations", type=_positive, default=800_000,
+                     help="conversations the projected training time covers (default: the paper's 800k)")
+    aot.add_argument("--chips", type=_positive, default=32, help="chips the projection trains on (default 32: v5p-64)")
+    aot.add_argument("--hlo", default=None, metavar="DIR", help="write the step's scheduled TPU HLO here")
+    aot.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     args = p.parse_args(argv)
     try:
         init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
         cfg = load_config(args.config, args.overrides)
+        if args.aot:
+            from train.aot import main_aot
+
+            return main_aot(cfg, args)
         summary = train(cfg, progress=not args.quiet)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -199,14 +199,15 @@ def streaming_rate(device, nbytes: int, batch: int) -> float:
     return n * d * d * 2 / cost_of(compiled)["seconds"]
 
 
-def _compile(fn, args, hlo_dir: Path | None, name: str) -> dict:
-    """Compile a traced program; its cost, memory and HLO figures, or why it did not compile."""
+def _compile(fn, args, hlo_dir: Path | None, name: str, **static) -> dict:
+    """Compile a jitted function for abstract args (and static keyword arguments); its cost,
+    memory and HLO figures, or why it did not compile."""
     from dflash_jax.platform import compiling_for
 
     t = time.perf_counter()
     try:
         with compiling_for("tpu"):
-            compiled = fn.trace(*args).lower().compile()
+            compiled = fn.trace(*args, **static).lower().compile()
     except Exception as e:  # jax raises XlaRuntimeError; only running out of HBM is a result
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text:
