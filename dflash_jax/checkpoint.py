@@ -177,6 +177,7 @@ def load_hf_params(
     *,
     table=None,
     mesh=None,
+    over_data: bool = False,
     progress: bool = False,
 ):
     """Fill the parameter tree `abstract` (ShapeDtypeStructs) from an HF directory.
@@ -184,8 +185,8 @@ def load_hf_params(
     Every checkpoint tensor must map to a parameter and every parameter must be filled,
     with its shape checked. Without a mesh each tensor is read, transformed and put on the
     default device before the next is read. With a mesh each lands straight in its
-    sharding (dflash_jax.sharding rules), and for each device only its block is read.
-    Two kinds of parameter are built from several tensors on the host, then placed: an
+    sharding (dflash_jax.sharding rules; over_data: split over `data` as well, for FSDP
+    training), and for each device only its block is read. Two kinds of parameter are built from several tensors on the host, then placed: an
     expert-stacked one (one HF tensor per expert, e.g. Qwen3-MoE), held until its last expert
     is read; and one stored in parts (MXFP4 blocks and scales), built by the family's
     `combine` when its parts are read.
@@ -200,7 +201,7 @@ def load_hf_params(
     if mesh is not None:
         from dflash_jax.sharding import param_shardings
 
-        shardings = _flatten(param_shardings(abstract, mesh))
+        shardings = _flatten(param_shardings(abstract, mesh, over_data=over_data))
     filled: dict[tuple[str, ...], jax.Array] = {}
     stacks: dict[tuple[str, ...], tuple[np.ndarray, set]] = {}  # path -> (host array, experts read)
     parts: dict[tuple[str, ...], dict] = {}  # path -> {part: tensor}
@@ -356,7 +357,7 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def load_converted_params(path: Path, abstract, mesh=None):
+def load_converted_params(path: Path, abstract, mesh=None, over_data: bool = False):
     """Restore params written by `save_converted` in the dtypes of `abstract`; with a mesh,
     each array is read straight into its sharding (only the needed chunks). Orbax casts as it
     reads (rounding as jax's `astype` does: float32 to bfloat16 and float16 checked bit for bit),
@@ -366,7 +367,7 @@ def load_converted_params(path: Path, abstract, mesh=None):
     if mesh is not None:
         from dflash_jax.sharding import param_shardings
 
-        shardings = param_shardings(abstract, mesh)
+        shardings = param_shardings(abstract, mesh, over_data=over_data)
     wanted = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     ckptr = _checkpointer()
     try:
@@ -407,7 +408,8 @@ def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
     return model_config_from_json(path / "config.json", dtype=dtype)
 
 
-def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None):
+def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None,
+               over_data: bool = False):
     """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
     from dflash_jax.drafter import abstract_drafter_params
     from dflash_jax.model import abstract_params
@@ -416,19 +418,21 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
     path = Path(path)
     abstract = abstract_drafter_params(config) if kind == "drafter" else abstract_params(config)
     if is_converted(path):
-        return config, load_converted_params(path, abstract, mesh)
+        return config, load_converted_params(path, abstract, mesh, over_data)
     model_config = config.model if kind == "drafter" else config
     return config, load_hf_params(path, model_config, abstract, table=table_for(kind, model_config),
-                                  progress=progress, mesh=mesh)
+                                  progress=progress, mesh=mesh, over_data=over_data)
 
 
-def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):
+def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None,
+                over_data: bool = False):
     """Load a target model from an HF directory or one written by `dflash_jax.convert`.
 
     Returns (ModelConfig, params). dtype: "float32" | "bfloat16" (default: the checkpoint's).
-    mesh: load each parameter straight into its sharding on that mesh.
+    mesh: load each parameter straight into its sharding on that mesh (over_data: split over
+    the mesh's `data` axis as well, as FSDP training keeps a frozen target).
     """
-    return load_model(path, "target", dtype=dtype, progress=progress, mesh=mesh)
+    return load_model(path, "target", dtype=dtype, progress=progress, mesh=mesh, over_data=over_data)
 
 
 def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):

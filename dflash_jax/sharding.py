@@ -135,11 +135,13 @@ def _path_keys(path) -> tuple[str, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
-def param_shardings(abstract, mesh: Mesh):
-    """NamedSharding per parameter of a (ShapeDtypeStruct) tree."""
+def param_shardings(abstract, mesh: Mesh, *, over_data: bool = False):
+    """NamedSharding per parameter of a (ShapeDtypeStruct) tree. over_data: each also split over
+    `data` (split_over_data), for training with data parallelism (FSDP)."""
     def one(path, leaf):
         axes = param_axes(_path_keys(path), len(leaf.shape))
-        return NamedSharding(mesh, logical_spec(axes, leaf.shape, mesh))
+        sharding = NamedSharding(mesh, logical_spec(axes, leaf.shape, mesh))
+        return split_over_data(sharding, leaf.shape) if over_data else sharding
 
     return jax.tree_util.tree_map_with_path(one, abstract)
 

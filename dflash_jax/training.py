@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
 from dflash_jax.model import CausalLM, forward, init_cache
-from dflash_jax.sharding import param_shardings, split_over_data
+from dflash_jax.sharding import constrain, param_shardings, split_over_data
 
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
 
@@ -147,6 +147,7 @@ class LossSpec:
     # its first slot (one extra drafter pass over 4N two-slot blocks, no gradient).
     anchor_miss: float = 0.0
     mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
+    fsdp: bool = False  # the drafter's parameters split over `data` too (state_shardings)
     remat: str = "attention"  # what the drafter's layers recompute in the backward: drafter.REMAT_POLICIES
 
 
@@ -220,9 +221,13 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
         anchors, valid = sample_anchors(key, loss_mask, spec.num_anchors, anchor_weights)
     lay = block_layout(tokens, loss_mask, anchors, valid, block_size=bsz, mask_token_id=d.mask_token_id,
                        gamma=spec.gamma)
+    # Rows stay split over `data` (with parameters split over it too, the partitioner would
+    # otherwise rather split the hidden width and hold every row).
+    rows = lambda x: constrain(x, spec.mesh, ("batch",))  # noqa: E731
     hidden = DFlashDrafter(d, remat=spec.remat).apply(
-        {"params": compute}, embed(lay.tokens), lay.positions, features, lay.ctx_mask,
+        {"params": compute}, rows(embed(lay.tokens)), lay.positions, rows(features), lay.ctx_mask,
         method=DFlashDrafter.train_hidden)
+    hidden = rows(hidden)
     b, n = anchors.shape
     hidden = hidden.reshape(b, n, bsz, -1)[:, :, 1:]  # slot 0 carries no loss
     ce, correct = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head,
@@ -284,15 +289,17 @@ def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec:
     metrics["grad_norm"] = optax.global_norm(grads)
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     if spec.mesh is not None:  # keep the state's layout fixed from step to step
-        new = jax.lax.with_sharding_constraint(new, state_shardings(new, spec.mesh))
+        new = jax.lax.with_sharding_constraint(new, state_shardings(new, spec.mesh, fsdp=spec.fsdp))
     return new, metrics
 
 
-def state_shardings(state, mesh: Mesh):
+def state_shardings(state, mesh: Mesh, *, fsdp: bool = False):
     """Shardings of a TrainState: parameters by the parameter rules, scalars replicated, and the
     optimizer's moments by the same rules (their paths end in the parameter's names) and split
     over `data` as well (ZeRO-1): each data-parallel replica keeps and updates its share of the
-    Adam state (two float32 copies of the drafter), and the updated parameters are gathered."""
+    Adam state (two float32 copies of the drafter), and the updated parameters are gathered.
+    fsdp: the parameters are split over `data` too, and gathered where they are used."""
     shardings = param_shardings(state, mesh)
     moments = jax.tree.map(lambda s, leaf: split_over_data(s, leaf.shape), shardings.opt_state, state.opt_state)
-    return shardings.replace(opt_state=moments)
+    params = param_shardings(state.params, mesh, over_data=fsdp)
+    return shardings.replace(params=params, opt_state=moments)

@@ -49,9 +49,13 @@ def training(meshes):
     from dflash_jax.config import ModelConfig
     from dflash_jax.drafter import DrafterConfig, init_drafter_params
     from dflash_jax.model import init_params
-    from dflash_jax.sharding import global_batch, make_mesh, shard_params
+    from dflash_jax.sharding import global_batch, make_mesh, param_shardings
     from dflash_jax.training import LossSpec, init_train_state, make_optimizer, state_shardings, train_step
 
+    # A step whose Adam moments are split over `data` (each updated parameter all-gathered), loaded
+    # from jax's persistent compilation cache (the tests keep one), deadlocks the CPU backend's
+    # collectives: devices wait at different all-gathers. Compiled afresh it runs, every time.
+    jax.config.update("jax_enable_compilation_cache", False)
     target = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=8, qk_norm=True)
     drafter = DrafterConfig(model=target.replace(num_hidden_layers=2, sliding_windows=(None, None)), block_size=4,
@@ -62,14 +66,18 @@ def training(meshes):
     tokens = rng.randint(0, 63, (8, 32)).astype(np.int32)
     mask = (np.arange(32)[None] >= 8).astype(np.int32).repeat(8, 0)
     out = {}
-    for spec_text in [None] + meshes:
-        mesh = make_mesh(spec_text) if spec_text else None
-        spec = LossSpec(target=target, drafter=drafter, num_anchors=6, gamma=4.0, ce_chunk=32, mesh=mesh)
+    for spec_text in [None] + meshes + ["data=2,model=4 fsdp"]:
+        fsdp = bool(spec_text) and spec_text.endswith(" fsdp")
+        mesh = make_mesh(spec_text.split()[0]) if spec_text else None
+        spec = LossSpec(target=target, drafter=drafter, num_anchors=6, gamma=4.0, ce_chunk=32, mesh=mesh, fsdp=fsdp)
         tx, _ = make_optimizer(1e-3, 10)
         state = init_train_state(dparams, tx)
         if mesh is not None:
-            state = jax.device_put(state, state_shardings(state, mesh))
-        tp = shard_params(tparams, mesh)
+            state = jax.device_put(state, state_shardings(state, mesh, fsdp=fsdp))
+        # from the host, as load_target places them (a device-to-device reshard of many arrays can
+        # deadlock the CPU backend's collectives on 8 devices over 2 cores)
+        tp = tparams if mesh is None else jax.device_put(
+            jax.device_get(tparams), param_shardings(jax.eval_shape(lambda: tparams), mesh, over_data=fsdp))
         losses = []
         for _ in range(3):
             state, m = train_step(state, tp, global_batch(tokens, mesh), global_batch(mask, mesh),

@@ -93,7 +93,7 @@ def test_sharded_hybrid_and_gemma4_decoding_equals_one_device():
 def test_sharded_training_equals_one_device():
     out = run_worker("training")
     single = out["single"]
-    for mesh in MESHES:
+    for mesh in MESHES + ["data=2,model=4 fsdp"]:
         np.testing.assert_allclose(out[mesh]["losses"], single["losses"], rtol=1e-5, err_msg=mesh)
         for a, b in zip(out[mesh]["params"], single["params"]):
             np.testing.assert_allclose(a, b, atol=1e-6, err_msg=mesh)
@@ -102,6 +102,8 @@ def test_sharded_training_equals_one_device():
     assert out["data=2,model=4"]["up_proj_spec"] == "P(None, 'model')"
     assert out["data=2,model=4"]["up_proj_moment_spec"] == "P('data', 'model')"
     assert out["data=8"]["up_proj_moment_spec"] == "P('data',)"  # (the model axis, of size 1, is dropped)
+    # train.fsdp: the parameters too
+    assert out["data=2,model=4 fsdp"]["up_proj_spec"] == "P('data', 'model')"
 
 
 def free_port():

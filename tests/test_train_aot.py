@@ -90,3 +90,18 @@ def test_useful_flops_match_a_count_by_hand():
     assert u["drafter"] == pytest.approx(3 * drafter)
     assert u["lm_head"] == pytest.approx(3 * head)
     assert u["total"] == pytest.approx(3 * (target + drafter + head))
+
+
+@needs_libtpu
+@pytest.mark.heavy
+def test_data_by_model_mesh_with_fsdp_holds_less_per_chip(tmp_path):
+    """v5e:2x2 as data=2 x model=2: with train.fsdp the target's weights and the drafter's
+    parameters are split over `data` too, so each chip holds less (the Adam moments always are)."""
+    figures = {}
+    for fsdp in ("false", "true"):
+        p, r = train_aot(tmp_path, "--aot", "v5e:2x2", "train.mesh=data=2,model=2", f"train.fsdp={fsdp}")
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert r["step"]["compiled"] and r["step"]["fits"] and r["mesh"] == {"data": 2, "model": 2}
+        assert r["fsdp"] is (fsdp == "true") and "mfu_useful" not in r  # several chips: no per-chip time
+        figures[fsdp] = r["step"]["memory"]["arguments"]
+    assert figures["true"] < 0.9 * figures["false"], figures

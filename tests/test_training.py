@@ -266,6 +266,11 @@ def test_config_overrides_and_unknown_keys(tmp_path):
         load_config(path, ["train.anchor_hardness=-1"])
     with pytest.raises(TrainConfigError, match="anchor_miss must be a number >= 0"):
         load_config(path, ["train.anchor_miss=-0.5"])
+    with pytest.raises(TrainConfigError, match="train.remat must be none, attention or layer, got 'full'"):
+        load_config(path, ["train.remat=full"])
+    with pytest.raises(TrainConfigError, match="train.fsdp must be true or false, got 'yes please'"):
+        load_config(path, ["train.fsdp=yes please"])
+    assert load_config(path, ["train.fsdp=true"])["train"]["fsdp"] is True
     shipped = sorted((REPO / "configs" / "train").glob("*.yaml"))
     assert {"tiny", "qwen3-8b", "demo", "demo-stage6", "demo-stage7"} <= {p.stem for p in shipped}
     for config in shipped:  # every shipped config loads

@@ -147,20 +147,22 @@ def run_train_aot(cfg: dict, args) -> dict:
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"],
                     gamma=float(t["gamma"] or default_gamma(dcfg.block_size)), ce_chunk=t["ce_chunk"],
                     anchor_hardness=float(t["anchor_hardness"]), anchor_miss=float(t["anchor_miss"]), mesh=mesh,
-                    remat=t["remat"])
+                    remat=t["remat"], fsdp=t["fsdp"])
     tx, _ = make_optimizer(t["lr"], 1000, t["warmup_ratio"], t["clip"], t["weight_decay"])
     chip = target.chip
     print(f"TPU {target.name}: {target.num_chips} {target.chip_name} chip(s), {chip.hbm / GIB:.2f} GiB HBM each; "
           f"mesh {dict(mesh.shape)}; jax {jax.__version__}")
     print(f"target {tcfg.model_type} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, {tcfg.dtype}); "
           f"drafter {dcfg.model.num_hidden_layers} layers, block {dcfg.block_size}, {dcfg.model.dtype} compute; "
-          f"batch {batch} x {seq} tokens, {t['num_anchors']} anchors, remat {t['remat']}", flush=True)
+          f"batch {batch} x {seq} tokens, {t['num_anchors']} anchors, remat {t['remat']}"
+          f"{', fsdp' if t['fsdp'] else ''}", flush=True)
 
     tparams = abstract_params(tcfg)
     dparams = jax.eval_shape(lambda: init_drafter_params(dcfg.with_dtype("float32")))
     state = jax.eval_shape(lambda: init_train_state(init_drafter_params(dcfg.with_dtype("float32")), tx))
     rows = NamedSharding(mesh, P("data"))
-    args_ = (_sharded(state, state_shardings(state, mesh)), _sharded(tparams, param_shardings(tparams, mesh)),
+    args_ = (_sharded(state, state_shardings(state, mesh, fsdp=t["fsdp"])),
+             _sharded(tparams, param_shardings(tparams, mesh, over_data=t["fsdp"])),
              jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows),
              jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows), _replicated(mesh, (2,), jnp.uint32))
     fig = _compile(train_step, args_, Path(args.hlo) if args.hlo else None, "train_step", spec=spec, tx=tx)
@@ -171,7 +173,7 @@ def run_train_aot(cfg: dict, args) -> dict:
     report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
                   chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape or str(cfg["target"]),
                   batch=batch, seq_len=seq, num_anchors=t["num_anchors"], block_size=dcfg.block_size,
-                  remat=t["remat"], useful_flops=useful, step=fig)
+                  remat=t["remat"], fsdp=t["fsdp"], useful_flops=useful, step=fig)
     if fig.get("memory"):
         fig["fits"] = fig["memory"]["total"] <= chip.hbm
     if fig.get("compiled") and fig.get("seconds") and target.num_chips == 1:

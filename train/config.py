@@ -37,6 +37,10 @@ DEFAULTS: dict[str, Any] = {
     "train": {
         "output_dir": None,  # required
         "mesh": None,  # e.g. "data=4,model=2"; default: every device on `data`
+        # true: the target's weights and the drafter's parameters are split over `data` as well
+        # (gathered where used), for chips the model-split weights alone would fill. The Adam
+        # moments are always split over `data`.
+        "fsdp": False,
         "seed": 0,
         "global_batch": 8,
         "epochs": 6,
@@ -127,6 +131,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     t = config["train"]
     if t["compute_dtype"] not in ("float32", "bfloat16"):
         raise TrainConfigError(f"train.compute_dtype must be float32 or bfloat16, got {t['compute_dtype']!r}")
+    if not isinstance(t["fsdp"], bool):
+        raise TrainConfigError(f"train.fsdp must be true or false, got {t['fsdp']!r}")
     if t["remat"] not in ("none", "attention", "layer"):
         raise TrainConfigError(f"train.remat must be none, attention or layer, got {t['remat']!r}")
     for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk"):

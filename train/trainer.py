@@ -174,7 +174,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
 
         multihost_utils.sync_global_devices("data ready")
     # Every tensor read straight into its shard on the mesh: no device holds the whole target.
-    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"], mesh=mesh)
+    # train.fsdp: split over `data` as well, each device keeping a share of its model shard.
+    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"], mesh=mesh, over_data=t["fsdp"])
 
     records = read_jsonl(d["conversations"])
     holdout = min(d["eval_holdout"], len(records) - 1)
@@ -192,7 +193,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
                     ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]),
-                    anchor_miss=float(t["anchor_miss"]), mesh=mesh, remat=t["remat"])
+                    anchor_miss=float(t["anchor_miss"]), mesh=mesh, remat=t["remat"],
+                    fsdp=bool(mesh is not None and t["fsdp"]))
     if mesh is not None and t["global_batch"] % mesh.shape["data"]:
         raise TrainConfigError(f"train.global_batch {t['global_batch']} is not divisible by the data axis "
                                f"({mesh.shape['data']})")
@@ -209,7 +211,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
 
     state = init_train_state(init_params, tx)
     if mesh is not None:
-        state = jax.device_put(state, state_shardings(state, mesh))
+        state = jax.device_put(state, state_shardings(state, mesh, fsdp=spec.fsdp))
     mngr = checkpoint_manager(out, cfg)
     start = 0
     if mngr.latest_step() is not None:
