@@ -406,3 +406,20 @@ def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
     m_b = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_second"} for l in lines]
     assert strip(m_a) == strip(m_b)  # same losses at every logged step, none duplicated
+
+
+@pytest.mark.heavy
+def test_input_benchmark_checks_the_hosts_shards(tmp_path):
+    """benchmarks/train_input.py at a small size: its figures, and the hosts' shards found disjoint
+    and complete (it exits 1 otherwise)."""
+    aot = tmp_path / "aot.json"
+    aot.write_text(json.dumps({"step": {"seconds": 0.5}, "batch": 1, "chip": "v5p"}))
+    out = tmp_path / "input.json"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_input.py"), "--seq-len", "256",
+                        "--global-batch", "8", "--hosts", "4", "--batches", "2", "--aot-json", str(aot),
+                        "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["shards_disjoint_and_complete"] is True and r["sequences_per_second_per_host"] > 0
+    assert r["needed_sequences_per_second_per_host"] == pytest.approx(1 / 0.5 * 4)
+    assert r["headroom"] == pytest.approx(r["sequences_per_second_per_host"] / 8)
