@@ -341,7 +341,8 @@ def run_generation(args, make_record=None) -> int:
             raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
                              f"(0..{tcfg.vocab_size - 1})")
     if drafter_dir is not None and args.block_size != 1:
-        check_pair(tcfg, read_model_config(drafter_dir, "drafter", dtype=args.dtype))
+        for warning in check_pair(tcfg, read_model_config(drafter_dir, "drafter", dtype=args.dtype)):
+            say(f"warning: {warning}")
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > args.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "

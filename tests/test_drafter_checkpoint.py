@@ -1,5 +1,6 @@
 """Loading z-lab drafters: config variants, conversion, and pairs that must be refused."""
 
+import dataclasses
 import json
 import shutil
 
@@ -27,6 +28,20 @@ def test_default_target_layer_ids_rule():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)  # Llama-3.1-8B
     assert default_target_layer_ids(6, 1) == (3,)
+    # never the last layer, which vLLM and SGLang read before the final norm (even where the rule,
+    # meant for deep targets, would reach it)
+    for layers in range(2, 40):
+        for n in range(1, 7):
+            taps = default_target_layer_ids(layers, n)
+            assert len(taps) == n and all(0 <= t < layers - 1 for t in taps), (layers, n, taps)
+
+
+def test_a_drafter_tapping_the_last_layer_pairs_with_a_warning():
+    tc, _ = load_target(tiny() / "target")
+    dc, _ = load_drafter(tiny() / "drafter")
+    assert check_pair(tc, dataclasses.replace(dc, target_layer_ids=(1, 4))) == []
+    (warning,) = check_pair(tc, dataclasses.replace(dc, target_layer_ids=(1, 5)))
+    assert "taps the target's last layer (5)" in warning and "vLLM and SGLang" in warning
 
 
 def test_block_size_in_dflash_config_and_default_taps(tmp_path):

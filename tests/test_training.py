@@ -390,6 +390,30 @@ def test_export_round_trip_gives_identical_drafts(short_run, tmp_path, capsys):
         in capsys.readouterr().err
 
 
+def test_export_refuses_a_last_layer_tap_unless_allowed(short_run, tmp_path, capsys):
+    """vLLM and SGLang read a last-layer tap before the final norm: export stops such a drafter
+    (before reading a weight) unless told to, and then warns."""
+    import shutil
+
+    from train.export import main as export_main
+
+    tmp, _ = short_run
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "straight", run)
+    config = json.loads((run / "drafter_config.json").read_text())
+    last = config["num_target_layers"] - 1
+    config["dflash_config"]["target_layer_ids"] = [1, last]
+    (run / "drafter_config.json").write_text(json.dumps(config))
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"taps the target's last layer ({last})" in err[0]
+    assert "--allow-last-layer-tap" in err[0] and not (tmp_path / "refused").exists()
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "allowed"), "--allow-last-layer-tap"]) == 0
+    assert "warning: the drafter taps the target's last layer" in capsys.readouterr().err
+    assert json.loads((tmp_path / "allowed" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == \
+        [1, last]
+
+
 def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
     tmp, conv = short_run
     common = [f"data.conversations={conv}", *RESUME_RUN]

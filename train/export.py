@@ -4,6 +4,12 @@ Writes `config.json` (architectures DFlashDraftModel, block_size, dflash_config 
 mask_token_id and target_layer_ids) and `model.safetensors` (names without a `model.`
 prefix), the format that `python -m infer --drafter`, vLLM and SGLang load. Written to a
 temporary directory and renamed at the end; refuses to overwrite without --force.
+
+A drafter that taps the target's last layer is refused unless --allow-last-layer-tap: vLLM and
+SGLang read that tap before the target's final norm where training read it after, so they would
+serve it below its strength without a word (dflash_jax.drafter.last_layer_tap_warning). Exporting
+is for those engines, so the silent loss is the one to stop; `python -m infer` reads the run's
+drafter either way.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import sys
 from pathlib import Path
 
 from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
+from dflash_jax.drafter import last_layer_tap_warning
 from dflash_jax.errors import CheckpointError, DFlashError
 
 
@@ -49,7 +56,7 @@ def restore_params(run_dir: Path, step: int | None = None):
 
 
 def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
-           force: bool = False) -> Path:
+           force: bool = False, allow_last_layer_tap: bool = False, warn=None) -> Path:
     import ml_dtypes
     import numpy as np
 
@@ -59,8 +66,14 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
         raise CheckpointError(f"{run_dir} is not a training run (no drafter_config.json)")
     if out.exists() and not force:
         raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
-    params, step = restore_params(run_dir, step)
     config = json.loads(config_path.read_text())
+    taps = (config.get("dflash_config") or {}).get("target_layer_ids") or ()
+    tap_warning = last_layer_tap_warning(int(config.get("num_target_layers", -1)), taps)
+    if tap_warning and not allow_last_layer_tap:
+        raise CheckpointError(f"{tap_warning}; pass --allow-last-layer-tap to export it anyway")
+    if tap_warning and warn is not None:
+        warn(f"warning: {tap_warning}")
+    params, step = restore_params(run_dir, step)
     config["dtype"] = dtype
     config["torch_dtype"] = dtype
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -86,9 +99,13 @@ def main(argv=None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--allow-last-layer-tap", action="store_true",
+                   help="export a drafter that taps the target's last layer (vLLM and SGLang serve it below its "
+                        "strength: they read that tap before the final norm)")
     args = p.parse_args(argv)
     try:
-        out = export(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+        out = export(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
+                     allow_last_layer_tap=args.allow_last_layer_tap, warn=lambda m: print(m, file=sys.stderr))
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -189,7 +189,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     else:
         dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
         init_params = init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
-    check_pair(tcfg, dcfg)
+    for warning in check_pair(tcfg, dcfg):
+        log(f"warning: {warning}")
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
                     ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]),
