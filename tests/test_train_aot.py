@@ -3,7 +3,7 @@ compiles for one v5e chip, fits, and reports its estimate, its useful flops and 
 projected training time; bad input is a one-line error. `useful_flops` is held to a count by hand.
 
 The compiles need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are
-skipped, with that reason."""
+skipped, with that reason. The error checks and the four-chip compiles are `-m heavy`."""
 
 import importlib.util
 import json
@@ -44,6 +44,7 @@ def test_tiny_training_step_compiles_for_one_v5e_chip(tmp_path):
 
 
 @needs_libtpu
+@pytest.mark.heavy
 def test_bad_topology_mesh_and_batch_are_one_line_errors(tmp_path):
     p, _ = train_aot(tmp_path, "--aot", "v9:1x1")
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: unknown TPU topology 'v9:1x1'")

@@ -182,7 +182,8 @@ def dense_train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size):
     return self.o_proj(out.astype(x.dtype))
 
 
-@pytest.mark.parametrize("remat", ["none", "attention", "layer"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.heavy), "attention",
+                                   pytest.param("layer", marks=pytest.mark.heavy)])
 def test_block_attention_loss_and_gradients_equal_the_dense_path(models, monkeypatch, remat):
     """Context-before-anchor plus in-block attention, merged by log-sum-exp and rematerialised by
     each policy, gives the loss and gradients of dense attention over every block (float32)."""
