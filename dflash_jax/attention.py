@@ -237,9 +237,10 @@ def block_attention(q, ctx_k, ctx_v, ctx_mask, blk_k, blk_v, block_size: int):
     n, t, kv_heads, groups, d = q.shape
     nb = t // block_size
     ctx_scores = jnp.where(ctx_mask[:, None, None], _scores(q, ctx_k), NEG)  # [n, kv, g, T, S]
-    qb = q.reshape(n, nb, block_size, kv_heads, groups, d)
-    kb = blk_k.reshape(n, nb, block_size, kv_heads, d)
-    blk_scores = jnp.einsum("bnikgd,bnjkd->bkgnij", qb, kb, preferred_element_type=jnp.float32) * d ** -0.5
+    # each block as a sequence of its own: [n * nb, kv, g, B, B] -> [n, kv, g, T, B]
+    blk_scores = _scores(q.reshape(n * nb, block_size, kv_heads, groups, d),
+                         blk_k.reshape(n * nb, block_size, kv_heads, d))
+    blk_scores = blk_scores.reshape(n, nb, kv_heads, groups, block_size, block_size).transpose(0, 2, 3, 1, 4, 5)
     blk_scores = blk_scores.reshape(n, kv_heads, groups, t, block_size)
     m = jnp.maximum(ctx_scores.max(-1), blk_scores.max(-1))[..., None]  # a block always sees itself: finite
     p_ctx, p_blk = jnp.exp(ctx_scores - m), jnp.exp(blk_scores - m)

@@ -186,10 +186,10 @@ def load_hf_params(
     with its shape checked. Without a mesh each tensor is read, transformed and put on the
     default device before the next is read. With a mesh each lands straight in its
     sharding (dflash_jax.sharding rules; over_data: split over `data` as well, for FSDP
-    training), and for each device only its block is read. Two kinds of parameter are built from several tensors on the host, then placed: an
-    expert-stacked one (one HF tensor per expert, e.g. Qwen3-MoE), held until its last expert
-    is read; and one stored in parts (MXFP4 blocks and scales), built by the family's
-    `combine` when its parts are read.
+    training), and for each device only its block is read. Two kinds of parameter are built
+    from several tensors on the host, then placed: an expert-stacked one (one HF tensor per
+    expert, e.g. Qwen3-MoE), held until its last expert is read; and one stored in parts (MXFP4
+    blocks and scales), built by the family's `combine` when its parts are read.
     """
     hf_dir = Path(hf_dir)
     table = target_table(config.model_type) if table is None else table

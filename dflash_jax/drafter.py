@@ -102,11 +102,12 @@ class DrafterConfig:
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The reference rule: one tap in the middle, or n taps spread over layers 1..L-3; never the
     last layer (last_layer_tap_warning), even for a target too shallow for the rule."""
+    top = max(num_target_layers - 2, 0)
     if num_draft_layers == 1:
-        return (min(num_target_layers // 2, max(num_target_layers - 2, 0)),)
+        return (min(num_target_layers // 2, top),)
     span = num_target_layers - 4
     taps = (int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
-    return tuple(min(max(t, 0), max(num_target_layers - 2, 0)) for t in taps)
+    return tuple(min(max(t, 0), top) for t in taps)
 
 
 def last_layer_tap_warning(num_target_layers: int, target_layer_ids) -> str | None:

@@ -9,6 +9,7 @@ the same code runs on one CPU and on a pod slice through jit + NamedSharding.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Sequence
@@ -103,6 +104,13 @@ def parse_mesh(text: str | None, num_devices: int | None = None) -> dict[str, in
     if math.prod(sizes.values()) != n:
         raise MeshError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, {n} are present")
     return sizes
+
+
+def tracing_on(mesh: Mesh | None):
+    """Context for tracing under `mesh` (`jax.sharding.use_abstract_mesh`), so that layers which
+    split work by hand over it (shard_maps: the TPU attention kernel, the MoE experts) see it;
+    without a mesh, a context that changes nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def make_mesh(text: str | None = None) -> Mesh:

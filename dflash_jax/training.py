@@ -11,7 +11,6 @@ slot of block j, nothing else.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -24,7 +23,7 @@ from jax.sharding import Mesh
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
 from dflash_jax.model import CausalLM, forward, init_cache
-from dflash_jax.sharding import constrain, param_shardings, split_over_data
+from dflash_jax.sharding import constrain, param_shardings, split_over_data, tracing_on
 
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size
 
@@ -278,10 +277,7 @@ def train_step(state: TrainState, tparams, tokens, loss_mask, seed_key, *, spec:
     """One optimiser step. Anchors are keyed by (seed, step): redrawn every time a
     sequence is seen again, and identical when a resumed run replays a step."""
     key = jax.random.fold_in(seed_key, state.step)
-    # Traced under the mesh, as the engine is, so that the layers which split work by hand over it
-    # (the TPU attention kernel, the MoE block's experts: shard_maps) see it.
-    on_mesh = contextlib.nullcontext() if spec.mesh is None else jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh)
-    with on_mesh:
+    with tracing_on(spec.mesh):  # as the engine traces: its shard_maps see the mesh
         (loss, metrics), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
             state.params, tparams, spec, tokens, loss_mask, key)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

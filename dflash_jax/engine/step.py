@@ -32,7 +32,7 @@ from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
-from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of
+from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of, tracing_on
 
 # --------------------------------------------------------------------------- spec and state
 
@@ -197,9 +197,7 @@ def traced_on_mesh(fn):
     see it; without a mesh, nothing changes. `spec` is the third argument."""
     @functools.wraps(fn)
     def wrapped(tparams, dparams, spec, *args, **kwargs):
-        if spec.mesh is None:
-            return fn(tparams, dparams, spec, *args, **kwargs)
-        with jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh):
+        with tracing_on(spec.mesh):
             return fn(tparams, dparams, spec, *args, **kwargs)
 
     return wrapped
