@@ -126,6 +126,26 @@ def last_layer_tap_warning(num_target_layers: int, target_layer_ids) -> str | No
             f"target_layer_ids below {last} for a drafter every engine reads alike")
 
 
+def retap(config: DrafterConfig, params, target_layer_ids) -> tuple[DrafterConfig, dict]:
+    """The drafter pointed at other target layers, to fine-tune it there (`drafter.target_layer_ids`
+    beside `drafter.init` in training). `fc` reads the taps' hidden states concatenated in
+    `target_layer_ids` order, one [hidden] block of its input rows per tap: a tap it keeps keeps its
+    block, a new tap's block starts at zero, so the drafter starts as it was, less what it read
+    from the taps it drops."""
+    taps = tuple(int(t) for t in target_layer_ids)
+    if len(set(taps)) != len(taps):
+        raise ConfigError(f"target_layer_ids {list(taps)} names a layer twice")
+    if taps == config.target_layer_ids:
+        return config, params
+    kernel = params["fc"]["kernel"]
+    hidden = kernel.shape[0] // config.num_taps
+    old = {t: i for i, t in enumerate(config.target_layer_ids)}
+    blocks = [kernel[old[t] * hidden:(old[t] + 1) * hidden] if t in old else jnp.zeros((hidden,) + kernel.shape[1:], kernel.dtype)
+              for t in taps]
+    params = {**params, "fc": {**params["fc"], "kernel": jnp.concatenate(blocks, axis=0)}}
+    return dataclasses.replace(config, target_layer_ids=taps), params
+
+
 def dense_drafter_model(target: ModelConfig, num_layers: int, intermediate_size: int | None = None,
                         dtype: str | None = None) -> ModelConfig:
     """The layers of a new drafter for `target`: dense Qwen3-style whatever the target (no

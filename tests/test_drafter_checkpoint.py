@@ -10,7 +10,7 @@ import pytest
 
 from dflash_jax import CheckpointError, ConfigError, load_drafter, load_target
 from dflash_jax.convert import main as convert_main
-from dflash_jax.drafter import DrafterConfig, check_pair, default_target_layer_ids
+from dflash_jax.drafter import DFlashDrafter, DrafterConfig, check_pair, default_target_layer_ids, retap
 from dflash_jax.engine import Generator
 from fixtures import tiny
 
@@ -122,3 +122,22 @@ def test_drafter_config_round_trips_every_rope_type():
         config = DrafterConfig(model=model, block_size=4, mask_token_id=63, target_layer_ids=(0, 2),
                                num_target_layers=3)
         assert DrafterConfig.from_hf_dict(config.to_hf_dict()) == config, rope.type
+
+
+def test_retap_keeps_the_kept_taps_and_starts_new_ones_at_zero():
+    """Re-pointing a drafter for fine-tuning (training's drafter.target_layer_ids beside
+    drafter.init): on any input of the new tap, the re-tapped drafter's context feature is the
+    old drafter's with the dropped tap's input zeroed."""
+    dc, params = load_drafter(tiny() / "drafter", dtype="float32")
+    assert dc.target_layer_ids == (1, 3)
+    new_cfg, new_params = retap(dc, params, (1, 2))
+    assert new_cfg.target_layer_ids == (1, 2) and retap(dc, params, dc.target_layer_ids)[1] is params
+    hidden = dc.model.hidden_size
+    h1, h2, h3 = np.random.default_rng(0).standard_normal((3, 1, 5, hidden)).astype(np.float32)
+    feature = lambda cfg, p, *taps: DFlashDrafter(cfg).apply({"params": p}, np.concatenate(taps, -1),
+                                                             method="context")
+    np.testing.assert_allclose(feature(new_cfg, new_params, h1, h2), feature(dc, params, h1, 0 * h3),
+                               rtol=1e-6, atol=1e-6)
+    assert not np.allclose(feature(dc, params, h1, h3), feature(dc, params, h1, 0 * h3))
+    with pytest.raises(ConfigError, match="names a layer twice"):
+        retap(dc, params, (1, 1))

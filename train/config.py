@@ -30,7 +30,7 @@ DEFAULTS: dict[str, Any] = {
         "init": None,  # an existing drafter (HF or converted) to continue from
         "num_hidden_layers": 5,
         "block_size": 16,
-        "target_layer_ids": None,  # default: the reference rule
+        "target_layer_ids": None,  # default: the reference rule; beside init: fine-tune it on these taps
         "mask_token_id": None,  # default: the first id past the tokenizer, else vocab_size - 1
         "intermediate_size": None,  # default: the target's
     },

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
-from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model,
+from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model, retap,
                                 init_drafter_params)
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
@@ -185,6 +185,11 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
 
     if cfg["drafter"]["init"]:
         dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32", mesh=mesh)
+        if cfg["drafter"]["target_layer_ids"]:  # fine-tune it on other taps
+            before = dcfg.target_layer_ids
+            dcfg, init_params = retap(dcfg, init_params, cfg["drafter"]["target_layer_ids"])
+            if dcfg.target_layer_ids != before:
+                log(f"taps {list(before)} -> {list(dcfg.target_layer_ids)}: kept taps keep their fc weights, new ones start at zero")
         dcfg = dcfg.with_dtype(t["compute_dtype"])
     else:
         dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
