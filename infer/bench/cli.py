@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--page-pool", action="store_true",
                       help="concurrent rows of a mixed-length workload in the same K/V memory: per-slot caches "
                            "against a page pool (Generator kv_pages)")
+    mode.add_argument("--vllm", action="store_true",
+                      help="this engine and vLLM (installed beside it) on the same pair and held-out prompts, plain "
+                           "and DFlash, alternating runs: token equality, both engines' tau, tokens/s")
 
     pair = p.add_argument_group("pair")
     pair.add_argument("--target", metavar="DIR", help="target directory, HF or converted (default: the bundled "
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--cost: the same figures at this allocated cache too (0: skip)")
     shapes.add_argument("--batch-size", type=int, default=None,
                         help="--cost (default 8), --moe-cost (default: 1 and 8), --published-shapes (default 1), "
-                             "workloads (default 8)")
+                             "workloads and --vllm (default 8)")
     shapes.add_argument("--page-size", type=int, default=128, help="cache positions per page")
     shapes.add_argument("--no-pieces", action="store_true", help="--cost: skip the pieces compiled alone")
     shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, help="tau to project the speedup with")
@@ -163,7 +166,7 @@ def env_info() -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload",
-                         "page_pool") if getattr(args, m)]
+                         "page_pool", "vllm") if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
@@ -225,6 +228,10 @@ def run(args, mode: str) -> int:
         from infer.bench.workloads import run_mixed_workload
 
         result["mixed_workload"] = run_mixed_workload(args)
+    elif mode == "vllm":
+        from infer.bench.vllm_peer import run_vllm_peer
+
+        result["vllm"] = run_vllm_peer(args)
     else:
         from infer.bench.workloads import run_page_pool
 

