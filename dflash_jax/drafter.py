@@ -116,8 +116,8 @@ def last_layer_tap_warning(num_target_layers: int, target_layer_ids) -> str | No
     This engine and the reference read that tap after the target's final norm (hidden_states[L]
     in transformers); vLLM hands the drafter the layer's residual stream before it, so vLLM (and
     SGLang, which reads it the same way) serve such a drafter below its strength: on the bundled
-    demo pair, whose drafter taps the last of 6 layers, vLLM's mean acceptance was 2.77 against
-    this engine's 3.50 (3.46 with that one tap normalised). z-lab's drafters never tap it."""
+    demo pair, whose stage-7 drafter tapped the last of 6 layers, vLLM's mean acceptance was 2.77
+    against this engine's 3.50 (3.46 with that one tap normalised). z-lab's drafters never tap it."""
     last = num_target_layers - 1
     if last not in tuple(target_layer_ids):
         return None
