@@ -43,7 +43,9 @@ Other modes:
                     against a page pool (Generator kv_pages); the tokens must be the same.
 --vllm              this engine and vLLM (installed beside it: README) on the same pair, held-out
                     prompts and settings, plain and DFlash in alternating runs: token equality,
-                    both engines' tau, tokens/s (infer.bench.vllm_peer).
+                    both engines' tau, tokens/s (infer.bench.vllm_peer). --vllm-fix-knorm: vLLM's
+                    CPU build norms every drafter layer's context keys with layer 0's k_norm; fix
+                    that in this process.
 
     python -m infer.bench                                   # bundled demo pair
     python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
@@ -54,7 +56,7 @@ Other modes:
     python -m infer.bench --published-shapes [--scale 0.05] [--context 1024]
     python -m infer.bench --cache-scaling | --mixed-workload
     python -m infer.bench --page-pool [--batch-size 8] [--pool-slots 32] [--page-size 16]
-    python -m infer.bench --vllm [--target DIR --drafter DIR] [--batch-size 8] [--max-new-tokens 128]
+    python -m infer.bench --vllm [--vllm-fix-knorm] [--target DIR --drafter DIR] [--batch-size 8] [--max-new-tokens 128]
 """
 
 from infer.bench.cost import (

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--vllm", action="store_true",
                       help="this engine and vLLM (installed beside it) on the same pair and held-out prompts, plain "
                            "and DFlash, alternating runs: token equality, both engines' tau, tokens/s")
+    p.add_argument("--vllm-fix-knorm", action="store_true",
+                   help="with --vllm: where vLLM's CPU rms_norm norms every DFlash drafter layer's context keys "
+                        "with layer 0's k_norm weight (the bench says so), norm each layer's with its own weight "
+                        "(vLLM runs in this process; infer.bench.vllm_peer)")
 
     pair = p.add_argument_group("pair")
     pair.add_argument("--target", metavar="DIR", help="target directory, HF or converted (default: the bundled "
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
+    if args.vllm_fix_knorm and not args.vllm:
+        raise SystemExit("error: --vllm-fix-knorm goes with --vllm")
     workload = bool({"cache_scaling", "mixed_workload", "page_pool"} & set(modes))
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if args.cache_scaling else 128

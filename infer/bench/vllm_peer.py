@@ -10,6 +10,15 @@ B - 1, as the z-lab model cards serve it), greedy, stop tokens ignored, every ro
 --max-new-tokens: tokens/s (median of --repeats timed runs, the four runs of a round alternating:
 ours plain, vLLM plain, ours DFlash, vLLM DFlash), tau (ours: committed tokens per cycle; vLLM's:
 1 + accepted / drafts from its spec-decode counters) and whether vLLM's tokens equal ours.
+
+vLLM's CPU build normalises every drafter layer's context keys with the first layer's k_norm weight:
+its DFlash drafter stacks the layers' k_norm weights into one [layers, head_dim] tensor for one
+grouped `rms_norm` call, and the CPU kernel of that op reads only the first row. A drafter whose
+layers' k_norm weights differ (every trained one) is then served with the wrong keys in layers 1 and
+up: the tokens stay exact (the target verifies), the acceptance drops. `context_knorm_broken` probes
+for it; `--vllm-fix-knorm` replaces that one method with a per-layer normalisation in this process
+(the bench runs vLLM's engine in the bench's own process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the engine
+sees the fix).
 """
 
 from __future__ import annotations
@@ -32,9 +41,46 @@ def vllm_missing() -> str | None:
     return None
 
 
+def context_knorm_broken() -> bool:
+    """Whether vLLM's `rms_norm` op ignores all but the first row of a grouped [layers, dim] weight,
+    as its CPU kernel does (the DFlash drafter's context keys are normed through it)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    x = torch.randn(2, 3, 2, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.stack([torch.ones(8), torch.full((8,), 2.0)])
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    per_row = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
+    return not torch.allclose(out, per_row, atol=1e-4)
+
+
+def per_layer_context_knorm(self, all_k):
+    """Context keys [layers, n, kv_heads, head_dim], each layer normed with its own k_norm weight
+    (what vLLM's grouped `rms_norm` computes on GPU), in float32 like vLLM's RMSNorm."""
+    import torch
+
+    x = all_k.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+    return (x * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
+
+
+def fix_context_knorm() -> None:
+    """Serve DFlash drafters with each layer's own context k_norm (see the module's docstring); the
+    engines must run in this process (`vllm_engine` sees to it)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise SystemExit("error: --vllm-fix-knorm patches vLLM in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+    from vllm.model_executor.models import qwen3_dflash
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = per_layer_context_knorm
+
+
 def vllm_engine(target_dir, drafter_dir, num_speculative_tokens: int | None, batch: int, max_len: int, seed: int):
     """vLLM's offline engine for the target (plain) or the pair (method "dflash")."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of K/V; the default takes a share of RAM
+    # In this process, like this engine: the fix below reaches the drafter, and on a small machine the
+    # engine-core process of vLLM's default mode competes with its own front end for the cores.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
     spec = None
@@ -87,6 +133,15 @@ def run_vllm_peer(args) -> dict:
     from infer.bench.prompts import describe_prompts, package_version
     from infer.bench.suite import describe_pair, heldout_prompts, pair_record
 
+    knorm_broken = context_knorm_broken()
+    fixed = bool(args.vllm_fix_knorm and knorm_broken)
+    if fixed:
+        fix_context_knorm()
+    print("vLLM's rms_norm " + ("ignores a grouped weight's rows past the first: its DFlash drafter norms every "
+                                "layer's context keys with layer 0's k_norm; " + (
+                                    "fixed in this process (--vllm-fix-knorm)" if fixed else
+                                    "run as installed (--vllm-fix-knorm fixes it here)")
+                                if knorm_broken else "norms a grouped weight per row: nothing to fix"), flush=True)
     pair = load_pair(args.target, args.drafter, "float32")
     if args.target and not (pair.target_dir / "config.json").is_file():
         raise SystemExit("error: --vllm needs Hugging Face directories (vLLM cannot read converted ones)")
@@ -161,4 +216,5 @@ def run_vllm_peer(args) -> dict:
                               repeats=args.repeats, seed=args.seed, dtype="float32", greedy=True),
                 engines=rows, vllm_tokens_equal_ours=same, rows=len(prompts),
                 ours_dflash_equals_ours_plain=dflash_same_as_plain, ours_over_vllm=ours_over_vllm,
-                vllm_tau_vs_ours=tau_gap, outputs={n: outputs[n] for n in names})
+                vllm_tau_vs_ours=tau_gap, vllm_context_knorm_broken=knorm_broken, vllm_context_knorm_fixed=fixed,
+                outputs={n: outputs[n] for n in names})
