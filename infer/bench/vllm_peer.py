@@ -57,7 +57,7 @@ def context_knorm_broken() -> bool:
 
 def per_layer_context_knorm(self, all_k):
     """Context keys [layers, n, kv_heads, head_dim], each layer normed with its own k_norm weight
-    (what vLLM's grouped `rms_norm` computes on GPU), in float32 like vLLM's RMSNorm."""
+    (what vLLM's grouped `rms_norm` call is meant to compute), in float32 like vLLM's RMSNorm."""
     import torch
 
     x = all_k.float()
