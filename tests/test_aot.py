@@ -109,19 +109,16 @@ def test_bad_topology_and_mesh_are_one_line_errors(tmp_path):
     assert p.returncode != 0 and "error:" in p.stderr.strip().splitlines()[-1]
 
 
-def test_prefetched_weights_are_counted_five_times():
-    """The report's HBM figure subtracts 4 x the bytes the HLO prefetches into on-chip memory:
-    that is how the TPU compiler's cost analysis counts them. A chain of matvecs over separate
-    [4096, 4096] weights, p of them prefetched: bytes accessed = (n + 4 p) weights."""
+def _matvec_chain(n: int, d: int = 4096, **jit_kwargs):
+    """A chain of batch-8 matvecs over n separate [d, d] bfloat16 weights, compiled for one v5p chip."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from infer.bench.aot import cost_of, prefetched_bytes, topology
+    from infer.bench.aot import topology
 
     mesh = Mesh(np.array(topology("v5p:1x1x1").devices).reshape(1), ("x",))
-    d, n = 4096, 8
 
     def chain(x, *ws):
         for w in ws:
@@ -131,12 +128,40 @@ def test_prefetched_weights_are_counted_five_times():
     sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))  # noqa: E731
     jax.config.update("jax_enable_compilation_cache", False)  # no TPU executable in the CPU tests' cache
     try:
-        compiled = jax.jit(chain).trace(sds((8, d)), *[sds((d, d))] * n).lower().compile()
+        return jax.jit(chain, **jit_kwargs).trace(sds((8, d)), *[sds((d, d))] * n).lower().compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
-    weight = d * d * 2
+
+
+def test_prefetched_weights_are_counted_five_times():
+    """The report's HBM figure subtracts 4 x the bytes the HLO prefetches into on-chip memory:
+    that is how the TPU compiler's cost analysis counts them. A chain of matvecs over separate
+    [4096, 4096] weights, p of them prefetched: bytes accessed = (n + 4 p) weights."""
+    from infer.bench.aot import cost_of, prefetched_bytes
+
+    n, weight = 8, 4096 * 4096 * 2
+    compiled = _matvec_chain(n)
     prefetched = prefetched_bytes(compiled.as_text())
     assert prefetched > 0 and prefetched % weight == 0, prefetched
     # (+ the [8, 4096] activations: 0.1 %)
     assert cost_of(compiled)["bytes"] == pytest.approx((n + 4 * prefetched // weight) * weight, rel=0.005)
     assert cost_of(compiled)["bytes"] > (n + 1) * weight  # without the correction it would be off
+
+
+def test_the_decoding_loop_compiles_for_a_tpu_without_prefetching_weights(tmp_path, monkeypatch):
+    """The engine's TPU compiler options (dflash_jax.platform.DECODE_COMPILER_OPTIONS) stop the
+    compiler prefetching the weights a step reads once into on-chip memory, which its estimate
+    charged five times; DFLASH_TPU_PREFETCH_WEIGHTS=1 restores the default. run_cycles takes the
+    options when traced for a TPU, and not for the CPU."""
+    from dflash_jax.engine.step import run_cycles
+    from dflash_jax.platform import compiling_for
+
+    assert run_cycles._pick() is run_cycles._default
+    with compiling_for("tpu"):
+        assert run_cycles._pick() is run_cycles._by_platform["tpu"]
+    flags = ("v5p:1x1x1", "--scale", "0.1", "--context", "128", "--programs", "ar", "--compare-cache-len", "0")
+    tuned = aot(tmp_path, *flags)[1]["programs"]["ar"]
+    monkeypatch.setenv("DFLASH_TPU_PREFETCH_WEIGHTS", "1")
+    default = aot(tmp_path, *flags)[1]["programs"]["ar"]
+    assert default["prefetched"] > 0 and tuned["prefetched"] == 0, (default["prefetched"], tuned["prefetched"])
+    assert tuned["seconds"] < default["seconds"] and tuned["bytes"] < default["bytes"]

@@ -31,6 +31,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
+from dflash_jax.platform import decode_jit
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
 from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of, tracing_on
 
@@ -346,7 +347,7 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
     return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids), spec.mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+@decode_jit(static_argnames=("spec",), donate_argnames=("state",))
 @traced_on_mesh
 def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles, until_free=False):
     """Up to max_cycles cycles, on device, stopping early once every row is done, or (until_free,
