@@ -3,7 +3,8 @@ partitions over several chips without gathering a weight, attends through the Pa
 the TPU program streams the q/k/v weights as stored (no transposed copy of a kernel per call).
 
 These need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are skipped,
-with that reason. The multi-chip compiles (four chips, MoE expert parallelism) are `-m heavy`."""
+with that reason. The multi-chip compiles (four chips, MoE expert parallelism) and the decoding loop's
+TPU options compiled both ways are `-m heavy`."""
 
 import importlib.util
 import json
@@ -148,6 +149,7 @@ def test_prefetched_weights_are_counted_five_times():
     assert cost_of(compiled)["bytes"] > (n + 1) * weight  # without the correction it would be off
 
 
+@pytest.mark.heavy
 def test_the_decoding_loop_compiles_for_a_tpu_without_prefetching_weights(tmp_path, monkeypatch):
     """The engine's TPU compiler options (dflash_jax.platform.DECODE_COMPILER_OPTIONS) stop the
     compiler prefetching the weights a step reads once into on-chip memory, which its estimate
