@@ -31,8 +31,8 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
 from dflash_jax.errors import DFlashError
-from dflash_jax.platform import decode_jit
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
+from dflash_jax.platform import decode_jit
 from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of, tracing_on
 
 # --------------------------------------------------------------------------- spec and state

@@ -51,18 +51,23 @@ def context_knorm_broken() -> bool:
     w = torch.stack([torch.ones(8), torch.full((8,), 2.0)])
     out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-6)
-    per_row = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
-    return not torch.allclose(out, per_row, atol=1e-4)
+    return not torch.allclose(out, rms_norm_per_layer(x, w, 1e-6), atol=1e-4)
+
+
+def rms_norm_per_layer(x, weights, eps: float):
+    """x [layers, ..., dim] normed over dim, layer i scaled by weights[i] [layers, dim]; float32 like
+    vLLM's RMSNorm, returned in x's dtype."""
+    import torch
+
+    f = x.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return (f * weights.float().reshape(weights.shape[0], *(1,) * (x.dim() - 2), -1)).to(x.dtype)
 
 
 def per_layer_context_knorm(self, all_k):
     """Context keys [layers, n, kv_heads, head_dim], each layer normed with its own k_norm weight
-    (what vLLM's grouped `rms_norm` call is meant to compute), in float32 like vLLM's RMSNorm."""
-    import torch
-
-    x = all_k.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
-    return (x * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
+    (what vLLM's grouped `rms_norm` call is meant to compute): replaces `_normalize_context_k`."""
+    return rms_norm_per_layer(all_k, self._k_norm_weights, self._rms_norm_eps)
 
 
 def fix_context_knorm() -> None:
