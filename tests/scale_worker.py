@@ -33,6 +33,15 @@ def inference(meshes):
             "up_proj_spec": str(kernel.sharding.spec) if mesh else None,
             "devices": len(kernel.sharding.device_set),
         }
+        if spec == "data=2,model=4":  # the tail narrowed: 8 slots, then 6, 4, 2 (rows split over data=2)
+            gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
+                            narrow_tail=True, sync_every=2)
+            widths, run = [], gen._run
+            gen._run = lambda state, *a, **kw: widths.append(state.done.shape[0]) or run(state, *a, **kw)
+            res = sorted(gen.generate(prompts), key=lambda r: r.index)
+            out["data=2,model=4 narrowed"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
+                                              "acceptance": [r.acceptance_lengths for r in res],
+                                              "tail_widths": gen.tail_widths, "widths_run": sorted(set(widths))}
         if spec == "model=8":  # a page pool, on a mesh that splits the model (a pool needs data=1)
             gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
                             kv_pages=30, page_size=16)

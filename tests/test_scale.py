@@ -56,6 +56,11 @@ def test_sharded_inference_equals_one_device_on_the_fixture_pair():
     assert out["model=8 pool"]["outputs"] == single["outputs"]
     assert out["model=8 pool"]["acceptance"] == single["acceptance"]
     assert out["model=8 pool"]["pool_spec"] == "P()"
+    # The batch's tail narrowed on data=2: widths stay divisible by the data axis (8, 6, 4, 2).
+    narrowed = out["data=2,model=4 narrowed"]
+    assert narrowed["tail_widths"] == [6, 4, 2] and narrowed["widths_run"][-1] == 8
+    assert len(narrowed["widths_run"]) > 1 and set(narrowed["widths_run"]) <= {2, 4, 6, 8}
+    assert narrowed["outputs"] == single["outputs"] and narrowed["acceptance"] == single["acceptance"]
     # Parameters really are split over the model axis where there is one.
     assert out["model=8"]["up_proj_spec"] == "P(None, 'model')"
 

@@ -426,6 +426,75 @@ def test_continuous_batching_equals_one_row_at_a_time(name, block_size):
         assert max(max(r.acceptance_lengths) for r in together) > 1
 
 
+def narrowed_engine(name, block_size, **kw):
+    target, tparams, drafter, dparams = setup(name)
+    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+                     block_size=block_size, batch_size=4, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
+                     page_size=PAGE, prefill_chunk=CHUNK, narrow_tail=True, sync_every=2, **kw)
+
+
+def run_widths(gen, prompt_list, **kw):
+    """Results in order, and the slots of each run_cycles call."""
+    widths, run = [], gen._run
+    gen._run = lambda state, *a, **kw: widths.append(int(state.done.shape[0])) or run(state, *a, **kw)
+    try:
+        return by_index(gen.generate(prompt_list, **kw)), widths
+    finally:
+        del gen._run
+
+
+@pytest.mark.parametrize("name,block_size,pool", [
+    ("qwen3-v8", 8, None), ("qwen3_5-v8", 4, None),  # a hybrid: its recurrent states and conv tails move too
+    ("gpt_oss-v8", 8, 40),  # a page pool, with the sliding layers' rings: tables move, pages stay
+])
+def test_a_narrowed_tail_decodes_as_the_full_batch(name, block_size, pool):
+    """narrow_tail: once nothing waits and the running rows fit fewer slots, they move to a
+    narrower state (4 slots, then 3, 2, 1 here), and every row still gives the tokens and acceptance
+    lengths it gives at full width. Warm-up compiles the narrower loops: nothing compiles after."""
+    ps, full = list(prompts(name)), greedy(name, block_size, SLOTS)  # every row MAX_NEW, 3 slots
+    mixed = by_index(engine(name, block_size, SLOTS).generate(ps, max_new_tokens=list(LIMITS)))  # rows' own lengths
+    gen = narrowed_engine(name, block_size, kv_pages=pool)
+    assert gen.tail_widths == [3, 2, 1]
+    programs = lambda: {k: v for k, v in compile_counts().items() if k != "xla_compiles"}
+    gen.warmup(PROMPT_LENGTHS)
+    warm = programs()
+    runs = [(ps, list(LIMITS), mixed), (ps, [MAX_NEW] * 12, full),
+            (ps[:4], [MAX_NEW, 2, 3, 2], full[:4])]  # one long row: it runs on alone, in a state of 1 slot
+    for some, limits, want in runs:
+        narrowed, widths = run_widths(gen, some, max_new_tokens=limits)
+        assert widths[0] == 4 and widths == sorted(widths, reverse=True)  # never wider again within a call
+        assert [r.output_ids for r in narrowed] == [w.output_ids[:m] for w, m in zip(want, limits)]
+        assert [len(r.output_ids) for r in narrowed] == limits
+        if len(some) == 12:
+            assert [r.acceptance_lengths for r in narrowed] == [w.acceptance_lengths for w in want]
+    assert widths[-1] == 1 and narrowed[0].acceptance_lengths == full[0].acceptance_lengths
+    # The next call starts from a whole batch again (a narrowed call leaves no state behind).
+    again, widths = run_widths(gen, ps[:2])
+    assert widths[0] == 4 and [r.output_ids for r in again] == [r.output_ids for r in full[:2]]
+    assert programs() == warm
+
+
+def test_a_narrowed_tail_keeps_seeded_samples():
+    """Sampled rows keep their own keys when they move: the same tokens as at full width."""
+    rs = np.random.RandomState(12)
+    prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
+    target, tparams, drafter, dparams = sampling_setup()
+    narrowed = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+                         max_prompt_len=16, sampling=Sampling(temperature=1.0), narrow_tail=True, sync_every=1)
+    got, widths = run_widths(narrowed, prompt_list, seed=7, max_new_tokens=[16, 3, 9, 16, 1, 12])
+    assert 1 in widths
+    want = by_index(sampling_engine(4, 4).generate(prompt_list, seed=7, max_new_tokens=[16, 3, 9, 16, 1, 12]))
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_tail_widths_are_powers_of_two_and_three_times_them():
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    widths = lambda batch, narrow=True: Generator(target, tparams, block_size=1, batch_size=batch,
+                                                  narrow_tail=narrow).tail_widths
+    assert widths(8) == [6, 4, 3, 2, 1] and widths(5) == [4, 3, 2, 1] and widths(16)[:3] == [12, 8, 6]
+    assert widths(1) == [] and widths(8, False) == []
+
+
 def test_bad_row_limits_are_refused():
     gen = engine("qwen3-v8", 1, 1)
     with pytest.raises(DFlashError, match=r"max_new_tokens must be in 1..24 \(the run's max_new_tokens\), got 25"):

@@ -6,8 +6,9 @@ prompts are prefilled straight into the freed slots (several at once when severa
 up), at fixed shapes: one prefill per (prompt bucket, admission width), one cycle loop, all
 compiled by `warmup`. The host syncs once per `sync_every` cycles, or as soon as a row frees a
 slot while prompts wait, never per token; once nothing waits, the next cycles are queued
-before a sync's figures are read, so the device never waits on the host. Outputs are cut at
-the first stop token and at each row's own `max_new_tokens`.
+before a sync's figures are read, so the device never waits on the host. With `narrow_tail`,
+the rows of the batch's tail move to narrower states as they finish. Outputs are cut at the
+first stop token and at each row's own `max_new_tokens`.
 
 With `kv_pages` the caches are one pool of pages shared by the slots (`dflash_jax.attention`):
 a row is admitted only when the pool has the pages it can ever need (its prompt, its own
@@ -34,7 +35,7 @@ from dflash_jax.attention import NO_PAGE, PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling
-from dflash_jax.engine.step import DecodeState, EngineSpec, init_state, prefill, run_cycles
+from dflash_jax.engine.step import DecodeState, EngineSpec, init_state, narrow_state, prefill, run_cycles
 from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
@@ -84,6 +85,15 @@ class Generator:
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
     block is nearly free. watchdog: every wait on the device runs inside its `waiting`, so a
     stalled device ends the run with a one-line error instead of a hang.
+
+    narrow_tail: once no prompt waits and the rows still running fit fewer slots, they move to
+    a narrower state (`narrow_state`; widths 2^k and 3 * 2^k below the batch, each divisible by
+    the mesh's data axis: 6, 4, 3, 2, 1 for 8), again as more finish, so the batch's tail runs
+    a narrower loop; the host then syncs as rows finish. Rows that finish at different cycles
+    (DFlash rows accept different numbers of tokens) otherwise leave the last cycles computing
+    mostly finished slots. Worth it where a cycle's cost grows with its rows (CPUs; large
+    batches anywhere); on a memory-bound accelerator a narrower loop reads the same weights and
+    saves little. Each narrower width compiles the loop once more, in `warmup`.
     """
 
     def __init__(self, target_config: ModelConfig, target_params, drafter_config: DrafterConfig | None = None,
@@ -91,7 +101,7 @@ class Generator:
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
-                 watchdog: Watchdog | None = None, kv_pages: int | None = None):
+                 watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -130,6 +140,11 @@ class Generator:
         self.stop_set = frozenset(stop) - {-1}
         # Admission widths: prompts admitted together are padded to the next of these.
         self.widths = sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)})
+        # The batch's tail: the widths it narrows to, widest first: 2^k and 3 * 2^k below the
+        # batch (6, 4, 3, 2, 1 for 8), each a whole number of rows per device of the data axis.
+        data = mesh.shape["data"] if mesh is not None else 1
+        self.tail_widths = sorted({w for k in range(batch_size.bit_length()) for w in (1 << k, 3 << k)
+                                   if w < batch_size and w % data == 0}, reverse=True) if narrow_tail else []
 
     # ------------------------------------------------------------------ checks
 
@@ -183,7 +198,7 @@ class Generator:
 
     def _take_state(self) -> DecodeState:
         """The state the last `generate` left (every slot free again), or a new one: the caches
-        are allocated and zeroed once, not per call."""
+        are allocated and zeroed once, not per call (a call whose tail narrowed leaves none)."""
         state, self._idle = getattr(self, "_idle", None), None
         return self.new_state() if state is None else state
 
@@ -233,6 +248,11 @@ class Generator:
                 state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                    [1] * width)
                 self._wait(self._run(state, 1)[1], "running the warm-up's first cycle")
+        state = self.new_state()
+        for width in self.tail_widths:
+            state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
+            state, info = self._run(state, 1)
+            self._wait(info, "running the warm-up's narrower loops")
 
     def _run(self, state, cycles=None, until_free=False):
         return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
@@ -301,14 +321,18 @@ class Generator:
 
         state = fill(self._take_state())
         state, info = self._run(state, until_free=bool(waiting))
+        columns = None  # the slots of a narrowed state in the wider one its pending figures are of
         while True:
             ahead = not waiting
             if ahead:
                 # Nothing to admit: the next cycles are queued before this sync's figures are
                 # read. Finished rows are frozen (later cycles skip them), so their tokens are
                 # read from the newer state; once all are done the queued call runs no cycle.
-                state, next_info = self._run(state)
+                # A tail that narrows syncs as rows finish, so that it narrows without delay.
+                state, next_info = self._run(state, until_free=bool(self.tail_widths))
             info = self._wait(info, "running decoding cycles")
+            if columns is not None:
+                info, columns = info[:, columns], None
             done, num_generated = info[0].astype(bool), info[1]
             busy = occupant >= 0
             if progress is not None:
@@ -330,8 +354,19 @@ class Generator:
                     held[s] = []
             if ahead:
                 if (occupant < 0).all():
-                    self._idle = state  # every slot free: the next call starts from here
+                    if len(occupant) == self.batch_size:
+                        self._idle = state  # every slot free: the next call starts from here
                     return
+                # The tail: while the rows still running fit half the slots, move them to a
+                # state of half the slots (the cycles already queued on this one come along:
+                # a row that finished in them moves too, and is read from there). The queued
+                # cycles' figures are the wide state's: `columns` picks the moved slots'.
+                narrower = [w for w in self.tail_widths if w < len(occupant)]
+                while narrower and (occupant >= 0).sum() <= narrower[0]:
+                    keep = np.argsort(occupant < 0, kind="stable")[:narrower.pop(0)]  # running slots first
+                    state = narrow_state(self.spec, state, keep.astype(np.int32))
+                    columns = keep if columns is None else columns[keep]
+                    occupant, counted, held = occupant[keep], counted[keep], [held[k] for k in keep]
                 info = next_info
                 continue
             state = fill(state)

@@ -8,6 +8,7 @@ functions over a fixed set of batch slots.
   `cycle`       draft -> verify -> accept -> commit, for every slot at once
   `run_cycles`  a `lax.while_loop` of up to n cycles, until every row is done (or, when the
                 host has prompts waiting, until some row finishes and frees its slot)
+  `narrow_state` the live rows of a state as a narrower state (the scheduler's batch tail)
 
 Every row accepts its own number of tokens per cycle: the target cache rolls back by setting
 each row's length, the drafter's context cache grows by each row's accepted positions. Done
@@ -171,6 +172,18 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
         row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
     ), spec.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def narrow_state(spec: EngineSpec, state: DecodeState, keep) -> DecodeState:
+    """The rows in slots keep [m] of a state, as a state of m slots (slot i holds row keep[i]):
+    every per-row array is gathered, a page pool's pages stay where they are (the rows' page
+    tables come along). Decoding goes on from it exactly as it would have in the wide state,
+    since rows never read each other; a narrower loop computes fewer rows."""
+    def take(x, axes):
+        return jnp.take(x, keep, axis=axes.index("batch")) if "batch" in axes else x
+
+    return constrain_state(map_state(state, take), spec.mesh)
 
 
 # --------------------------------------------------------------------------- admission

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "default 3, workloads 2)")
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument("--sync-every", type=int, default=8, help="cycles per host sync (Generator)")
+    suite.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the batch's tail on narrower loops (Generator(narrow_tail); default: on a CPU)")
     suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
     suite.add_argument("--split-rounds", type=int, default=7, help="time split: rounds per piece (median)")
     suite.add_argument("--split-min-time", type=float, default=0.05, help="time split: seconds per round at least")

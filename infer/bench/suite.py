@@ -77,8 +77,17 @@ def heldout_prompts(args, pair, num: int | None = None):
     return prompts, snippets, kind
 
 
+def host_overhead(run: dict, prefill_s: float, cycle_s: float) -> float | None:
+    """Seconds per loop cycle of a timed run not spent in prefill or in a cycle of the full
+    batch's width; None once the tail narrowed (its cycles are cheaper than cycle_s)."""
+    if run["slot_cycles"] != run["loop_cycles"] * run["batch_size"]:
+        return None
+    return (run["seconds"] - prefill_s) / run["loop_cycles"] - cycle_s
+
+
 def run_suite(args, result: dict) -> int:
     from dflash_jax.engine import Generator, Sampling
+    from dflash_jax.platform import narrow_tail_default
     from dflash_jax.errors import DFlashError
 
     try:
@@ -126,11 +135,12 @@ def run_suite(args, result: dict) -> int:
         settings=dict(block_sizes=block_sizes, draft_tokens=draft_tokens, batch_sizes=batch_sizes,
                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                       sync_every=args.sync_every, greedy=sampling.greedy, temperature=args.temperature,
-                      stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens),
+                      stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens,
+                      narrow_tail=narrow_tail_default(args.narrow_tail)),
         baseline=[], dflash=[],
     )
     common = dict(max_new_tokens=args.max_new_tokens, max_prompt_len=max(lens), sampling=sampling,
-                  stop_token_ids=(), sync_every=args.sync_every)
+                  stop_token_ids=(), sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
     split = dict(rounds=args.split_rounds, min_round_s=args.split_min_time)
     try:
         for batch in batch_sizes:
@@ -146,7 +156,7 @@ def run_suite(args, result: dict) -> int:
                 base["time_split"] = dict(
                     ar_step_s=ar["ar_verify"]["seconds"], commit_s=ar["ar_commit"]["seconds"], cycle_s=cyc,
                     prefill_s=prefill_s, generate_s_per_loop_cycle=base["seconds"] / base["loop_cycles"],
-                    host_overhead_per_cycle_s=(base["seconds"] - prefill_s) / base["loop_cycles"] - cyc,
+                    host_overhead_per_cycle_s=host_overhead(base, prefill_s, cyc),
                     iterations={k: v["iterations"] for k, v in ar.items()})
             base.update(cycles=sum(len(a) for a in base["acceptance_lengths"]))
             result["baseline"].append(base)
@@ -172,7 +182,7 @@ def run_suite(args, result: dict) -> int:
                         speedup_check_vs_baseline_cycle=r["tau"] / (cyc / ar_cycle),
                         measured_speedup=r["speedup"],
                         prefill_s=prefill_s, generate_s_per_loop_cycle=r["seconds"] / r["loop_cycles"],
-                        host_overhead_per_cycle_s=(r["seconds"] - prefill_s) / r["loop_cycles"] - cyc,
+                        host_overhead_per_cycle_s=host_overhead(r, prefill_s, cyc),
                         iterations={name: v["iterations"] for name, v in pieces.items()},
                     )
                 result["dflash"].append(r)

@@ -76,7 +76,8 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
     scheduler made. The state is read before and after each call, so this run is not timed.
     calls: a list to which each run_cycles call appends (rows running at its start, its loop
     cycles, whether prompts were waiting: then the call ends as soon as a row finishes, so those
-    rows ran every cycle of it). Returns (results by index, loop cycles, admissions)."""
+    rows ran every cycle of it, and the slots it ran: the batch, or fewer once the tail narrows).
+    Returns (results by index, loop cycles, admissions)."""
     admissions, cycles = [], []
     run, admit = gen._run, gen.admit
 
@@ -86,7 +87,7 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
         state, info = run(state, cycles_, until_free)
         cycles.append(int((np.asarray(state.num_cycles) - before).max(initial=0)))
         if calls is not None:
-            calls.append((busy, cycles[-1], bool(until_free)))
+            calls.append((busy, cycles[-1], bool(until_free), int(state.done.shape[0])))
         return state, info
 
     def recording_admit(state, slots, prompts_, row_ids, max_new, seed=0, pages=None):
@@ -119,7 +120,8 @@ def bench_generator(gen, prompts, repeats: int, seed: int, max_new_tokens=None) 
     before = compile_counts()
     t = time.perf_counter()
     gen.warmup([len(p) for p in prompts])
-    counted, loop_cycles, admissions = counted_generate(gen, prompts, seed, max_new_tokens)
+    calls = []
+    counted, loop_cycles, admissions = counted_generate(gen, prompts, seed, max_new_tokens, calls)
     warm = delta(compile_counts(), before)
     warm_seconds = time.perf_counter() - t
 
@@ -134,7 +136,7 @@ def bench_generator(gen, prompts, repeats: int, seed: int, max_new_tokens=None) 
         tokens_per_second=tokens / seconds if seconds else 0.0,
         tokens_per_second_runs=[s.tokens_per_second for s in runs],
         seconds=seconds, seconds_runs=[s.seconds for s in runs], output_tokens=tokens,
-        loop_cycles=loop_cycles, admissions=len(admissions),
+        loop_cycles=loop_cycles, slot_cycles=sum(n * width for _, n, _, width in calls), admissions=len(admissions),
         counted_run_matches=all(counted[i].output_ids == r.output_ids for i, r in enumerate(ordered)),
         warmup_seconds=warm_seconds, compiles_warmup=warm, compiles_timed=timed_compiles,
         host_peak_rss_bytes=host_peak_rss(), device_peak_bytes=device_peak_bytes(),

@@ -134,6 +134,7 @@ def run_vllm_peer(args) -> dict:
     if missing:
         raise SystemExit(f"error: {missing}")
     from dflash_jax.engine import Generator, Sampling
+    from dflash_jax.platform import narrow_tail_default
     from infer.bench.pairs import load_pair
     from infer.bench.prompts import describe_prompts, package_version
     from infer.bench.suite import describe_pair, heldout_prompts, pair_record
@@ -155,11 +156,14 @@ def run_vllm_peer(args) -> dict:
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
     batch, new, block = args.batch_size or 8, args.max_new_tokens, pair.drafter.block_size
     max_len = max(len(p) for p in prompts) + new + block + 8
+    narrow = narrow_tail_default(args.narrow_tail)
     print(f"greedy, {new} new tokens per row (stop tokens ignored), batch {batch}, block {block} (vLLM "
-          f"num_speculative_tokens {block - 1}), float32; {args.repeats} alternating rounds\n", flush=True)
+          f"num_speculative_tokens {block - 1}), float32; this engine's tail {'narrows' if narrow else 'does not narrow'} "
+          f"(--narrow-tail); {args.repeats} alternating rounds\n", flush=True)
 
     common = dict(batch_size=batch, max_new_tokens=new, max_prompt_len=max(len(p) for p in prompts),
-                  sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every)
+                  sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every,
+                  narrow_tail=narrow)
     engines = {
         "ours plain": Generator(pair.target, pair.tparams, block_size=1, **common),
         "ours dflash": Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common),
@@ -218,7 +222,8 @@ def run_vllm_peer(args) -> dict:
                 prompts=dict(package=args.heldout_package, package_version=package_version(args.heldout_package), kind=kind, lengths=[len(p) for p in prompts],
                              snippets=snippets, input_ids=prompts),
                 settings=dict(batch_size=batch, max_new_tokens=new, block_size=block, num_speculative_tokens=block - 1,
-                              repeats=args.repeats, seed=args.seed, dtype="float32", greedy=True),
+                              repeats=args.repeats, seed=args.seed, dtype="float32", greedy=True,
+                              narrow_tail=narrow),
                 engines=rows, vllm_tokens_equal_ours=same, rows=len(prompts),
                 ours_dflash_equals_ours_plain=dflash_same_as_plain, ours_over_vllm=ours_over_vllm,
                 vllm_tau_vs_ours=tau_gap, vllm_context_knorm_broken=knorm_broken, vllm_context_knorm_fixed=fixed,

@@ -64,12 +64,13 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
         calls = []
         results, loop_cycles, admissions = counted_generate(gen, prompts, seed, limits, calls)
         row_cycles = sum(len(r.acceptance_lengths) for r in results.values())
-        waiting = [(busy, n) for busy, n, until_free in calls if until_free]
+        waiting = [(busy, n) for busy, n, until_free, _ in calls if until_free]
+        slot_cycles = sum(n * width for _, n, _, width in calls)
         waiting_cycles = sum(n for _, n in waiting)
         tokens = sum(len(r.output_ids) for r in results.values())
         out[name] = dict(loop_cycles=loop_cycles, row_cycles=row_cycles, admissions=len(admissions),
                          tokens_per_loop_cycle=tokens / loop_cycles if loop_cycles else 0.0,
-                         slot_occupancy=row_cycles / (loop_cycles * gen.batch_size) if loop_cycles else 0.0,
+                         slot_cycles=slot_cycles, slot_occupancy=row_cycles / slot_cycles if slot_cycles else 0.0,
                          concurrent_rows=row_cycles / loop_cycles if loop_cycles else 0.0,
                          concurrent_rows_while_waiting=(sum(b * n for b, n in waiting) / waiting_cycles
                                                         if waiting_cycles else None),
@@ -93,6 +94,7 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
 
 def run_cache_scaling(args) -> dict:
     from dflash_jax.engine import Generator
+    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     small, large = int_list(args.cache_prompt_lens, "--cache-prompt-lens")[:2]
@@ -113,7 +115,7 @@ def run_cache_scaling(args) -> dict:
     engines = {}
     for mpl in (small, large):
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens, max_prompt_len=mpl, stop_token_ids=(),
-                      sync_every=args.sync_every)
+                      sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
         engines[("plain", mpl)] = (Generator(target, pair.tparams, block_size=1, **common), None)
         engines[("dflash", mpl)] = (Generator(target, pair.tparams, drafter, pair.dparams, **common), None)
     res = _interleaved(engines, prompts, args.repeats, args.seed)
@@ -139,6 +141,7 @@ def run_cache_scaling(args) -> dict:
 
 def run_mixed_workload(args) -> dict:
     from dflash_jax.engine import Generator
+    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     batch = args.batch_size or 8
@@ -153,7 +156,7 @@ def run_mixed_workload(args) -> dict:
           f"(seeded, drawn from {lo}..{hi}; {sum(limits)} tokens); uniform: every row {mean} "
           f"({sum(uniform)} tokens); median of {args.repeats} interleaved runs\n", flush=True)
     common = dict(batch_size=batch, max_new_tokens=hi, max_prompt_len=max(len(p) for p in prompts), stop_token_ids=(),
-                  sync_every=args.sync_every)
+                  sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
     plain = Generator(pair.target, pair.tparams, block_size=1, **common)
     dflash = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common)
     engines = {("plain", "mixed"): (plain, limits), ("plain", "uniform"): (plain, uniform),
@@ -182,6 +185,7 @@ def run_page_pool(args) -> dict:
 
     from dflash_jax.attention import cache_length
     from dflash_jax.engine import Generator
+    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     batch = args.batch_size or 8
@@ -196,7 +200,7 @@ def run_page_pool(args) -> dict:
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
     limits = np.clip(log_uniform(lo, hi), lo, hi).tolist()
     common = dict(max_new_tokens=hi, max_prompt_len=cap, stop_token_ids=(), sync_every=args.sync_every,
-                  page_size=args.page_size)
+                  page_size=args.page_size, narrow_tail=narrow_tail_default(args.narrow_tail))
     per_slot = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=batch, **common)
     positions = batch * cache_length(per_slot.spec.cache_len, args.page_size)  # the per-slot K/V memory
     pages = positions // args.page_size
