@@ -10,7 +10,7 @@ import json
 import pytest
 
 from infer import bench
-from infer.bench.vllm_peer import context_knorm_broken, per_layer_context_knorm, vllm_missing
+from infer.bench.vllm_peer import context_knorm_broken, peer_draft_tokens, per_layer_context_knorm, vllm_missing
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -50,6 +50,14 @@ def test_vllm_accepts_within_5_percent_of_this_engine(peer_run):
 
 
 @NO_VLLM
+def test_one_row_at_a_time_vllm_needs_our_verify_steps(peer_run):
+    """Unbatched, vLLM's drafts are ours: the same rows take the same verify steps, give or take
+    one per row (how each engine counts a row's last step)."""
+    steps = peer_run["dflash_verify_steps"]
+    assert abs(steps["vllm_one_row_at_a_time"] - steps["ours"]) <= peer_run["rows"], steps
+
+
+@NO_VLLM
 def test_the_probe_names_vllms_cpu_rms_norm_and_the_fix_norms_each_layer_with_its_own_weight():
     import torch
     from vllm import _custom_ops as ops
@@ -74,3 +82,10 @@ def test_the_probe_names_vllms_cpu_rms_norm_and_the_fix_norms_each_layer_with_it
 def test_the_k_norm_fix_is_a_flag_of_the_vllm_mode():
     with pytest.raises(SystemExit, match="--vllm-fix-knorm goes with --vllm"):
         bench.main(["--vllm-fix-knorm", "--quick"])
+
+
+def test_the_vllm_mode_takes_one_draft_count_within_the_block():
+    assert peer_draft_tokens(None, 16) == 15 and peer_draft_tokens("5", 16) == 5
+    for bad in ("3,5", "16"):
+        with pytest.raises(SystemExit, match=r"--vllm takes one --draft-tokens K in 1..15"):
+            peer_draft_tokens(bad, 16)

@@ -129,6 +129,18 @@ def ours_generate(gen, prompts, seed: int) -> tuple[list[list[int]], float, list
     return [r.output_ids for r in rows], seconds, [a for r in rows for a in r.acceptance_lengths]
 
 
+def peer_draft_tokens(text: str | None, block: int) -> int:
+    """--draft-tokens for --vllm: one K, the drafts both engines verify per cycle (default B - 1).
+    This engine still denoises the drafter's whole block and verifies its first K; vLLM's drafter
+    runs a block of K + 1 (num_speculative_tokens K)."""
+    from infer.bench.suite import int_list
+
+    ks = int_list(text, "--draft-tokens") if text else [block - 1]
+    if len(ks) != 1 or not 1 <= ks[0] <= block - 1:
+        raise SystemExit(f"error: --vllm takes one --draft-tokens K in 1..{block - 1}, got {text!r}")
+    return ks[0]
+
+
 def run_vllm_peer(args) -> dict:
     missing = vllm_missing()
     if missing:
@@ -156,42 +168,50 @@ def run_vllm_peer(args) -> dict:
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
     batch, new, block = args.batch_size or 8, args.max_new_tokens, pair.drafter.block_size
     max_len = max(len(p) for p in prompts) + new + block + 8
-    narrow = narrow_tail_default(args.narrow_tail)
-    print(f"greedy, {new} new tokens per row (stop tokens ignored), batch {batch}, block {block} (vLLM "
-          f"num_speculative_tokens {block - 1}), float32; this engine's tail {'narrows' if narrow else 'does not narrow'} "
-          f"(--narrow-tail); {args.repeats} alternating rounds\n", flush=True)
+    narrow, k = narrow_tail_default(args.narrow_tail), peer_draft_tokens(args.draft_tokens, block)
+    print(f"greedy, {new} new tokens per row (stop tokens ignored), batch {batch}, block {block}, {k} drafts "
+          f"verified per cycle (vLLM num_speculative_tokens {k}), float32; this engine's tail "
+          f"{'narrows' if narrow else 'does not narrow'} (--narrow-tail); {args.repeats} alternating rounds\n",
+          flush=True)
 
     common = dict(batch_size=batch, max_new_tokens=new, max_prompt_len=max(len(p) for p in prompts),
                   sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every,
                   narrow_tail=narrow)
     engines = {
         "ours plain": Generator(pair.target, pair.tparams, block_size=1, **common),
-        "ours dflash": Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common),
+        "ours dflash": Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, draft_tokens=k, **common),
     }
     for gen in engines.values():
         gen.warmup([len(p) for p in prompts])
     t = time.perf_counter()
     engines["vllm plain"] = vllm_engine(pair.target_dir, None, None, batch, max_len, args.seed)
-    engines["vllm dflash"] = vllm_engine(pair.target_dir, pair.drafter_dir, block - 1, batch, max_len, args.seed)
+    engines["vllm dflash"] = vllm_engine(pair.target_dir, pair.drafter_dir, k, batch, max_len, args.seed)
     print(f"vLLM engines built in {time.perf_counter() - t:.1f}s", flush=True)
 
     names = ("ours plain", "vllm plain", "ours dflash", "vllm dflash")
     seconds = {n: [] for n in names}
-    outputs, taus = {}, {}
+    outputs, taus, steps = {}, {}, {}
     for r in range(args.repeats + 1):  # round 0 warms vLLM up (and our engines once more); untimed
         for name in names:
             if name.startswith("ours"):
                 out, s, lens = ours_generate(engines[name], prompts, args.seed)
-                tau = statistics.mean(lens) if lens else None
+                tau, steps[name] = (statistics.mean(lens) if lens else None), len(lens)
             else:
                 out, s, c = vllm_generate(engines[name], prompts, new)
-                tau = 1 + c["accepted"] / c["drafts"] if c["drafts"] else None
+                tau, steps[name] = (1 + c["accepted"] / c["drafts"] if c["drafts"] else None), c["drafts"]
             if r:
                 seconds[name].append(s)
             outputs[name], taus[name] = out, tau
         if r:
             print(f"round {r}: " + ", ".join(f"{n} {len(prompts) * new / seconds[n][-1]:.0f} tok/s" for n in names),
                   flush=True)
+
+    # vLLM's DFlash one row at a time (untimed): the verify steps it needs for the same rows unbatched.
+    alone = {"drafts": 0.0, "accepted": 0.0}
+    for p in prompts:
+        c = vllm_generate(engines["vllm dflash"], [p], new)[2]
+        alone = {k: alone[k] + c[k] for k in alone}
+    tau_alone = 1 + alone["accepted"] / alone["drafts"] if alone["drafts"] else None
 
     rows = []
     for name in names:
@@ -216,15 +236,22 @@ def run_vllm_peer(args) -> dict:
           f"(ours DFlash = ours plain on {dflash_same_as_plain}/{len(prompts)})")
     print(f"this engine / vLLM: plain {ours_over_vllm['plain']:.2f}x, DFlash {ours_over_vllm['dflash']:.2f}x; "
           + (f"vLLM's tau is {100 * tau_gap:+.1f}% of ours" if tau_gap is not None else "vLLM reported no drafts"))
+    if tau_alone:
+        print(f"DFlash verify steps for these rows: this engine {steps['ours dflash']} (any batch), vLLM "
+              f"{steps['vllm dflash']:.0f} at batch {batch} and {alone['drafts']:.0f} one row at a time (tau "
+              f"{tau_alone:.2f}, {100 * (tau_alone / by['ours dflash']['tau'] - 1):+.1f}% of ours)")
     import vllm
 
     return dict(pair=pair_record(pair), vllm_version=vllm.__version__, python=sys.version.split()[0],
                 prompts=dict(package=args.heldout_package, package_version=package_version(args.heldout_package), kind=kind, lengths=[len(p) for p in prompts],
                              snippets=snippets, input_ids=prompts),
-                settings=dict(batch_size=batch, max_new_tokens=new, block_size=block, num_speculative_tokens=block - 1,
+                settings=dict(batch_size=batch, max_new_tokens=new, block_size=block, num_speculative_tokens=k,
                               repeats=args.repeats, seed=args.seed, dtype="float32", greedy=True,
                               narrow_tail=narrow),
                 engines=rows, vllm_tokens_equal_ours=same, rows=len(prompts),
                 ours_dflash_equals_ours_plain=dflash_same_as_plain, ours_over_vllm=ours_over_vllm,
                 vllm_tau_vs_ours=tau_gap, vllm_context_knorm_broken=knorm_broken, vllm_context_knorm_fixed=fixed,
+                dflash_verify_steps=dict(ours=steps["ours dflash"], vllm=steps["vllm dflash"],
+                                         vllm_one_row_at_a_time=alone["drafts"]),
+                vllm_tau_one_row_at_a_time=tau_alone,
                 outputs={n: outputs[n] for n in names})
