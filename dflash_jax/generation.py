@@ -81,9 +81,9 @@ def add_generation_flags(p: argparse.ArgumentParser):
     p.add_argument("--page-size", type=int, default=128, help="K/V positions per page (default 128)")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
     p.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
-                   help="once no prompt waits and the running rows fit half the slots, run them on half "
-                        "the slots (and so on): a CPU's cycle costs per row (default: on a CPU only; "
-                        "each narrower width compiles once more)")
+                   help="once no prompt waits, move the running rows to narrower loops as they finish "
+                        "(6, 4, 3, 2, 1 slots for a batch of 8): a CPU's cycle costs per row (default: on "
+                        "a CPU only; each narrower width compiles once more)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
                         "(default: every device on `data`; one device: no mesh)")

@@ -11,6 +11,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def record_widths(gen) -> list[int]:
+    """The slots of each run_cycles call the generator makes from now on."""
+    widths, run = [], gen._run
+
+    def recording(state, *args, **kwargs):
+        widths.append(int(state.done.shape[0]))
+        return run(state, *args, **kwargs)
+
+    gen._run = recording
+    return widths
+
+
 def inference(meshes):
     from dflash_jax import load_drafter, load_target
     from dflash_jax.sharding import make_mesh
@@ -36,8 +48,7 @@ def inference(meshes):
         if spec == "data=2,model=4":  # the tail narrowed: 8 slots, then 6, 4, 2 (rows split over data=2)
             gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
                             narrow_tail=True, sync_every=2)
-            widths, run = [], gen._run
-            gen._run = lambda state, *a, **kw: widths.append(state.done.shape[0]) or run(state, *a, **kw)
+            widths = record_widths(gen)
             res = sorted(gen.generate(prompts), key=lambda r: r.index)
             out["data=2,model=4 narrowed"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
                                               "acceptance": [r.acceptance_lengths for r in res],
