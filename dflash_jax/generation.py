@@ -80,10 +80,11 @@ def add_generation_flags(p: argparse.ArgumentParser):
                         "one long row would reserve; prompts wait for pages (default: per-row caches)")
     p.add_argument("--page-size", type=int, default=128, help="K/V positions per page (default 128)")
     p.add_argument("--sync-every", type=int, default=8, help="decoding cycles per host sync")
-    p.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--narrow-tail", action="store_true",
                    help="once no prompt waits, move the running rows to narrower loops as they finish "
-                        "(6, 4, 3, 2, 1 slots for a batch of 8): a CPU's cycle costs per row (default: on "
-                        "a CPU only; each narrower width compiles once more)")
+                        "(6, 4, 3, 2, 1 slots for a batch of 8). Pays where a cycle costs per row (a CPU, "
+                        "large batches) and the tail is long against the compiles it adds (one loop per "
+                        "width): a run has one tail")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
                         "(default: every device on `data`; one device: no mesh)")
@@ -314,7 +315,6 @@ def run_generation(args, make_record=None) -> int:
     from dflash_jax.sharding import make_mesh
     from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
     from dflash_jax.engine.watchdog import Watchdog
-    from dflash_jax.platform import narrow_tail_default
 
     if args.target is None and args.drafter is not None:
         raise InputError("--drafter needs --target, the model it drafts for" + trained_against(Path(args.drafter)))
@@ -401,7 +401,7 @@ def run_generation(args, make_record=None) -> int:
                          max_new_tokens=args.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
                          stop_token_ids=stops, sync_every=args.sync_every, mesh=mesh, draft_tokens=drafts,
                          watchdog=watchdog, kv_pages=args.kv_pages, page_size=args.page_size,
-                         narrow_tail=narrow_tail_default(args.narrow_tail))
+                         narrow_tail=args.narrow_tail)
 
     gen = engine(args.block_size)
     block_size = gen.spec.block_size

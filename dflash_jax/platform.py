@@ -29,8 +29,9 @@ def target_platform() -> str:
 
 
 def narrow_tail_default(flag: bool | None) -> bool:
-    """`Generator(narrow_tail=...)` as the CLIs choose it: the flag when given, else on a CPU only,
-    where a cycle's cost grows with its rows (an accelerator's reads its weights whatever the rows)."""
+    """`Generator(narrow_tail=...)` as the bench chooses it: the flag when given, else on a CPU only,
+    where a cycle's cost grows with its rows (an accelerator's reads its weights whatever the rows).
+    The bench times warm engines, so the loops narrowing compiles cost it nothing."""
     return jax.default_backend() == "cpu" if flag is None else flag
 
 

@@ -87,8 +87,8 @@ def host_overhead(run: dict, prefill_s: float, cycle_s: float) -> float | None:
 
 def run_suite(args, result: dict) -> int:
     from dflash_jax.engine import Generator, Sampling
-    from dflash_jax.platform import narrow_tail_default
     from dflash_jax.errors import DFlashError
+    from dflash_jax.platform import narrow_tail_default
 
     try:
         pair = get_pair(args)
