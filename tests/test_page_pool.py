@@ -234,7 +234,7 @@ def test_the_same_memory_runs_twice_the_rows_of_a_mixed_workload():
     concurrency, outputs = {}, {}
     for key, gen in (("per_slot", per_slot), ("pool", pool)):
         results, _, calls = run_recorded(gen, prompt_list, limits)
-        waiting = [(busy, n) for busy, n, until_free in calls if until_free]
+        waiting = [(busy, n) for busy, n, until_free, _ in calls if until_free]
         concurrency[key] = sum(b * n for b, n in waiting) / sum(n for _, n in waiting)
         outputs[key] = [r.output_ids for r in results]
     assert outputs["pool"] == outputs["per_slot"]
