@@ -357,8 +357,8 @@ class Generator:
                     if len(occupant) == self.batch_size:
                         self._idle = state  # every slot free: the next call starts from here
                     return
-                # The tail: while the rows still running fit half the slots, move them to a
-                # state of half the slots (the cycles already queued on this one come along:
+                # The tail: while the rows still running fit the next narrower width, move them
+                # to a state of that many slots (the cycles already queued on this one come along:
                 # a row that finished in them moves too, and is read from there). The queued
                 # cycles' figures are the wide state's: `columns` picks the moved slots'.
                 narrower = [w for w in self.tail_widths if w < len(occupant)]
