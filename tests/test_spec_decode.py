@@ -830,3 +830,43 @@ def test_top_k_beyond_the_vocabulary_keeps_everything_and_bad_indices_are_refuse
         list(gen.generate([[1, 2]], indices=[-1]))
     with pytest.raises(DFlashError, match="2 indices for 1 prompts"):
         list(gen.generate([[1, 2]], indices=[0, 1]))
+
+
+# --------------------------------------------------------------------------- 7. sampling per row
+
+
+def test_per_row_settings_process_logits_as_one_setting_does():
+    """Each row's own temperature, top-k and top-p cut its logits as a Sampling of those values
+    does (random logits: no ties at a cut-off)."""
+    from dflash_jax.engine.sampling import processed_logits_rows
+
+    settings = [Sampling(0.5, top_k=5), Sampling(0.8, top_p=0.9), Sampling(1.0), Sampling(0.7, top_k=9, top_p=0.5),
+                Sampling(1.0, top_k=80)]
+    logits = random_logits(3, (len(settings), 50))
+    got = np.asarray(processed_logits_rows(jnp.asarray(logits), jnp.asarray([s.temperature for s in settings]),
+                                           jnp.asarray([s.top_k for s in settings]),
+                                           jnp.asarray([s.top_p for s in settings])))
+    for row, s in enumerate(settings):
+        want = np.asarray(processed_logits(jnp.asarray(logits[row:row + 1]), s))[0]
+        np.testing.assert_array_equal(got[row] > NEG, want > NEG)
+        np.testing.assert_allclose(got[row][want > NEG], want[want > NEG], rtol=1e-6)
+
+
+def test_rows_of_one_batch_sample_with_their_own_settings():
+    """A per-row engine runs greedy and sampled rows in one batch and one compiled loop: each
+    row's tokens equal those of an engine built with its setting alone, at the same key."""
+    rs = np.random.RandomState(13)
+    prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
+    target, tparams, drafter, dparams = sampling_setup()
+    per_row = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+                        max_prompt_len=16, sampling=Sampling(per_row=True))
+    rows = [Sampling(), Sampling(1.0), Sampling(), Sampling(1.0), Sampling(1.0), Sampling()]
+    got = by_index(per_row.generate(prompt_list, seed=7, sampling=rows))
+    hot = by_index(sampling_engine(4, 4).generate(prompt_list, seed=7))
+    cold = by_index(Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+                              max_prompt_len=16).generate(prompt_list, seed=7))
+    for r, s, h, c in zip(got, rows, hot, cold):
+        assert r.output_ids == (c.output_ids if s.greedy else h.output_ids)
+    assert [r.output_ids for r in hot] != [r.output_ids for r in cold]
+    with pytest.raises(DFlashError, match="needs an engine built with Sampling"):
+        list(sampling_engine(4, 4).generate(prompt_list[:1], sampling=[Sampling()]))

@@ -6,6 +6,11 @@ proposal), the target samples y_i at every verified position, and a draft is acc
 equals the target's sample. The sample for sequence position t always uses the key
 fold_in(row_key, t), so a row's output depends neither on the batch or slot it ran in, nor on
 the block size.
+
+A Generator samples either with one `Sampling` for every row (a compile-time setting), or, with
+`Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
+in the decoding state: greedy and sampled rows then share one batch and one compiled program
+(`sample_rows`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from dflash_jax.errors import DFlashError
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the target picks tokens. temperature 0 is greedy. Hashable: a static jit arg."""
+    """How the target picks tokens. temperature 0 is greedy. Hashable: a static jit arg.
+
+    per_row: the engine takes each row's settings at admission instead (a Sampling per row,
+    `Generator.generate(sampling=...)`); this one's values are then the rows' default."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    per_row: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -35,7 +44,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Every row picks the argmax (never true of a per-row engine)."""
+        return self.temperature == 0 and not self.per_row
 
 
 def processed_logits(logits, sampling: Sampling):
@@ -90,3 +100,49 @@ def sample(logits, keys, sampling: Sampling):
 def position_keys(row_keys, positions):
     """row_keys [batch, 2] uint32, positions [batch, T] -> keys [batch, T, 2]."""
     return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(row_keys, positions)
+
+
+# --------------------------------------------------------------------------- per-row settings
+
+
+def processed_logits_rows(logits, temperature, top_k, top_p):
+    """processed_logits with each row's own settings: logits [n, vocab], temperature [n] (> 0),
+    top_k [n] (0: off), top_p [n] (1: off). One descending sort of the row gives both cut-offs as
+    values: the k-th largest logit, and the smallest logit of the shortest prefix (of the top-k
+    survivors) whose probability reaches top_p; a token below either is removed. A token equal to
+    the cut-off value is kept (processed_logits keeps exactly a prefix in index order: the two
+    differ only where logits tie at the cut-off). The sort runs only when some row asks for it."""
+    vocab = logits.shape[-1]
+    neg = jnp.finfo(jnp.float32).min
+    logits = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+    def cut(logits):
+        ordered = -jnp.sort(-logits, axis=-1)
+        at = lambda i: jnp.take_along_axis(ordered, jnp.clip(i, 0, vocab - 1)[:, None], axis=-1)[:, 0]
+        kth = jnp.where((top_k > 0) & (top_k < vocab), at(top_k - 1), neg)  # k >= vocab keeps all, as in HF
+        ordered = jnp.where(ordered < kth[:, None], neg, ordered)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        count = (before < top_p[:, None]).sum(-1)  # the smallest prefix reaching top_p
+        pth = jnp.where(top_p < 1.0, at(count - 1), neg)
+        return jnp.where(logits < jnp.maximum(kth, pth)[:, None], neg, logits)
+
+    needed = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    return jax.lax.cond(needed.any(), cut, lambda x: x, logits)
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p):
+    """Tokens [batch, ...] from logits [batch, ..., vocab] with one key [batch, ..., 2] per token,
+    each row with its own settings [batch] (temperature 0: that row is greedy). A batch of
+    greedy rows only takes the argmax."""
+    greedy = greedy_pick(logits)
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    per_row = lambda x: jnp.repeat(x, logits.size // (batch * vocab))
+
+    def sampled(_):
+        flat = processed_logits_rows(logits.reshape(-1, vocab), per_row(temperature), per_row(top_k), per_row(top_p))
+        tokens = jax.vmap(jax.random.categorical)(keys.reshape(-1, keys.shape[-1]), flat).astype(jnp.int32)
+        hot = (temperature > 0).reshape((batch,) + (1,) * (greedy.ndim - 1))
+        return jnp.where(hot, tokens.reshape(greedy.shape), greedy)
+
+    return jax.lax.cond((temperature > 0).any(), sampled, lambda _: greedy, None)

@@ -35,7 +35,7 @@ from dflash_jax.attention import NO_PAGE, PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling
-from dflash_jax.engine.step import DecodeState, EngineSpec, init_state, narrow_state, prefill, run_cycles
+from dflash_jax.engine.step import DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles
 from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
@@ -207,17 +207,21 @@ class Generator:
 
     def admit(self, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
               row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0,
-              pages: Sequence[Sequence[int]] | None = None) -> DecodeState:
+              pages: Sequence[Sequence[int]] | None = None,
+              sampling: Sequence[Sampling] | None = None) -> DecodeState:
         """Prefill prompts into the given free slots of a state (grouped by prompt bucket, each
         group padded to an admission width). With a page pool, pages[i] are the pool pages
         prompt i's row holds (None: no pages, every write dropped: the warm-up's compiles).
-        The state is donated."""
+        sampling[i]: row i's, in a per-row engine (default: the engine's Sampling for every
+        row). The state is donated."""
         pool = self.spec.kv_pages
-        per_row = state.target_cache.pages.shape[1] if pool else 0
+        pages_per_row = state.target_cache.pages.shape[1] if pool else 0
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(self._bucket(p), []).append(i)
         put = lambda x: put_batch(x, self.mesh)
+        per_row = self.spec.sampling.per_row
+        rows = list(sampling) if sampling is not None else [self.spec.sampling] * len(prompts)
         for length, members in sorted(groups.items()):
             for lo in range(0, len(members), self.batch_size):
                 chunk = members[lo:lo + self.batch_size]
@@ -226,37 +230,46 @@ class Generator:
                 lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
-                table = np.full((width, per_row), NO_PAGE, np.int32)
+                table = np.full((width, pages_per_row), NO_PAGE, np.int32)
+                temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
+                top_k = np.zeros((width,), np.int32)
                 for j, i in enumerate(chunk):
                     tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
+                    temperature[j], top_k[j], top_p[j] = rows[i].temperature, rows[i].top_k, rows[i].top_p
                     if pool and pages is not None:
                         table[j, :len(pages[i])] = pages[i]
+                row_sampling = (put(temperature), put(top_k), put(top_p)) if per_row else None
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
-                                put(ids), np.int32(seed), put(limits), self.stop_ids, put(table) if pool else None)
+                                put(ids), np.int32(seed), put(limits), self.stop_ids, put(table) if pool else None,
+                                row_sampling)
         return state
 
-    def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False):
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False):
         """Compile prefill for the buckets of these lengths at every admission width, and the
         cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry
         per prompt), so a bucket with m prompts compiles only the widths up to m's, the most
-        it can be admitted at together."""
+        it can be admitted at together. stream: the loop that also returns the rows' tokens
+        (`StreamingEngine`), and `cancel`."""
         counts = collections.Counter(self._bucket([0] * n) for n in prompt_lengths)
         for length in sorted(counts):
             most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
             for width in (w for w in self.widths if not exact or w <= most):
                 state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                    [1] * width)
-                self._wait(self._run(state, 1)[1], "running the warm-up's first cycle")
+                state, info = self._run(state, 1, stream=stream)
+                if stream:
+                    state = cancel(self.spec, state, np.zeros((self.batch_size,), bool))
+                self._wait((info, state.done), "running the warm-up's first cycle")
         state = self.new_state()
         for width in self.tail_widths:
             state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
             state, info = self._run(state, 1)
             self._wait(info, "running the warm-up's narrower loops")
 
-    def _run(self, state, cycles=None, until_free=False):
+    def _run(self, state, cycles=None, until_free=False, stream=False):
         return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
-                          np.int32(self.sync_every if cycles is None else cycles), np.bool_(until_free))
+                          np.int32(self.sync_every if cycles is None else cycles), np.bool_(until_free), stream=stream)
 
     # ------------------------------------------------------------------ generation
 
@@ -272,11 +285,17 @@ class Generator:
         return Result(index, tokens, acceptance[:num_cycles].tolist(), reason)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, indices: Sequence[int] | None = None,
-                 max_new_tokens: int | Sequence[int] | None = None, progress=None) -> Iterator[Result]:
+                 max_new_tokens: int | Sequence[int] | None = None, progress=None,
+                 sampling: Sequence[Sampling] | None = None) -> Iterator[Result]:
         """Yield a Result per prompt as rows finish. `indices` (default 0..n-1) name the rows
         and key their random streams. `max_new_tokens`: one limit for every row or one per
         row, each at most the engine's (default: the engine's). `progress(n_tokens)` is called
-        after each sync with the tokens generated since the last."""
+        after each sync with the tokens generated since the last. `sampling`: one per prompt,
+        for an engine built with Sampling(per_row=True) (default: its Sampling for every row)."""
+        if sampling is not None and not self.spec.sampling.per_row:
+            raise DFlashError("sampling per row needs an engine built with Sampling(per_row=True)")
+        if sampling is not None and len(sampling) != len(prompts):
+            raise DFlashError(f"{len(sampling)} samplings for {len(prompts)} prompts")
         indices = list(range(len(prompts))) if indices is None else [int(i) for i in indices]
         if len(indices) != len(prompts):
             raise DFlashError(f"{len(indices)} indices for {len(prompts)} prompts")
@@ -317,7 +336,8 @@ class Generator:
             occupant[free] = new
             counted[free] = 0
             return self.admit(state, free.tolist(), [prompts[i] for i in new], [indices[i] for i in new],
-                              [limits[i] for i in new], seed, tables if pool else None)
+                              [limits[i] for i in new], seed, tables if pool else None,
+                              None if sampling is None else [sampling[i] for i in new])
 
         state = fill(self._take_state())
         state, info = self._run(state, until_free=bool(waiting))

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from dflash_jax.attention import PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
-from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample
+from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample, sample_rows
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
 from dflash_jax.platform import decode_jit
@@ -99,6 +99,9 @@ class DecodeState:
     acceptance:     [batch, max_new + 1] acceptance length (num_accepted + 1) of each cycle.
     done:           [batch] the row needs no more cycles (also true for a free slot).
     max_new_tokens: [batch] this row's own limit (<= the spec's).
+    temperature, top_k, top_p: [batch] this row's sampling (a per-row engine's; else unused).
+    held:           [batch] the slot's prompt is being prefilled piece by piece (`prefill_part`):
+                    done (cycles pass over it), but cycles keep its caches and pages.
     """
 
     target_cache: KVCache
@@ -112,6 +115,10 @@ class DecodeState:
     stopped: jax.Array
     row_keys: jax.Array
     max_new_tokens: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    held: jax.Array
 
 
 def _map_cache(cache: KVCache | None, f) -> KVCache | None:
@@ -171,6 +178,8 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
         row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
+        temperature=jnp.zeros((batch,), jnp.float32), top_k=zeros(batch), top_p=jnp.ones((batch,), jnp.float32),
+        held=jnp.zeros((batch,), bool),
     ), spec.mesh)
 
 
@@ -189,11 +198,25 @@ def narrow_state(spec: EngineSpec, state: DecodeState, keep) -> DecodeState:
 # --------------------------------------------------------------------------- admission
 
 
-def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_keys, max_new_tokens) -> DecodeState:
+def pick(spec: EngineSpec, logits, keys, row_sampling=None):
+    """The target's tokens from logits [batch, ..., vocab]: with the engine's one Sampling, or
+    (spec.sampling.per_row) with each row's row_sampling (temperature, top_k, top_p) [batch]."""
+    if spec.sampling.per_row:
+        return sample_rows(logits, keys, *row_sampling)
+    return sample(logits, keys, spec.sampling)
+
+
+def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_keys, max_new_tokens,
+           row_sampling=None) -> DecodeState:
     """Start new rows in `slots` [n] (out of range: padding, dropped): the first token is the
-    anchor, nothing else is generated yet. Caches are the caller's (prefill writes them)."""
+    anchor, nothing else is generated yet. Caches are the caller's (prefill writes them).
+    row_sampling: (temperature, top_k, top_p), each [n], for a per-row engine."""
     n = slots.shape[0]
     put = lambda arr, values: arr.at[slots].set(values, mode="drop")
+    if row_sampling is not None:
+        temperature, top_k, top_p = row_sampling
+        state = state.replace(temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
+                              top_p=put(state.top_p, top_p))
     return state.replace(
         anchor=put(state.anchor, anchor),
         output=put(state.output, jnp.zeros((n, spec.out_len), jnp.int32).at[:, 0].set(anchor)),
@@ -202,6 +225,7 @@ def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_key
         num_cycles=put(state.num_cycles, jnp.zeros((n,), jnp.int32)),
         done=put(state.done, stopped), stopped=put(state.stopped, stopped),
         row_keys=put(state.row_keys, row_keys), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
+        held=put(state.held, jnp.zeros((n,), bool)),
     )
 
 
@@ -217,32 +241,16 @@ def traced_on_mesh(fn):
     return wrapped
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-@traced_on_mesh
-def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
-            max_new_tokens, stop_ids, pages=None) -> DecodeState:
-    """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
-    state (a slot of `batch` or more is padding). The target runs the prompts straight into
-    those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
-    taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
-    max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
-    run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
-    is wider than a page nor taller than a chunk. With a page pool, pages [n, pages per row]
-    are the rows' page tables (the pages the host gave them; spec.kv_pages: none). One
-    compilation per (n, bucket)."""
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
-
-    def fresh(cache):
-        cache = cache.reset_rows(slots)
-        return cache if pages is None else cache.assign_pages(slots, pages)
-
+def _prompt_chunks(tparams, dparams, spec: EngineSpec, target_cache, context_cache, tokens, prompt_lens, slots):
+    """Run prompts [n, bucket] (prompt_lens real tokens) into the rows `slots` of the caches, after
+    what those rows hold, in chunks of spec.prefill_chunk (a scan), each attending over the pages
+    the chunks before it wrote, so no score matrix is wider than a page nor taller than a chunk.
+    Returns the caches and the logits [n, vocab] of each prompt's last token."""
     n, bucket_len = tokens.shape
     chunk = min(bucket_len, spec.prefill_chunk)
     last = prompt_lens - 1  # the position whose logits give the first new token
 
     def run_chunk(carry, c):
-        """Chunk c of the prompts: written into the cache after the chunks before it, attending
-        over the pages they filled (never a [bucket, bucket] score matrix)."""
         target_cache, context_cache, last_logits = carry
         lo = c * chunk
         num_tokens = jnp.clip(prompt_lens - lo, 0, chunk)
@@ -256,16 +264,73 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
                                            rows=slots)
         return (out.cache, context_cache, last_logits), None
 
-    context_cache = fresh(state.context_cache) if spec.uses_drafter else None
-    carry = (fresh(state.target_cache), context_cache, jnp.zeros((n, spec.target.vocab_size), jnp.float32))
-    (target_cache, context_cache, logits), _ = jax.lax.scan(run_chunk, carry, jnp.arange(bucket_len // chunk))
-    first = sample(logits, position_keys(row_keys, prompt_lens[:, None])[:, 0], spec.sampling)
+    carry = (target_cache, context_cache, jnp.zeros((n, spec.target.vocab_size), jnp.float32))
+    return jax.lax.scan(run_chunk, carry, jnp.arange(bucket_len // chunk))[0]
+
+
+def _fresh_rows(cache, slots, pages):
+    """The rows `slots` of a cache emptied for new prompts (and given their page tables)."""
+    cache = cache.reset_rows(slots)
+    return cache if pages is None else cache.assign_pages(slots, pages)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "begin"), donate_argnames=("state",))
+@traced_on_mesh
+def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, num_tokens, slots, pages=None,
+                 begin=False) -> DecodeState:
+    """One piece of long prompts, so that their prefill interleaves with the other rows' cycles:
+    tokens [n, piece] (num_tokens [n] real) run into the rows `slots` [n] after what they hold.
+    begin: the prompts' first piece (the rows are emptied and given their page tables, pages).
+    The rows stay done, so cycles pass over them, and held, so cycles keep their caches; their
+    last piece goes through `prefill(..., resume=True)`, which samples their first token."""
+    target_cache, context_cache = state.target_cache, state.context_cache
+    if begin:
+        target_cache = _fresh_rows(target_cache, slots, pages)
+        context_cache = _fresh_rows(context_cache, slots, pages) if spec.uses_drafter else None
+    target_cache, context_cache, _ = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
+                                                    num_tokens, slots)
+    done = state.done.at[slots].set(True, mode="drop")
+    held = state.held.at[slots].set(True, mode="drop")
+    return constrain_state(state.replace(target_cache=target_cache, context_cache=context_cache, done=done,
+                                         held=held), spec.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "resume"), donate_argnames=("state",))
+@traced_on_mesh
+def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
+            max_new_tokens, stop_ids, pages=None, row_sampling=None, resume=False) -> DecodeState:
+    """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
+    state (a slot of `batch` or more is padding). The target runs the prompts straight into
+    those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
+    taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
+    max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
+    run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
+    is wider than a page nor taller than a chunk. With a page pool, pages [n, pages per row]
+    are the rows' page tables (the pages the host gave them; spec.kv_pages: none). A per-row
+    engine (spec.sampling.per_row) takes row_sampling, the rows' (temperature [n], top_k [n],
+    top_p [n]). resume: the rows hold the first pieces of their prompts (`prefill_part`) and
+    these tokens are the rest. One compilation per (n, bucket)."""
+    if spec.sampling.per_row and row_sampling is None:
+        raise DFlashError("a per-row sampling engine admits rows with their row_sampling")
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
+
+    target_cache, context_cache = state.target_cache, state.context_cache
+    if not resume:
+        target_cache = _fresh_rows(target_cache, slots, pages)
+        context_cache = _fresh_rows(context_cache, slots, pages) if spec.uses_drafter else None
+    before = target_cache.lengths.at[slots].get(mode="fill", fill_value=0)  # prompt tokens already in
+    target_cache, context_cache, logits = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
+                                                         prompt_lens, slots)
+    rows = row_sampling if spec.sampling.per_row else None
+    first = pick(spec, logits, position_keys(row_keys, (before + prompt_lens)[:, None])[:, 0], rows)
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
     state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
-                   row_keys, max_new_tokens)
-    # A row whose first token stops it is done before any cycle runs: its pages go back now.
-    state = state.replace(target_cache=state.target_cache.release_pages(state.done),
-                          context_cache=(state.context_cache.release_pages(state.done)
+                   row_keys, max_new_tokens, rows)
+    # A row whose first token stops it is done before any cycle runs: its pages go back now
+    # (a held row, whose prompt is still going in piece by piece, keeps its own).
+    ended = state.done & ~state.held
+    state = state.replace(target_cache=state.target_cache.release_pages(ended),
+                          context_cache=(state.context_cache.release_pages(ended)
                                          if spec.uses_drafter else None))
     return constrain_state(state, spec.mesh)
 
@@ -297,7 +362,7 @@ def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Ar
                   defer_recurrent=bool(spec.target.num_linear_layers) and spec.uses_drafter)
     start = state.target_cache.lengths
     keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
-    return sample(out.logits, keys, spec.sampling), out
+    return pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p)), out
 
 
 def accept(drafts, target_tokens):
@@ -335,11 +400,14 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     # length 0 keeps it from stretching the other rows' page walks until its slot is refilled.
     # With a page pool a finished row also gives up its page table: the host hands its pages to
     # the next rows, and the row, riding along until then, writes nothing.
-    lengths = jnp.where(done, 0, start + n_new)
+    # A held row (its prompt prefilled piece by piece) keeps its caches: it is done only so that
+    # cycles pass over it.
+    ended = done & ~state.held
+    lengths = jnp.where(ended, 0, start + n_new)
     if context_cache is not None:
-        context_cache = context_cache.replace(lengths=jnp.where(done, 0, context_cache.lengths))
-        context_cache = context_cache.release_pages(done)
-    target_cache = settle(verified.cache, verified.pending, n_new).release_pages(done)
+        context_cache = context_cache.replace(lengths=jnp.where(ended, 0, context_cache.lengths))
+        context_cache = context_cache.release_pages(ended)
+    target_cache = settle(verified.cache, verified.pending, n_new).release_pages(ended)
     return state.replace(
         target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
@@ -360,15 +428,18 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
     return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids), spec.mesh)
 
 
-@decode_jit(static_argnames=("spec",), donate_argnames=("state",))
+@decode_jit(static_argnames=("spec", "stream"), donate_argnames=("state",))
 @traced_on_mesh
-def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles, until_free=False):
+def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids, max_cycles, until_free=False,
+               stream=False):
     """Up to max_cycles cycles, on device, stopping early once every row is done, or (until_free,
     when the host has prompts waiting for a slot) once a row that was running finishes.
 
     Returns (state, progress): progress [2, batch] int32 is (done, num_generated), a fresh
     array apart from the state, so the host can read it while the next call, which takes
-    the state donated, already runs."""
+    the state donated, already runs. stream (static): progress is (that, (output, acceptance,
+    num_cycles)), copies of the rows' tokens so far, so that a server streams them at every
+    call without waiting on the state."""
     running = ~state.done
 
     def cond(carry):
@@ -381,4 +452,21 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
         return i + 1, cycle(tparams, dparams, spec, s, stop_ids)
 
     state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
-    return state, jnp.stack([state.done.astype(jnp.int32), state.num_generated])
+    progress = jnp.stack([state.done.astype(jnp.int32), state.num_generated])
+    if stream:
+        return state, (progress, (state.output + 0, state.acceptance + 0, state.num_cycles + 0))
+    return state, progress
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def cancel(spec: EngineSpec, state: DecodeState, rows) -> DecodeState:
+    """End the rows where rows [batch] is true (a client that went away) as a finished row ends:
+    done, caches emptied, a page pool's pages given up (the host hands them on), so their slots
+    take new rows. The tokens they made stay in `output`."""
+    def end(cache):
+        if cache is None:
+            return None
+        return cache.replace(lengths=jnp.where(rows, 0, cache.lengths)).release_pages(rows)
+
+    return constrain_state(state.replace(target_cache=end(state.target_cache), context_cache=end(state.context_cache),
+                                         done=state.done | rows, held=state.held & ~rows), spec.mesh)

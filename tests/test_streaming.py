@@ -1,0 +1,150 @@
+"""The serving engine (`dflash_jax.engine.streaming.StreamingEngine`), without HTTP: requests fed
+through its queue while others run stream the tokens `Generator.generate` gives the same prompts
+(greedy, and sampled with their own settings and streams), long prompts go in piece by piece
+between cycles (held rows keep their caches: per-slot, a page pool with ring layers, a hybrid's
+recurrent states), cancelled requests free their slots, and nothing compiles after warm-up.
+
+Each engine compiles every prompt bucket at every admission width, the streaming loop and the
+pieces (about a minute on 2 cores), so these run with the full matrix (-m heavy); the server's
+own tests (tests/test_serve.py) cover the same engine over HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dflash_jax.engine import Generator, Sampling
+from dflash_jax.engine.step import prefill, prefill_part, run_cycles
+from dflash_jax.engine.streaming import QueueFull, Request, StreamingEngine
+from dflash_jax.errors import DFlashError
+from test_spec_decode import setup
+
+pytestmark = pytest.mark.heavy
+
+# name: (setup, page pool pages or None); pieces of 16 tokens, prompts up to 64
+CASES = {"qwen3": ("qwen3-v128", None), "gpt_oss-pool": ("gpt_oss-v8", 24), "qwen3_5": ("qwen3_5-v8", None)}
+LENGTHS = (5, 30, 12, 60, 3, 17, 40, 9, 22, 14, 64, 33)
+LIMITS = (24, 7, 19, 24, 1, 24, 12, 24, 3, 22, 20, 24)
+
+
+def compiles():
+    return prefill._cache_size(), prefill_part._cache_size(), run_cycles._cache_size()
+
+
+def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
+    """Submit every prompt (a little apart, so that they join a running batch); returns each
+    one's streamed tokens and Result."""
+    streamed = {i: [] for i in range(len(prompts))}
+    results, all_done = {}, threading.Event()
+
+    def emitter(i):
+        def emit(tokens, result):
+            streamed[i].extend(tokens)
+            if result is not None:
+                results[i] = result
+                if len(results) == len(prompts):
+                    all_done.set()
+        return emit
+
+    for i, (p, n, s, r) in enumerate(zip(prompts, limits, samplings, row_ids)):
+        engine.submit(Request(list(p), n, emitter(i), s, row_id=r))
+        time.sleep(gap)
+    assert all_done.wait(300), f"only {len(results)} of {len(prompts)} requests ended"
+    return streamed, results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
+    name, pool = CASES[case]
+    target, tparams, drafter, dparams = setup(name)
+    rs = np.random.RandomState(5)
+    prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in LENGTHS]
+    kw = dict(block_size=4, batch_size=4, max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
+              page_size=8, kv_pages=pool, stop_token_ids=[1])
+    gen = Generator(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
+    engine = StreamingEngine(gen, max_waiting=len(prompts))
+    assert engine.interleaves and engine.warmup() == [16]  # longer prompts: pieces of 16
+    warm = compiles()
+    greedy = {r.index: r for r in Generator(target, tparams, drafter, dparams, **kw).generate(
+        prompts, max_new_tokens=list(LIMITS))}
+    samplings = [Sampling(1.0, top_k=5, per_row=True) if i % 3 == 0 else Sampling(per_row=True)
+                 for i in range(len(prompts))]
+    ids = [1000 + 7 * i for i in range(len(prompts))]
+    mixed = {r.index: r for r in gen.generate(prompts, max_new_tokens=list(LIMITS), sampling=samplings, indices=ids)}
+    warm = compiles()
+    engine.start()
+    try:
+        streamed, results = serve(engine, prompts, LIMITS, [Sampling(per_row=True)] * len(prompts),
+                                  range(len(prompts)))
+        for i in range(len(prompts)):
+            assert streamed[i] == results[i].output_ids == greedy[i].output_ids, i
+            assert results[i].finish_reason == greedy[i].finish_reason, i
+        # Sampled and greedy rows in one batch, each with its own stream: as generate gives them.
+        streamed, results = serve(engine, prompts, LIMITS, samplings, ids)
+        for i in range(len(prompts)):
+            assert streamed[i] == mixed[ids[i]].output_ids, i
+        assert any(s.temperature > 0 and streamed[i] != greedy[i].output_ids for i, s in enumerate(samplings))
+        assert compiles() == warm  # nothing compiled while serving
+        assert engine.metrics.running == 0 and engine.metrics.waiting == 0
+        assert engine.metrics.requests["length"] + engine.metrics.requests["stop"] == 2 * len(prompts)
+    finally:
+        assert engine.close(timeout=60)
+
+
+def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
+    target, tparams, drafter, dparams = setup("qwen3-v128")
+    gen = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=24,
+                    max_prompt_len=32, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
+    engine = StreamingEngine(gen, max_waiting=3)
+    engine.warmup()
+    rs = np.random.RandomState(6)
+    prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in (9, 30, 4, 20, 12)]
+    want = {r.index: r.output_ids for r in gen.generate(prompts)}
+    # Not started: requests queue up to max_waiting, then QueueFull.
+    got: dict[int, list] = {}
+    ended: dict[int, str] = {}
+
+    def emitter(i, cancel_after=None):
+        def emit(tokens, result):
+            got.setdefault(i, []).extend(tokens)
+            if cancel_after is not None and len(got[i]) >= cancel_after:
+                reqs[i].cancelled = True
+            if result is not None:
+                ended[i] = result.finish_reason
+        return emit
+
+    reqs = {i: Request(prompts[i], 24, emitter(i, cancel_after=1 if i < 2 else None), row_id=i) for i in range(5)}
+    for i in range(3):
+        engine.submit(reqs[i])
+    with pytest.raises(QueueFull):
+        engine.submit(reqs[3])
+    with pytest.raises(DFlashError, match="longer than the context"):
+        engine.submit(Request([1] * 40, 4, emitter(9), row_id=9))
+    engine.start()
+    try:
+        for i in (3, 4):
+            deadline = time.time() + 120
+            while True:
+                try:
+                    engine.submit(reqs[i])
+                    break
+                except QueueFull:
+                    assert time.time() < deadline
+                    time.sleep(0.05)
+        deadline = time.time() + 300
+        while len(ended) < 5:
+            assert time.time() < deadline, ended
+            time.sleep(0.05)
+        assert ended[0] == ended[1] == "cancelled"  # each ended at the sync after its first tokens
+        assert len(got[0]) < 24 and len(got[1]) < 24
+        for i in (2, 3, 4):  # the slots they freed served the rest, which run as they would alone
+            assert got[i] == want[i], i
+        assert engine.metrics.running == 0 and engine.metrics.requests["cancelled"] == 2
+    finally:
+        assert engine.close(timeout=60)
+    with pytest.raises(DFlashError, match="shutting down"):
+        engine.submit(Request(prompts[0], 4, emitter(8), row_id=8))
