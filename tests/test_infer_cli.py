@@ -1,4 +1,5 @@
-"""`python -m infer`: the JSONL contract, resume, stop tokens, chat inputs, bad input."""
+"""`python -m infer`: the JSONL contract, resume, stop tokens, chat inputs, bad input; the library
+API beneath it (`GenerationJob`, `run_job`)."""
 
 import contextlib
 import io
@@ -144,6 +145,46 @@ def test_stop_tokens_come_from_the_generation_config(tmp_path):
     assert read_jsonl(tmp_path / "c.jsonl")[0]["output_ids"] == plain
 
 
+def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
+    """`run_job(GenerationJob(...))`, no flags: the reference pair's rows (shaped by
+    train.generate_data's conversation_record) in the output, the summary returned; a rerun
+    finds every row done and runs nothing."""
+    from dflash_jax.generation import GenerationJob, run_job
+    from train.generate_data import conversation_record
+
+    out = tmp_path / "new" / "conversations.jsonl"
+    job = GenerationJob(target=tiny() / "target", drafter=tiny() / "drafter", input=DEMO_DIR / "tiny" / "prompts.jsonl",
+                        output=out, max_new_tokens=40, quiet=True)
+    result = run_job(job, make_record=conversation_record)
+    s = result.summary
+    assert result.skipped == 0 and result.sample is None
+    assert s["rows"] == 8 and s["errors"] == 0 and s["output_tokens"] == 320 and s["block_size"] == 8
+    cases = json.loads((tiny() / "greedy_cases.json").read_text())
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == [f"demo-{i}" for i in range(8)]
+    for r in records:
+        assert list(r) == ["id", "prompt_ids", "response_ids", "finish_reason"]  # no tokenizer: ids only
+        i = int(r["id"].split("-")[1])
+        assert r["prompt_ids"] + r["response_ids"] == cases["outputs"][i] and r["prompt_ids"] == cases["prompts"][i]
+    again = run_job(job, make_record=conversation_record)
+    assert again.summary is None and again.skipped == 8 and len(read_jsonl(out)) == 8
+
+
+def test_a_job_with_a_bad_field_is_refused_naming_it():
+    from dflash_jax.generation import GenerationJob, InputError
+
+    target = dict(target=tiny() / "target", input=DEMO_DIR / "tiny" / "prompts.jsonl")
+    for fields, message in ((dict(batch_size=0), "--batch-size must be >= 1, got 0"),
+                            (dict(page_size="8"), "--page-size must be an integer, got '8'"),
+                            (dict(stall_timeout=-1.0), "--stall-timeout must be >= 0"),
+                            (dict(dtype="float16"), "--dtype must be one of bfloat16, float32, got 'float16'"),
+                            (dict(block_size=1, draft_tokens=2), "--draft-tokens needs a drafter"),
+                            (dict(input=None), "--input is required when --target is given")):
+        with pytest.raises(InputError, match=message):
+            GenerationJob(**{**target, **fields})
+    assert GenerationJob().resolved().max_new_tokens == 128 and GenerationJob().resolved().compare_baseline
+
+
 # ----------------------------------------------------------------------------- chat inputs
 
 WORDS = [f"w{i}" for i in range(150)] + ["user", "assistant", "system"]
@@ -273,7 +314,8 @@ def test_unknown_keys_are_named_and_plain_decoding_prints_no_acceptance(tmp_path
 
 
 def test_a_terminal_gets_readable_rows_and_a_pipe_json():
-    from dflash_jax.generation import Writer, readable_record
+    from dflash_jax.generation import InputRow
+    from infer.job_output import Writer, readable_record
 
     record = {"id": "a", "output_ids": [5, 6], "text": "    return n", "acceptance_lengths": [1, 3],
               "num_output_tokens": 2, "finish_reason": "length"}
@@ -292,7 +334,7 @@ def test_a_terminal_gets_readable_rows_and_a_pipe_json():
     for tty in (True, False):
         stream = Stream(tty)
         with contextlib.redirect_stdout(stream):
-            Writer(None).write(record, "def f(n):\n")
+            Writer(None).write(record, InputRow("a", 1, "prompt", "def f(n):\n"))
         assert stream.getvalue() == (text if tty else json.dumps(record) + "\n")
 
 

@@ -304,7 +304,7 @@ def worker_train(work: Path, fixture: Path) -> dict:
     conversations.write_text("".join(json.dumps({"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6]}) + "\n"
                                      for _ in range(8)))
     calls, got = [], {}
-    load_model, run_generation = checkpoint.load_model, generation.run_generation
+    load_model, run_job = checkpoint.load_model, generation.run_job
 
     def recording_load_model(path, kind, **kw):
         config, params = load_model(path, kind, **kw)
@@ -315,12 +315,12 @@ def worker_train(work: Path, fixture: Path) -> dict:
             raise _Stop
         return config, params
 
-    def recording_generation(args, make_record=None):
+    def recording_job(job, make_record=None, **kw):
         calls.append({"kind": "generate"})
-        got["generate_mesh"] = args.mesh
-        return 0
+        got["generate_mesh"] = job.mesh
+        return generation.GenerationResult(None)
 
-    checkpoint.load_model, generation.run_generation = recording_load_model, recording_generation
+    checkpoint.load_model, generation.run_job = recording_load_model, recording_job
     cfg = load_config(REPO / "configs/train/tiny.yaml", [
         f"target={fixture / 'target'}", f"drafter.init={fixture / 'drafter'}", f"train.output_dir={work / 'run'}",
         f"data.conversations={conversations}", f"data.generate_from={work / 'generate_from.jsonl'}",
@@ -330,7 +330,7 @@ def worker_train(work: Path, fixture: Path) -> dict:
     except _Stop:
         pass
     finally:
-        checkpoint.load_model, generation.run_generation = load_model, run_generation
+        checkpoint.load_model, generation.run_job = load_model, run_job
     return {"calls": calls, **got}
 
 

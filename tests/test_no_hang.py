@@ -157,7 +157,7 @@ def test_infer_cli_stall_exits_3_naming_it_and_keeps_finished_rows(tmp_path):
         import sys, time
         import dflash_jax.engine.scheduler as scheduler
         import dflash_jax.generation as generation
-        real_to_host, real_write = scheduler.to_host, generation.Writer.write
+        real_to_host, real_write = scheduler.to_host, generation.JsonlWriter.write
         written = []
         def to_host(x):
             if written:
@@ -166,7 +166,7 @@ def test_infer_cli_stall_exits_3_naming_it_and_keeps_finished_rows(tmp_path):
         def write(self, *a, **kw):
             written.append(1)
             return real_write(self, *a, **kw)
-        scheduler.to_host, generation.Writer.write = to_host, write
+        scheduler.to_host, generation.JsonlWriter.write = to_host, write
         from infer.cli import main
         sys.exit(main(["--target", {str(tiny() / "target")!r},
                        "--input", {str(DEMO_DIR / 'tiny' / 'prompts.jsonl')!r}, "--output", {str(out)!r},

@@ -1,13 +1,15 @@
 """`python -m train.generate_data`: the target regenerates the responses of a prompt set.
 
 DFlash drafters learn to predict what *their target* would write, so training data is the
-target's own output: this runs the job of `python -m infer` (`dflash_jax.generation`: same flags, same batch engine, same resume:
-rerunning with the same --output skips finished ids) and writes conversation lines:
+target's own output: this runs the job of `python -m infer` (the same flags, `infer.flags`; the
+same `dflash_jax.generation.run_job`, batch engine and resume: rerunning with the same --output
+skips finished ids) with `conversation_record` shaping its lines:
 
   {"id", "messages": [..., {"role": "assistant", "content": answer}]}   chat prompts, with a tokenizer
   {"id", "prompt": text, "response": text}                              raw text prompts
 and always "prompt_ids" (the exact prompt tokens) and "response_ids" (the target's tokens),
-plus "finish_reason". `turns` rows keep every turn's answer in "messages".
+plus "finish_reason". `turns` rows keep every turn's answer in "messages". The trainer
+(`data.generate_from`) runs the same job as a `GenerationJob`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflash_jax.errors import DFlashError
-from dflash_jax.generation import HelpFormatter, add_distributed_flags, add_generation_flags, run_generation
+from infer.flags import HelpFormatter, add_distributed_flags, add_generation_flags
 
 
 def conversation_record(row, record, conversation) -> dict:
@@ -44,15 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from infer.cli import run
+
     args = build_parser().parse_args(argv)
     if args.output is None:
         print("error: --output is required", file=sys.stderr)
         return 2
-    try:
-        return run_generation(args, make_record=conversation_record)
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run(args, make_record=conversation_record)
 
 
 if __name__ == "__main__":

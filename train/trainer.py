@@ -24,7 +24,7 @@ from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard
 from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
-from dflash_jax.generation import add_distributed_flags
+from infer.flags import add_distributed_flags
 from train.config import TrainConfigError, load_config
 
 CHECKPOINTS = "checkpoints"
@@ -48,19 +48,16 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
     d = cfg["data"]
     if not d["generate_from"]:
         return
-    from dflash_jax.generation import run_generation
-    from train.generate_data import build_parser, conversation_record
+    from dflash_jax.generation import GenerationJob, run_job
+    from train.generate_data import conversation_record
 
-    argv = ["--target", str(cfg["target"]), "--input", str(d["generate_from"]), "--output", str(d["conversations"]),
-            "--max-new-tokens", str(d["generate_max_new_tokens"]), "--batch-size", str(d["generate_batch_size"]),
-            "--quiet"]
-    if cfg["target_dtype"]:
-        argv += ["--dtype", cfg["target_dtype"]]
-    if cfg["train"]["mesh"]:  # the run's mesh, so the target loads split as it will train
-        argv += ["--mesh", str(cfg["train"]["mesh"])]
+    job = GenerationJob(target=cfg["target"], input=d["generate_from"], output=d["conversations"],
+                        max_new_tokens=d["generate_max_new_tokens"], batch_size=d["generate_batch_size"],
+                        dtype=cfg["target_dtype"] or None, quiet=True,
+                        # the run's mesh, so the target loads split as it will train
+                        mesh=str(cfg["train"]["mesh"]) if cfg["train"]["mesh"] else None)
     log(f"regenerating responses with the target: {d['generate_from']} -> {d['conversations']}")
-    Path(d["conversations"]).parent.mkdir(parents=True, exist_ok=True)
-    run_generation(build_parser().parse_args(argv), make_record=conversation_record)
+    run_job(job, make_record=conversation_record)
 
 
 def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:

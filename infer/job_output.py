@@ -1,0 +1,95 @@
+"""What `python -m infer` (and `train.generate_data`) shows of a job: rows on a terminal as
+readable text beside their prompts (JSON lines otherwise: `dflash_jax.generation.JsonlWriter`),
+the summary on stderr, the demo's one completion, and --summary-json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflash_jax.generation import GenerationResult, InputRow, JsonlWriter
+
+
+class Writer(JsonlWriter):
+    """The job's writer: JSON lines, appended to --output, or without one on stdout: JSON lines
+    when redirected, readable text on a terminal."""
+
+    def __init__(self, path: str | Path | None):
+        super().__init__(path)
+        self.readable = not self.owned and self.file.isatty()
+
+    def format(self, record: dict, row: InputRow | None) -> str:
+        if self.readable:
+            return readable_record(record, prompt_text(row) if row is not None else None)
+        return super().format(record, row)
+
+
+def prompt_text(row: InputRow) -> str | None:
+    """The text a row asked about: its prompt, or its last user message."""
+    if row.kind == "prompt":
+        return row.value
+    if row.kind == "turns":
+        return row.value[-1] + "\n"
+    if row.kind == "messages":
+        return row.value[-1]["content"] + "\n"
+    return None
+
+
+def readable_record(record: dict, prompt: str | None) -> str:
+    """A row for a person: its id and figures, then the prompt and the completion after >>>."""
+    if "error" in record:
+        return f"--- {record['id']}: error: {record['error']}\n"
+    acc = record.get("acceptance_lengths") or []
+    tau = f", tau {sum(acc) / len(acc):.2f}" if acc and max(acc) > 1 else ""
+    head = f"--- {record['id']}: {record['num_output_tokens']} tokens ({record['finish_reason']}{tau})"
+    body = record.get("text")
+    if body is None:
+        body = " ".join(map(str, record["output_ids"]))
+    return f"{head}\n{prompt or ''}>>>{body}\n\n"
+
+
+def report(result: GenerationResult, summary_json: str | None = None, quiet: bool = False):
+    """The end of a run, on process 0: the summary on stderr, the demo's completion (unless
+    quiet), the summary as JSON to `summary_json`. Nothing when nothing ran (every row was done)."""
+    import jax
+
+    if result.summary is None or jax.process_index() != 0:
+        return
+    print_summary(result.summary, lambda *a: print(*a, file=sys.stderr))
+    if result.sample is not None and not quiet:
+        prompt, text = result.sample
+        print(f"\none completion (prompt, then >>> and the generated text):\n{prompt}>>>{text}", file=sys.stderr)
+    if summary_json:
+        Path(summary_json).write_text(json.dumps(result.summary, indent=2) + "\n")
+
+
+def print_summary(s: dict, say):
+    say("")
+    say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
+        f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
+    if s["block_size"] == 1:  # one token per step: no acceptance to speak of
+        say(f"plain autoregressive decoding (block size 1): {s['cycles']} decoding steps")
+        return
+    drafts = s.get("draft_tokens")
+    verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
+    if "heldout" in s:  # the demo pair: the figure to expect first
+        h = s["heldout"]
+        say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "
+            f"figure to expect on new code (`{h['command']}`)")
+    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {s['cycles']} cycles "
+        f"on {s.get('prompts', 'these prompts')}")
+    if "heldout" in s and s["tau"] > s["heldout"]["tau"]:
+        say("  (above the held-out figure: completions that repeat a line are drafted whole; each row's tau is "
+            "in its output)")
+    hist = s["acceptance_histogram"]
+    if hist:
+        total = sum(hist.values())
+        say("acceptance length histogram:")
+        for k, v in hist.items():
+            say(f"  {int(k):3d}: {v:7d} ({100 * v / total:5.1f}%)")
+    if "baseline" in s:
+        say(f"baseline (block size 1): {s['baseline']['tokens_per_second']:.1f} tokens/s; speedup {s['speedup']}x")
+    if "note" in s:
+        say(s["note"])
