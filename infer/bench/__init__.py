@@ -46,6 +46,10 @@ Other modes:
                     both engines' tau, tokens/s (infer.bench.vllm_peer). --vllm-fix-knorm: vLLM's
                     CPU build norms every drafter layer's context keys with layer 0's k_norm; fix
                     that in this process.
+--serve             the OpenAI-compatible server (python -m infer.serve) under 1, batch and 32
+                    concurrent streams: tokens/s, TTFT and inter-token latency p50/p99, streams
+                    equal to offline; against the offline engine on the same prompts
+                    (infer.bench.serve_bench).
 
     python -m infer.bench                                   # bundled demo pair
     python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]

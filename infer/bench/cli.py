@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--vllm", action="store_true",
                       help="this engine and vLLM (installed beside it) on the same pair and held-out prompts, plain "
                            "and DFlash, alternating runs: token equality, both engines' tau, tokens/s")
+    mode.add_argument("--serve", action="store_true",
+                      help="the OpenAI-compatible server (python -m infer.serve, in a subprocess) under 1, batch and 32 "
+                           "concurrent streams: throughput, TTFT, inter-token latency, tokens equal offline, against "
+                           "the offline engine on the same prompts")
     p.add_argument("--vllm-fix-knorm", action="store_true",
                    help="with --vllm: where vLLM's CPU rms_norm norms every DFlash drafter layer's context keys "
                         "with layer 0's k_norm weight (the bench says so), norm each layer's with its own weight "
@@ -152,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--pool-slots", type=int, default=None,
                       help="--page-pool: the pool's batch slots (default 4 x --batch-size)")
 
+    serve = p.add_argument_group("--serve")
+    serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
+                       help="concurrent streams (default: 1, the batch size and 32); prompts: at least the largest")
+    serve.add_argument("--serve-sync-every", type=int, default=2, help="the server's --sync-every")
+    serve.add_argument("--serve-prefill-chunk", type=int, default=512, metavar="N",
+                       help="the server's --prefill-chunk: longer prompts go in pieces of N between cycles")
+    serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
+                       help="also: the batch's other streams' inter-token latency while prompts of N tokens arrive "
+                            "(0: skip)")
+
     p.add_argument("--json", default=None, metavar="PATH",
                    help=f"figures as JSON (default: {BENCH_DIR}/MODE.json, e.g. suite.json, cost-qwen3-8b-x0.25.json)")
     p.add_argument("--plot", default=None, metavar="PATH", help="suite: PNG plot (default: bench.png next to the JSON)")
@@ -172,7 +186,7 @@ def env_info() -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload",
-                         "page_pool", "vllm") if getattr(args, m)]
+                         "page_pool", "vllm", "serve") if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
@@ -236,6 +250,10 @@ def run(args, mode: str) -> int:
         from infer.bench.workloads import run_mixed_workload
 
         result["mixed_workload"] = run_mixed_workload(args)
+    elif mode == "serve":
+        from infer.bench.serve_bench import run_serve_bench
+
+        result["serve"] = run_serve_bench(args)
     elif mode == "vllm":
         from infer.bench.vllm_peer import run_vllm_peer
 
