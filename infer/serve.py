@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import signal
 import sys
@@ -136,7 +137,10 @@ class Served:
                         draft_tokens=args.draft_tokens if dcfg is not None else None, watchdog=watchdog,
                         kv_pages=args.kv_pages, page_size=args.page_size, prefill_chunk=args.prefill_chunk)
         self.context = min(gen.max_prompt_len, tcfg.max_position_embeddings)
-        self.engine = StreamingEngine(gen, max_waiting=args.max_waiting)
+        # An engine that fails ends the server (exit status 3), after answering every open request
+        # with an error: a supervisor restarts it, where a server without an engine would linger.
+        self.engine = StreamingEngine(gen, max_waiting=args.max_waiting,
+                                      on_error=lambda e: os.kill(os.getpid(), signal.SIGTERM))
         self.gen = gen
         longer = (f"; longer prompts in pieces of {args.prefill_chunk} between cycles"
                   if self.engine.interleaves else "")

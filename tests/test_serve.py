@@ -447,6 +447,35 @@ def test_app_errors():
         assert client.get("/health").status_code == 503
 
 
+def test_a_failing_engine_answers_its_open_requests_and_says_so():
+    """The engine's thread fails (here: allocating its state): every open request ends with
+    "error", on_error hears of it (the server then shuts down, exit status 3), and new requests are
+    refused naming the failure."""
+    from dflash_jax.engine import Sampling
+    from dflash_jax.engine.streaming import Request, StreamingEngine
+    from dflash_jax.errors import DFlashError
+
+    spec = SimpleNamespace(sampling=Sampling(per_row=True), max_new_tokens=8, block_size=4, kv_pages=None,
+                           prefill_chunk=16, target=SimpleNamespace(num_linear_layers=0), uses_drafter=True)
+    release = threading.Event()
+
+    def new_state():
+        release.wait(10)
+        raise RuntimeError("device lost")
+
+    gen = SimpleNamespace(spec=spec, tail_widths=[], batch_size=2, max_prompt_len=16, new_state=new_state,
+                          check_prompt=lambda prompt, n: None)
+    errors, results = [], []
+    engine = StreamingEngine(gen, on_error=errors.append).start()
+    engine.submit(Request([1, 2], 4, lambda tokens, result: results.append(result), row_id=1))
+    release.set()
+    engine._thread.join(10)
+    assert not engine.alive and [r.finish_reason for r in results] == ["error"]
+    assert len(errors) == 1 and str(errors[0]) == "device lost"
+    with pytest.raises(DFlashError, match="the engine failed: device lost"):
+        engine.submit(Request([1], 4, lambda tokens, result: None))
+
+
 # ----------------------------------------------------------------------------- heavy: the server
 
 # (id, prompt or token ids, max_tokens): greedy, the same from the server as from `python -m infer`.

@@ -852,6 +852,7 @@ def test_per_row_settings_process_logits_as_one_setting_does():
         np.testing.assert_allclose(got[row][want > NEG], want[want > NEG], rtol=1e-6)
 
 
+@pytest.mark.heavy  # the everyday suite is at its budget; tests/test_streaming.py (heavy) serves such rows too
 def test_rows_of_one_batch_sample_with_their_own_settings():
     """A per-row engine runs greedy and sampled rows in one batch and one compiled loop: each
     row's tokens equal those of an engine built with its setting alone, at the same key."""

@@ -22,6 +22,7 @@ import dataclasses
 import queue
 import threading
 import time
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -131,14 +132,16 @@ class StreamingEngine:
     """A Generator serving a queue of Requests on a thread of its own (see the module's doc).
 
     max_waiting bounds the requests queued for a slot. The Generator must be built with
-    Sampling(per_row=True) and without narrow_tail (a server's batch has no tail)."""
+    Sampling(per_row=True) and without narrow_tail (a server's batch has no tail). on_error(e)
+    runs on the engine's thread if it fails, after every open request has ended with "error"."""
 
-    def __init__(self, gen: Generator, *, max_waiting: int = 256):
+    def __init__(self, gen: Generator, *, max_waiting: int = 256,
+                 on_error: Callable[[BaseException], None] | None = None):
         if not gen.spec.sampling.per_row:
             raise DFlashError("a streaming engine needs a Generator built with Sampling(per_row=True)")
         if gen.tail_widths:
             raise DFlashError("a streaming engine keeps its batch whole: build the Generator without narrow_tail")
-        self.gen, self.max_waiting = gen, max_waiting
+        self.gen, self.max_waiting, self.on_error = gen, max_waiting, on_error
         self.metrics = EngineMetrics(gen.batch_size, gen.spec.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0  # submitted and not yet admitted (guarded by _lock)
@@ -225,13 +228,15 @@ class StreamingEngine:
         try:
             self._loop()
         except BaseException as e:  # the engine is gone: every request still open ends with it
+            traceback.print_exc()
             with self._lock:
                 self.error, failed = e, list(self._open)
                 self._open.clear()
             for req in failed:
                 req.finished = True
                 req.emit([], Result(req.row_id, [], [], "error"))
-            raise
+            if self.on_error is not None:
+                self.on_error(e)
 
     def _ended(self, req: Request, result: Result):
         req.finished = True

@@ -90,9 +90,9 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
             calls.append((busy, cycles[-1], bool(until_free), int(state.done.shape[0])))
         return state, info
 
-    def recording_admit(state, slots, prompts_, row_ids, max_new, seed=0, pages=None):
+    def recording_admit(state, slots, prompts_, row_ids, max_new, *rest):
         admissions.append((list(slots), [list(p) for p in prompts_], list(row_ids), list(max_new)))
-        return admit(state, slots, prompts_, row_ids, max_new, seed, pages)
+        return admit(state, slots, prompts_, row_ids, max_new, *rest)
 
     gen._run, gen.admit = counting_run, recording_admit
     try:
