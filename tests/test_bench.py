@@ -179,6 +179,7 @@ def test_quick_table_on_a_random_pair_with_temperature(tmp_path, capsys):
     assert "same tokens as the baseline" in capsys.readouterr().out
 
 
+@pytest.mark.heavy  # the everyday suite is at its budget
 def test_pieces_are_the_engines_own():
     """One iteration of each timed piece equals the engine's function called directly: draft, the
     verify, extend_context, accept + commit, the passes (draft, verify, extend) and the cycle;

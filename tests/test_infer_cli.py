@@ -391,12 +391,13 @@ def test_a_page_pool_reproduces_the_reference_and_refuses_what_it_cannot_hold(tm
         assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
 
 
-@pytest.mark.parametrize("sampled", [False, pytest.param(True, marks=pytest.mark.heavy)])
-def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
+@pytest.mark.parametrize("sampled,large", [(False, False), pytest.param(False, True, marks=pytest.mark.heavy),
+                                           pytest.param(True, False, marks=pytest.mark.heavy)])
+def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, large, tmp_path):
     """Rows carrying their own max_new_tokens get exactly that many tokens, the first tokens of the
-    full-length run (greedy and sampled: keys are per row and position); a cache sized for 2048-token
-    prompts gives the same rows as one sized for 128; a too-long prompt is still a row error; a row
-    asking for more than --max-new-tokens is a one-line error before any model loads."""
+    full-length run (greedy and sampled: keys are per row and position); (large) a cache sized for
+    2048-token prompts gives the same rows as one sized for 128; a too-long prompt is still a row
+    error; a row asking for more than --max-new-tokens is a one-line error before any model loads."""
     rng = np.random.default_rng(0)
     vocab = json.loads((tiny() / "target" / "config.json").read_text())["vocab_size"]
     lengths = [5, 30, 3, 20, 12, 29, 7, 25, 200]  # two prompt buckets (few compilations) and one too long
@@ -415,12 +416,12 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, tmp_path):
     summary = tmp_path / "s.json"
     assert main(common + ["--input", str(limited), "--output", str(outs["limited"]), "--max-prompt-len", "128",
                           "--compare-baseline", "--summary-json", str(summary), "--quiet"]) == 0
-    if not sampled:
+    if large:
         assert main(common + ["--input", str(full), "--output", str(outs["large"]), "--max-prompt-len", "2048",
                               "--quiet"]) == 0
     got = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in outs.items() if path.exists()}
     assert got["full"]["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
-    if not sampled:
+    if large:
         assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
         assert {k: v for k, v in got["large"].items() if k != "r8"} == {k: v for k, v in got["full"].items() if k != "r8"}
     for i, limit in enumerate(limits[:8]):

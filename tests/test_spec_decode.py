@@ -444,7 +444,7 @@ def run_widths(gen, prompt_list, **kw):
 
 
 @pytest.mark.parametrize("name,block_size,pool", [
-    ("gpt_oss-v8", 8, 40),  # a page pool, with the sliding layers' rings: tables move, pages stay
+    heavy("gpt_oss-v8", 8, 40),  # a page pool, with the sliding layers' rings: tables move, pages stay
     heavy("qwen3-v8", 8, None), heavy("qwen3_5-v8", 4, None),  # a hybrid: its recurrent states and conv tails move too
 ])
 def test_a_narrowed_tail_decodes_as_the_full_batch(name, block_size, pool):
