@@ -44,7 +44,8 @@ def torch_logits(model, ids):
 # --------------------------------------------------------------------------- the model
 
 
-@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("family", [HYBRID_FAMILIES[0]] + [pytest.param(f, marks=pytest.mark.heavy)
+                                                         for f in HYBRID_FAMILIES[1:]])  # MoE: the full matrix
 def test_a_prompt_longer_than_a_chunk_whole_and_in_padded_pieces_equals_transformers(family, hf_hybrid):
     """150 tokens: three chunks of the delta rule (64) with a ragged end. Then the same prompt
     as two right-padded prefill chunks per row (rows of different lengths), whose padding

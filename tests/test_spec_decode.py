@@ -694,7 +694,7 @@ def speculative_samples(sampling, family="qwen3"):
     pytest.param(SAMPLINGS[0], "qwen3", id="t1", marks=pytest.mark.heavy),
     pytest.param(SAMPLINGS[2], "qwen3", id="t1-topp0.8", marks=pytest.mark.heavy),
     pytest.param(SAMPLINGS[0], "gpt_oss", id="t1-gpt_oss", marks=pytest.mark.heavy),  # a MoE target
-    pytest.param(SAMPLINGS[0], "qwen3_5", id="t1-qwen3_5"),  # a hybrid target: states settle per row
+    pytest.param(SAMPLINGS[0], "qwen3_5", id="t1-qwen3_5", marks=pytest.mark.heavy),  # a hybrid: states settle per row
     pytest.param(SAMPLINGS[0], "gemma4", id="t1-gemma4", marks=pytest.mark.heavy),  # two K/V groups, soft-capping
 ])
 def test_speculative_sampling_matches_target_distribution(sampling, family):
