@@ -257,10 +257,10 @@ class Generator:
             for width in (w for w in self.widths if not exact or w <= most):
                 state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                    [1] * width)
-                state, info = self._run(state, 1, stream=stream)
-                if stream:
-                    state = cancel(self.spec, state, np.zeros((self.batch_size,), bool))
-                self._wait((info, state.done), "running the warm-up's first cycle")
+                self._wait(self._run(state, 1, stream=stream)[1], "running the warm-up's first cycle")
+        if stream:
+            state = cancel(self.spec, self.new_state(), np.zeros((self.batch_size,), bool))
+            self._wait(state.done, "running the warm-up's cancel")
         state = self.new_state()
         for width in self.tail_widths:
             state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))

@@ -79,17 +79,6 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def quantile(self, q: float) -> float | None:
-        """The upper bound of the bucket holding the q-quantile (None: no observation)."""
-        if not self.count:
-            return None
-        seen = 0
-        for bound, n in zip(self.bounds, self.counts):
-            seen += n
-            if seen >= q * self.count:
-                return bound
-        return float("inf")
-
 
 @dataclasses.dataclass
 class EngineMetrics:
@@ -99,7 +88,7 @@ class EngineMetrics:
     block_size: int
     running: int = 0
     waiting: int = 0
-    requests: dict = dataclasses.field(default_factory=lambda: collections.Counter())  # by finish_reason
+    requests: dict = dataclasses.field(default_factory=collections.Counter)  # by finish_reason
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cycles: int = 0  # decoding cycles of finished rows (tau's denominator)
@@ -150,6 +139,7 @@ class StreamingEngine:
         self._cancel_all = False
         self._thread: threading.Thread | None = None
         self._open: set[Request] = set()  # submitted and not yet ended (guarded by _lock)
+        self._last_read = 0.0  # when the engine's thread last read a call's figures
         self.error: BaseException | None = None  # what ended the engine's thread, if anything did
 
     # ------------------------------------------------------------------ the callers' side
@@ -442,5 +432,5 @@ class StreamingEngine:
             m.slot_syncs += len(owners)
             m.busy_slot_syncs += busy
             if busy:
-                m.busy_seconds += now - max(issued, getattr(self, "_last_read", issued))
+                m.busy_seconds += now - max(issued, self._last_read)
         self._last_read = now
