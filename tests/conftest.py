@@ -46,15 +46,50 @@ def pytest_configure(config):
 import pytest  # noqa: E402
 
 
+def _mapped_regions():
+    """How many memory regions this process has mapped (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _region_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+# The CPU client maps every compiled program's code in several regions and keeps them while the
+# program is cached. One worker compiles thousands of programs over the suite; at the kernel's
+# limit on mapped regions (vm.max_map_count) the next mmap fails and XLA crashes with a
+# segmentation fault, as the heavy tests/test_spec_decode.py did on a fresh cache (65530 regions
+# after 30 of its tests). Past half the limit, the test that ends drops jax's compiled programs.
+_REGION_BUDGET = _region_limit() // 2
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop jax's compiled programs after each test file. One process compiles thousands of them
-    over the suite, and the CPU client keeps every one mapped: without this the suite ran into a
-    segmentation fault inside XLA's compiler deep into the run."""
+    """Drop jax's compiled programs after each test file, so that one file's programs do not
+    add to the next's."""
     yield
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _bound_mapped_regions():
+    """Within a file, drop jax's compiled programs once the process maps more than half the
+    regions the kernel allows (see _REGION_BUDGET)."""
+    yield
+    if _mapped_regions() > _REGION_BUDGET:
+        import jax
+
+        jax.clear_caches()
 
 
 def pytest_xdist_auto_num_workers(config):
