@@ -161,6 +161,7 @@ def test_time_split(tmp_path):
     assert r["lossless"]
 
 
+@pytest.mark.heavy  # a variant of demo_run's table
 def test_quick_table_on_a_random_pair_with_temperature(tmp_path, capsys):
     """--quick (the drafter's block only, no split, no transformers) at a temperature: every row
     still gets its tokens, and the rows share per-position keys with the baseline."""
