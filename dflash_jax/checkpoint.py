@@ -310,14 +310,15 @@ def is_converted(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
-def check_model_dir(path: str | Path) -> Path:
+def check_model_dir(path: str | Path, kind: str = "model") -> Path:
+    """The directory, if it holds a model; else a one-line error naming it as the `kind`'s."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"model directory {path} does not exist")
+        raise CheckpointError(f"{kind} directory {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory")
+        raise CheckpointError(f"{kind} {path} is not a directory")
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} is not a model directory (no config.json)")
+        raise CheckpointError(f"{kind} {path} is not a model directory (no config.json)")
     return path
 
 
@@ -391,7 +392,7 @@ def model_kind(config_dict: dict) -> str:
 def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
     """The config of a `kind` ("target" | "drafter") model directory, HF or converted, checked
     without reading a weight: a ModelConfig, or a DrafterConfig."""
-    path = check_model_dir(path)
+    path = check_model_dir(path, kind)
     if is_converted(path):
         meta = read_metadata(path)
         if meta.get("kind") != kind:

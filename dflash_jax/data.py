@@ -32,10 +32,21 @@ class DataError(DFlashError):
 def iter_jsonl_objects(path: str | Path, error=DFlashError, what: str = "file"):
     """(line number, object) of each non-empty line; a one-line `error` names a bad line."""
     path = Path(path)
+    if path.is_dir():
+        raise error(f"{what} {path} is a directory, not a JSONL file")
     if not path.is_file():
         raise error(f"{what} {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{path} line {n} column {e.start + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x}); "
+                            f"JSONL files are UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -23,7 +23,6 @@ import json
 import numbers
 import os
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +70,7 @@ class GenerationJob:
     narrow_tail: bool = False  # run the batch's tail on narrower loops
     mesh: str | None = None  # "data=D,model=M" (None: every device on `data`; one device: no mesh)
     stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
+    overwrite: bool = False  # start the output over instead of resuming it
     quiet: bool = False  # no progress bar or progress messages
 
     def __post_init__(self):
@@ -93,6 +93,16 @@ class GenerationJob:
             raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.draft_tokens is not None and (self.drafter_dir is None or self.block_size == 1):
             raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
+        if self.temperature < 0:
+            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.output is not None and self.input_path.exists() and Path(self.output).exists() \
+                and os.path.samefile(self.input_path, self.output):
+            raise InputError(f"--output {self.output} is the input file: results would be appended to the prompts; "
+                             f"choose another --output")
 
     @property
     def demo(self) -> bool:
@@ -123,7 +133,8 @@ class GenerationJob:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What `run_job` returns. summary: rows, errors, tokens/s, tau, the acceptance histogram,
+    """What `run_job` returns. summary: rows, errors (rows that could not run: their lines hold
+    "error"; `python -m infer` then exits 4), tokens/s, tau, the acceptance histogram,
     block_size, draft_tokens, prompts (and baseline, speedup, note, heldout where they apply);
     None when every row was already in the output (nothing ran). skipped: rows already in the
     output. sample: the demo's first prompt and its completion, as text."""
@@ -144,25 +155,80 @@ class InputRow:
     value: Any
     position: int = 0  # index among the input's rows: keys the row's random stream
     max_new_tokens: int | None = None  # the row's own limit (None: the run's)
+    sampling: dict = field(default_factory=dict)  # the row's own temperature / top_p / top_k (over the run's)
+    fingerprint: str = ""  # of the input line (and, sampled, its position): what resume checks
     turn_ids: list[list[int]] = field(default_factory=list)  # prompt ids, one per turn so far
     turn_records: list[dict] = field(default_factory=list)  # finished turns of a `turns` row
 
 
 PROMPT_KEYS = ("input_ids", "prompt", "messages", "turns")
-ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens") + SAMPLING_KEYS
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Damerau-Levenshtein distance (insertions, deletions, substitutions, swaps of neighbours)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
+def misspelt_key(key: str) -> str | None:
+    """The row key `key` is one or two edits from (case aside; one edit for keys of up to five
+    letters, and none for `id`, which too many metadata keys are near), or None."""
+    for known in ROW_KEYS:
+        if known == "id":
+            continue
+        if edit_distance(key.lower(), known) <= (1 if len(known) <= 5 else 2):
+            return known
+    return None
+
+
+def _row_sampling(obj: dict, where: str) -> dict:
+    out = {}
+    for key in SAMPLING_KEYS:
+        if key not in obj:
+            continue
+        value = obj[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "temperature" and not (number and value >= 0):
+            raise InputError(f"{where}: temperature must be a number >= 0, got {json.dumps(value)}")
+        if key == "top_p" and not (number and 0 < value <= 1):
+            raise InputError(f"{where}: top_p must be a number in (0, 1], got {json.dumps(value)}")
+        if key == "top_k" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise InputError(f"{where}: top_k must be an integer >= 0 (0 = off), got {json.dumps(value)}")
+        out[key] = value
+    return out
+
+
+def row_fingerprint(obj: dict) -> str:
+    """A digest of an input line's object (its keys in any order)."""
+    import hashlib
+
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def read_rows(path: Path, warn=lambda message: None) -> list[InputRow]:
-    """The rows of an input JSONL file (named in errors as given). Keys other than ROW_KEYS are
-    ignored, each named once through `warn`; a line with no prompt key but an unknown one names
-    it (a misspelt `prompt`)."""
+    """The rows of an input JSONL file (named in errors as given). A key one or two edits from a
+    row key (`temprature`) is an error naming the key it may mean; other unknown keys (a row's
+    metadata) are ignored, each named once through `warn`. A line with no prompt key but an
+    unknown one names it (a misspelt `prompt`)."""
     from dflash_jax.data import iter_jsonl_objects
 
     rows, seen, unknown = [], set(), {}
     for n, obj in iter_jsonl_objects(path, InputError, "input file"):
         where = f"{path} line {n}"
-        kinds = [k for k in PROMPT_KEYS if k in obj]
         extra = [k for k in obj if k not in ROW_KEYS]
+        for k in extra:
+            meant = misspelt_key(k)
+            if meant is not None:
+                raise InputError(f"{where}: unknown key {k!r} (did you mean {meant!r}?)")
+        kinds = [k for k in PROMPT_KEYS if k in obj]
         if len(kinds) != 1:
             has = f" (has {', '.join(kinds)})" if kinds else ""
             if not kinds and extra:
@@ -191,7 +257,8 @@ def read_rows(path: Path, warn=lambda message: None) -> list[InputRow]:
         if row_id in seen:
             raise InputError(f"{where}: duplicate id {row_id!r}")
         seen.add(row_id)
-        rows.append(InputRow(row_id, n, kind, value, position=len(rows), max_new_tokens=limit))
+        rows.append(InputRow(row_id, n, kind, value, position=len(rows), max_new_tokens=limit,
+                             sampling=_row_sampling(obj, where), fingerprint=row_fingerprint(obj)))
     for k, n in unknown.items():
         warn(f"warning: {path} line {n}: unknown key {k!r} ignored (keys: {', '.join(ROW_KEYS)})")
     return rows
@@ -259,24 +326,75 @@ def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------- output
 
 
-def completed_ids(path: Path) -> set:
-    """Ids already in an output file. A torn last line (an interrupted write) is cut off."""
-    if not path.is_file():
-        return set()
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-    done = set()
-    for line in data[:keep].splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and "id" in obj and "error" not in obj:
-            done.add(obj["id"])
-    return done
+# What a result depends on, by the flag that sets it: each output line records these (its
+# "fingerprint", with the digest of its input line), and a rerun resumes only lines that match.
+# Batch size, mesh, cache and page sizes, sync and tail settings change how rows run, not what
+# they produce, and are not recorded.
+SETTING_FLAGS = {"target": "--target", "drafter": "--drafter", "dtype": "--dtype", "block_size": "--block-size",
+                 "draft_tokens": "--draft-tokens", "max_new_tokens": "--max-new-tokens",
+                 "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
+                 "ignore_eos": "--ignore-eos", "enable_thinking": "--enable-thinking"}
+
+
+def model_digest(path: Path) -> str:
+    """A digest of a model directory that reads no weight: its config.json, and the name and size
+    of every other file (a copy of the same checkpoint elsewhere has the same digest)."""
+    import hashlib
+
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != "config.json"):
+        h.update(f"{f.relative_to(path)}:{f.stat().st_size};".encode())
+    return h.hexdigest()[:16]
+
+
+class Resume:
+    """What an existing output file holds of this run. Every line must be a result of this very
+    run: its id a row of the input, made from the same input line (and, sampled, the same row
+    position, which keys its random stream) and with the same settings. Those rows are `done`
+    (a line holding an error is retried); anything else is an InputError naming the line and
+    the setting that differs, before a model loads. A torn last line (an interrupted write) is
+    cut off."""
+
+    def __init__(self, path: Path, rows: list[InputRow], keys: dict, settings: dict, input_path: Path):
+        self.done: set = set()
+        if not path.is_file():
+            return
+        data = path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+        by_id = {r.id: r for r in rows}
+        again = "pass --overwrite to start it over, or choose another --output"
+        for n, line in enumerate(data[:keep].splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise InputError(f"{where} is not a JSON line: {path} is not an output of this tool; {again}") from None
+            if not isinstance(obj, dict) or "id" not in obj or not isinstance(obj.get("fingerprint"), dict):
+                raise InputError(f"{where} has no fingerprint (written by another tool or an older dflash-jax), so "
+                                 f"it cannot be checked against this run; {again}")
+            row, fp = by_id.get(obj["id"]), obj["fingerprint"]
+            if row is None:
+                raise InputError(f"{where}: id {obj['id']!r} is not a row of {input_path}: the output holds another "
+                                 f"job's results; {again}")
+            for key, flag in SETTING_FLAGS.items():
+                if fp.get(key) == settings[key]:
+                    continue
+                if key in ("target", "drafter"):
+                    other = "no drafter" if fp.get(key) is None else (
+                        f"another {key} (its config or files differ from {flag}'s)" if settings[key] else f"a {key}")
+                    raise InputError(f"{where}: id {row.id!r} was generated with {other}; {again}")
+                raise InputError(f"{where}: id {row.id!r} was generated with {flag} {json.dumps(fp.get(key))}, "
+                                 f"this run has {json.dumps(settings[key])}; {again}")
+            if fp.get("input") != keys[row.id]:
+                raise InputError(f"{where}: id {row.id!r} was generated from another row than {input_path} line "
+                                 f"{row.line} (its prompt, limits or position differ); {again}")
+            if "error" not in obj:
+                self.done.add(row.id)
 
 
 class JsonlWriter:
@@ -321,20 +439,23 @@ RecordMaker = Callable[[InputRow, dict, list | None], dict]
 
 def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
             writer: Callable[[Path | None], Any] = JsonlWriter) -> GenerationResult:
-    """Run a generation job: rows are appended to `job.output` as they finish (ids already there
-    are skipped) and the summary is returned, not printed. Bad input raises InputError (or another
-    DFlashError) before a weight is read.
+    """Run a generation job: rows are appended to `job.output` as they finish (rows already there,
+    from the same input lines and settings, are skipped; see `Resume`) and the summary is returned,
+    not printed. Bad input raises InputError (or another DFlashError) before a weight is read;
+    rows that cannot run (a prompt longer than the context) are found then too, and written as
+    {"id", "error"} lines while the others run.
 
     make_record(row, record, conversation) -> dict, if given, shapes each output line (its
     conversation: the chat messages a `messages`/`turns` row's last prompt was made of, else None;
     `train.generate_data` writes conversations with it). writer(path) opens what the lines go
     through (an object with write(record, row) and close(); default: JsonlWriter), on process 0
-    only, once the models are loaded."""
+    only. Every line gets the row's "fingerprint" (`SETTING_FLAGS`)."""
     from tqdm import tqdm
 
     import jax
 
     from dflash_jax.checkpoint import load_drafter, load_target, read_model_config
+    from dflash_jax.compiling import CompileProgress
     from dflash_jax.drafter import check_pair
     from dflash_jax.sharding import make_mesh
     from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
@@ -342,7 +463,6 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
 
     job = job.resolved()
     demo, target_dir, drafter_dir, input_path = job.demo, job.target_dir, job.drafter_dir, job.input_path
-    sampling = Sampling(job.temperature, job.top_k, job.top_p)
     say = (lambda *a: None) if job.quiet else (lambda *a: print(*a, file=sys.stderr))
 
     rows = read_rows(input_path, warn=say)
@@ -356,15 +476,34 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
         if bad:
             raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
                              f"(0..{tcfg.vocab_size - 1})")
-    if drafter_dir is not None and job.block_size != 1:
-        for warning in check_pair(tcfg, read_model_config(drafter_dir, "drafter", dtype=job.dtype)):
+    drafting = drafter_dir is not None and job.block_size != 1
+    block_size = 1
+    if drafting:
+        dcfg = read_model_config(drafter_dir, "drafter", dtype=job.dtype)
+        for warning in check_pair(tcfg, dcfg):
             say(f"warning: {warning}")
+        block_size = job.block_size or dcfg.block_size
+        if job.draft_tokens is not None and job.draft_tokens > block_size - 1:
+            raise InputError(f"--draft-tokens {job.draft_tokens} is more than a block of {block_size} holds "
+                             f"(1..{block_size - 1})")
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > job.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
                          f"--max-new-tokens {job.max_new_tokens}, which sizes the cache")
+
+    # Resume: the output's rows must be this run's (same input lines, same settings).
+    per_row = any(r.sampling for r in rows)
+    settings = {"target": model_digest(target_dir), "drafter": model_digest(drafter_dir) if drafting else None,
+                "dtype": tcfg.dtype, "block_size": block_size,
+                "draft_tokens": (job.draft_tokens or block_size - 1) if drafting else None,
+                "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
+                "top_k": job.top_k, "seed": job.seed, "ignore_eos": job.ignore_eos,
+                "enable_thinking": job.enable_thinking}
+    sampled = lambda r: r.sampling.get("temperature", job.temperature) > 0
+    # A sampled row's random stream is keyed by its position among the input's rows.
+    keys = {r.id: r.fingerprint + (f"@{r.position}" if sampled(r) else "") for r in rows}
     out_path = Path(job.output) if job.output else None
-    skip = completed_ids(out_path) if out_path else set()
+    skip = Resume(out_path, rows, keys, settings, input_path).done if out_path and not job.overwrite else set()
     todo = [r for r in rows if r.id not in skip]
     skipped = len(rows) - len(todo)
     if demo:
@@ -376,7 +515,9 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
             print(f"{out_path}: all {len(rows)} rows already done, nothing to generate", file=sys.stderr)
         return GenerationResult(None, skipped=skipped)
     if skip:
-        say(f"{out_path}: {skipped} of {len(rows)} rows already done, skipping them")
+        say(f"{out_path}: {skipped} of {len(rows)} rows already done (same input lines and settings), skipping them")
+    if out_path is not None and jax.process_index() == 0:
+        prepare_output(out_path, job.overwrite)
 
     # Every row's first prompt is encoded before a weight is read: a row that cannot be fails fast.
     tokenizer = load_tokenizer(target_dir)
@@ -390,65 +531,99 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
         elif r.kind == "messages":
             conversations[r.id] = list(r.value)
         r.turn_ids.append(encode_prompt(r, tokenizer, conversations.get(r.id), job.enable_thinking))
-    budgets = [prompt_budget(r, tokenizer, job.enable_thinking, job.max_new_tokens) for r in todo]
-    max_prompt = job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
 
-    # The mesh comes first: every tensor is read straight into its shard on it, so no device ever
-    # holds the whole model (one larger than a device loads on a mesh). The DFlash and baseline
-    # engines share these arrays; their own shard_params is then a no-op.
-    mesh = make_mesh(job.mesh) if (job.mesh or jax.device_count() > 1) else None
-    tcfg, tparams = load_target(target_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
-    dcfg = dparams = None
-    if drafter_dir is not None and job.block_size != 1:
-        dcfg, dparams = load_drafter(drafter_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
-        if job.block_size is not None and job.block_size > dcfg.block_size:
-            say(f"warning: --block-size {job.block_size} is larger than the drafter's trained block "
-                f"({dcfg.block_size}); drafts past it are guesses it never learned")
-
-    watchdog = Watchdog(job.stall_timeout * 60) if job.stall_timeout > 0 else None
-
-    def engine(block_size):
-        drafts = job.draft_tokens if block_size != 1 else None
-        return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=job.batch_size,
-                         max_new_tokens=job.max_new_tokens, max_prompt_len=max_prompt, sampling=sampling,
-                         stop_token_ids=stops, sync_every=job.sync_every, mesh=mesh, draft_tokens=drafts,
-                         watchdog=watchdog, kv_pages=job.kv_pages, page_size=job.page_size,
-                         narrow_tail=job.narrow_tail)
-
-    def limit(r: InputRow) -> int:
-        return r.max_new_tokens or job.max_new_tokens
-
-    gen = engine(job.block_size)
-    block_size = gen.spec.block_size
-    stats = GenerationStats(block_size)
     out = writer(out_path) if jax.process_index() == 0 else _NoWriter()
     errors = 0
-    sample = None  # the demo shows one completion as text
+
+    def fail(r: InputRow, why: str):
+        nonlocal errors
+        out.write({"id": r.id, "error": f"line {r.line}: {why}", "fingerprint": {"input": keys[r.id], **settings}}, r)
+        say(f"warning: id {r.id!r} (line {r.line}): {why}")
+        errors += 1
+
     try:
+        # Rows that cannot run, found before anything loads: they do not size the cache.
+        context = min(job.max_prompt_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
+        runnable = []
+        for r in todo:
+            n = len(r.turn_ids[0])
+            if n == 0 or n > context:
+                fail(r, "empty prompt" if n == 0 else f"prompt of {n} tokens is longer than the context "
+                                                       f"({context} tokens)")
+            else:
+                runnable.append(r)
+        budgets = [prompt_budget(r, tokenizer, job.enable_thinking, job.max_new_tokens) for r in runnable]
+        max_prompt = job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+        if not runnable:  # nothing to load or compile
+            return GenerationResult({"rows": len(todo), "errors": errors, **GenerationStats(block_size).summary(),
+                                     "draft_tokens": settings["draft_tokens"] or 0}, skipped=skipped)
+
+        # The mesh comes first: every tensor is read straight into its shard on it, so no device ever
+        # holds the whole model (one larger than a device loads on a mesh). The DFlash and baseline
+        # engines share these arrays; their own shard_params is then a no-op.
+        mesh = make_mesh(job.mesh) if (job.mesh or jax.device_count() > 1) else None
+        tcfg, tparams = load_target(target_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
+        dcfg = dparams = None
+        if drafting:
+            dcfg, dparams = load_drafter(drafter_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
+            if job.block_size is not None and job.block_size > dcfg.block_size:
+                say(f"warning: --block-size {job.block_size} is larger than the drafter's trained block "
+                    f"({dcfg.block_size}); drafts past it are guesses it never learned")
+
+        watchdog = Watchdog(job.stall_timeout * 60) if job.stall_timeout > 0 else None
+        base = Sampling(job.temperature, job.top_k, job.top_p, per_row=per_row)
+
+        def engine(block_size):
+            drafts = job.draft_tokens if block_size != 1 else None
+            return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=job.batch_size,
+                             max_new_tokens=job.max_new_tokens, max_prompt_len=max_prompt, sampling=base,
+                             stop_token_ids=stops, sync_every=job.sync_every, mesh=mesh, draft_tokens=drafts,
+                             watchdog=watchdog, kv_pages=job.kv_pages, page_size=job.page_size,
+                             narrow_tail=job.narrow_tail)
+
+        def limit(r: InputRow) -> int:
+            return r.max_new_tokens or job.max_new_tokens
+
+        def row_sampling(rs: list[InputRow]):
+            if not per_row:
+                return None
+            return [Sampling(r.sampling.get("temperature", job.temperature), r.sampling.get("top_k", job.top_k),
+                             r.sampling.get("top_p", job.top_p), per_row=True) for r in rs]
+
+        gen = engine(job.block_size)
+        block_size = gen.spec.block_size
+        stats = GenerationStats(block_size)
+        # The engine's own limits (a page pool's size): still before any compile.
+        first = []
+        for r in runnable:
+            why = gen.check_prompt(r.turn_ids[0], limit(r))
+            if why:
+                fail(r, why)
+            else:
+                first.append(r)
+        sample = None  # the demo shows one completion as text
         drafts = f", {gen.spec.num_drafts} drafts verified" if job.draft_tokens else ""
-        say(f"compiling (block size {block_size}{drafts}, batch {job.batch_size}, cache {gen.spec.cache_len}) ...")
-        t0 = time.perf_counter()
-        gen.warmup([len(r.turn_ids[0]) for r in todo], exact=True)
-        say(f"compiled in {time.perf_counter() - t0:.1f}s")
+        with CompileProgress(f"compiling (block size {block_size}{drafts}, batch {job.batch_size}, "
+                             f"cache {gen.spec.cache_len})", quiet=job.quiet) as progress:
+            gen.warmup([len(r.turn_ids[0]) for r in first], exact=True, progress=progress.step)
         # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
-        bar = tqdm(total=len(todo), desc="rows", unit="row", disable=job.quiet, file=sys.stderr,
-                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
-        pending = todo
+        bar = tqdm(total=len(todo), initial=len(todo) - len(first), desc="rows", unit="row", disable=job.quiet,
+                   file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        pending = first
         turn = 0
         while pending:
             runnable, next_pending = [], []
             for r in pending:
-                why = gen.check_prompt(r.turn_ids[turn], limit(r))
+                why = gen.check_prompt(r.turn_ids[turn], limit(r)) if turn else None
                 if why:
-                    out.write({"id": r.id, "error": f"line {r.line}: {why}"}, r)
-                    say(f"warning: id {r.id!r} (line {r.line}): {why}")
-                    errors += 1
+                    fail(r, why)
                     bar.update(1)
                 else:
                     runnable.append(r)
             by_position = {r.position: r for r in runnable}
             results = gen.generate([r.turn_ids[turn] for r in runnable], indices=[r.position for r in runnable],
-                                   seed=job.seed, max_new_tokens=[limit(r) for r in runnable])
+                                   seed=job.seed, max_new_tokens=[limit(r) for r in runnable],
+                                   sampling=row_sampling(runnable))
             for res in timed(results, stats):
                 r = by_position[res.index]
                 record = result_record(res, tokenizer)
@@ -465,10 +640,9 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
                     sample = (r.position, r.value, record["text"])  # the first prompt's
                 if r.turn_records:
                     record["turns"] = r.turn_records + [dict(record)]
-                if make_record is not None:
-                    out.write(make_record(r, record, conversations.get(r.id)), r)
-                else:
-                    out.write({"id": r.id, **record}, r)
+                line = make_record(r, record, conversations.get(r.id)) if make_record is not None else {
+                    "id": r.id, **record}
+                out.write({**line, "fingerprint": {"input": keys[r.id], **settings}}, r)
                 shown = dict(tau=f"{stats.tau:.2f}") if block_size > 1 else {}
                 bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
                 bar.update(1)  # redraws at most every mininterval
@@ -481,15 +655,31 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
                "draft_tokens": gen.spec.num_drafts}
     if job.compare_baseline:
         say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
-        summary["baseline"] = baseline_summary(engine(1), todo, job.seed, limit)
-        base = summary["baseline"]["tokens_per_second"]
-        summary["speedup"] = round(stats.tokens_per_second / base, 3) if base else None
+        summary["baseline"] = baseline_summary(engine(1), first, job.seed, limit, row_sampling)
+        base_speed = summary["baseline"]["tokens_per_second"]
+        summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
         if jax.default_backend() == "cpu" and block_size > 1:
-            summary["note"] = cpu_note(gen.spec.verify_len)
+            summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
     summary["prompts"] = "the demo's prompts" if demo and job.input is None else str(input_path)
     if demo and block_size > 1:
         summary["heldout"] = demo_figures()["heldout"]
     return GenerationResult(summary, skipped=skipped, sample=sample[1:] if sample is not None else None)
+
+
+def prepare_output(path: Path, overwrite: bool):
+    """Check that the output can be written before anything loads (and, to start over, empty it):
+    a one-line InputError naming the problem otherwise."""
+    if path.is_dir():
+        raise InputError(f"--output {path} is a directory; give a file name")
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise InputError(f"cannot write --output {path}: {blocked} is a file, not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the output may name a new directory
+        with open(path, "w" if overwrite else "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise InputError(f"cannot write --output {path}: {e.strerror or e}") from None
 
 
 def trained_against(drafter_dir: Path) -> str:
@@ -517,24 +707,29 @@ def demo_figures() -> dict:
     return json.loads((DEMO_DIR / "figures.json").read_text())
 
 
-def cpu_note(verify_len: int) -> str:
-    """Why a CPU shows no speedup, and what the cost report projects where a step is memory-bound."""
+def cpu_note(verify_len: int, tau: float) -> str:
+    """Why a CPU shows no speedup, and what the cost report projects where a step is memory-bound:
+    for the pair it names (a published one), not the demo's."""
     cost = demo_figures()["cost_report"]
     return (f"note: a CPU computes every verified token (a {verify_len}-token verify costs several decoding steps), "
-            f"so DFlash gains little or nothing here; where a step is memory-bound (GPU/TPU) the cost report "
-            f"projects {cost['projected_speedup']:.1f}x for {cost['shapes']} at the paper's tau {cost['tau']} "
-            f"(`{cost['command']}`)")
+            f"so DFlash gains little or nothing here. Where a step is memory-bound (GPU/TPU), the cost report "
+            f"projects {cost['projected_speedup']:.1f}x for another pair, {cost['shapes']}, at the paper's tau "
+            f"{cost['tau']}; it is not a figure for this demo pair (tau {tau:.2f} here), too small to be memory-bound "
+            f"anywhere (`{cost['command']}`)")
 
 
-def baseline_summary(gen, rows: list[InputRow], seed: int, limit: Callable[[InputRow], int]) -> dict:
-    """Plain decoding of the same first-turn prompts (with the same limits), timed."""
+def baseline_summary(gen, rows: list[InputRow], seed: int, limit: Callable[[InputRow], int],
+                     row_sampling: Callable[[list[InputRow]], Any] = lambda rows: None) -> dict:
+    """Plain decoding of the same first-turn prompts (with the same limits and sampling), timed."""
+    from dflash_jax.compiling import CompileProgress
     from dflash_jax.engine import GenerationStats, timed
 
     runnable = [r for r in rows if gen.check_prompt(r.turn_ids[0], limit(r)) is None]
-    gen.warmup([len(r.turn_ids[0]) for r in runnable], exact=True)
+    with CompileProgress("compiling plain decoding", quiet=True) as progress:
+        gen.warmup([len(r.turn_ids[0]) for r in runnable], exact=True, progress=progress.step)
     stats = GenerationStats(1)
-    results = gen.generate([r.turn_ids[0] for r in runnable], indices=list(range(len(runnable))), seed=seed,
-                           max_new_tokens=[limit(r) for r in runnable])
+    results = gen.generate([r.turn_ids[0] for r in runnable], indices=[r.position for r in runnable], seed=seed,
+                           max_new_tokens=[limit(r) for r in runnable], sampling=row_sampling(runnable))
     for _ in timed(results, stats):
         pass
     return stats.summary()

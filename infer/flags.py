@@ -33,7 +33,10 @@ def add_generation_flags(p: argparse.ArgumentParser):
                    help="DFlash drafter (z-lab HF format or converted); without it, plain decoding")
     p.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
     p.add_argument("--output", metavar="FILE.jsonl",
-                   help="results, appended as rows finish; ids already there are skipped (default: stdout)")
+                   help="results, appended as rows finish; a rerun skips the rows already there, made from the same "
+                        "input lines and settings, and refuses an output holding anything else (default: stdout)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start --output over (its lines are deleted) instead of resuming it")
     p.add_argument("--max-new-tokens", type=int, default=JOB.max_new_tokens,
                    help="tokens to generate per row, and the most a row's own max_new_tokens may ask for "
                         "(default 256; 128 for the demo pair)")

@@ -20,10 +20,10 @@ from dflash_jax import load_target
 from dflash_jax.engine import Generator
 from dflash_jax.families import model_config_from_json
 from fixtures import tiny
-from infer.cli import DEMO_DIR, main
+from infer.cli import DEMO_DIR, EXIT_ROW_ERRORS, main
 from tiny import make_model, save_model
 
-FIELDS = ["id", "output_ids", "acceptance_lengths", "num_output_tokens", "finish_reason"]
+FIELDS = ["id", "output_ids", "acceptance_lengths", "num_output_tokens", "finish_reason", "fingerprint"]
 
 
 def read_jsonl(path):
@@ -120,7 +120,7 @@ def test_draft_tokens_verify_fewer_drafts_with_the_same_rows(tmp_path, capsys):
     assert s["draft_tokens"] == 2 and s["block_size"] == 8 and sorted(s["acceptance_histogram"]) == ["1", "2", "3"]
     code = main(tiny_pair() + ["--output", str(tmp_path / "o2.jsonl"), "--draft-tokens", "8", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "draft tokens must be in 1..7 for block size 8, got 8" in err and err.count("\n") == 1, err
+    assert code == 2 and "--draft-tokens 8 is more than a block of 8 holds (1..7)" in err and err.count("\n") == 1, err
     code = main(tiny_pair() + ["--block-size", "1", "--draft-tokens", "2", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "--draft-tokens needs a drafter" in err and err.count("\n") == 1, err
@@ -163,7 +163,7 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == [f"demo-{i}" for i in range(8)]
     for r in records:
-        assert list(r) == ["id", "prompt_ids", "response_ids", "finish_reason"]  # no tokenizer: ids only
+        assert list(r) == ["id", "prompt_ids", "response_ids", "finish_reason", "fingerprint"]  # no tokenizer: ids only
         i = int(r["id"].split("-")[1])
         assert r["prompt_ids"] + r["response_ids"] == cases["outputs"][i] and r["prompt_ids"] == cases["prompts"][i]
     again = run_job(job, make_record=conversation_record)
@@ -266,8 +266,9 @@ def run_cli(args):
     (['{"input_ids": [1, "a"]}'], "line 1: input_ids must be a non-empty list of integers"),
     (['{"id": 1, "input_ids": [1]}', '{"id": 1, "input_ids": [2]}'], "line 2: duplicate id 1"),
     (['{"prompt": "hello"}'], "'prompt' needs a tokenizer"),
-    (['{"promt": "hello"}'], "in.jsonl line 1: needs exactly one of input_ids, prompt, messages, turns "
-                             "(unknown key 'promt')"),
+    (['{"question": "hello"}'], "in.jsonl line 1: needs exactly one of input_ids, prompt, messages, turns "
+                                "(unknown key 'question')"),
+    (['{"promt": "hello"}'], "in.jsonl line 1: unknown key 'promt' (did you mean 'prompt'?)"),
 ])
 def test_malformed_input_is_a_one_line_error(lines, message, tmp_path, capsys, monkeypatch):
     """... naming the file as given and the line, before a weight is read (so before any compile)."""
@@ -363,9 +364,9 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
     # The settings of test_row_limits_and_a_large_cache_give_the_same_rows: the same compiled programs.
     common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
               "--output", str(out), "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--quiet"]
-    assert main(common + ["--max-prompt-len", "128"]) == 0
+    assert main(common + ["--max-prompt-len", "128"]) == EXIT_ROW_ERRORS
     got = {r["id"]: r for r in read_jsonl(out)}
-    assert got["long"] == {"id": "long", "error": "line 2: prompt of 140 tokens is longer than the context (128 tokens)"}
+    assert got["long"]["error"] == "line 2: prompt of 140 tokens is longer than the context (128 tokens)"
     assert got["ok"]["num_output_tokens"] == 24 and got["ok2"]["num_output_tokens"] == 24
     # An error row is retried on resume (it is not counted as done).
     assert main(common + ["--max-prompt-len", "256"]) == 0
@@ -381,7 +382,7 @@ def test_a_page_pool_reproduces_the_reference_and_refuses_what_it_cannot_hold(tm
     out = tmp_path / "out.jsonl"
     args = tiny_pair()
     args[args.index("--input") + 1] = str(write_jsonl(tmp_path / "in.jsonl", rows))
-    assert main(args + ["--output", str(out), "--kv-pages", "12", "--page-size", "16", "--quiet"]) == 0
+    assert main(args + ["--output", str(out), "--kv-pages", "12", "--page-size", "16", "--quiet"]) == EXIT_ROW_ERRORS
     got = {r["id"]: r for r in read_jsonl(out)}
     assert got.pop("long")["error"] == ("line 9: needs 13 pages of 16 positions (150 prompt tokens + 40 new + "
                                         "7 drafts); the pool has 12: raise kv_pages")
@@ -414,16 +415,16 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, large, tmp_pat
         common += ["--temperature", "0.8", "--top-k", "20", "--seed", "3"]
     outs = {name: tmp_path / f"out-{name}.jsonl" for name in ("full", "limited", "large")}
     assert main(common + ["--input", str(full), "--output", str(outs["full"]), "--max-prompt-len", "128",
-                          "--quiet"]) == 0
+                          "--quiet"]) == EXIT_ROW_ERRORS
     summary = tmp_path / "s.json"
     baseline = ["--compare-baseline"] if sampled else []  # a second engine: in the heavy variant
     assert main(common + ["--input", str(limited), "--output", str(outs["limited"]), "--max-prompt-len", "128",
-                          *baseline, "--summary-json", str(summary), "--quiet"]) == 0
+                          *baseline, "--summary-json", str(summary), "--quiet"]) == EXIT_ROW_ERRORS
     if large:
         assert main(common + ["--input", str(full), "--output", str(outs["large"]), "--max-prompt-len", "2048",
                               "--quiet"]) == 0
     got = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in outs.items() if path.exists()}
-    assert got["full"]["r8"] == {"id": "r8", "error": "line 9: prompt of 200 tokens is longer than the context (128 tokens)"}
+    assert got["full"]["r8"]["error"] == "line 9: prompt of 200 tokens is longer than the context (128 tokens)"
     if large:
         assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
         assert {k: v for k, v in got["large"].items() if k != "r8"} == {k: v for k, v in got["full"].items() if k != "r8"}
@@ -460,3 +461,163 @@ def test_every_flag_has_help_and_shows_its_default():
             assert "default" in text, (action.option_strings, text)
     help_text = " ".join(parser.format_help().split())
     assert "0 = greedy (default: 0.0)" in help_text and "finish) (default: 8)" in help_text
+
+
+# ----------------------------------------------------------------------------- resume, bad files, exit codes
+
+
+def refuse_to_load(monkeypatch):
+    """Make loading a model fail the test: what is checked must be checked before."""
+    import dflash_jax.checkpoint as checkpoint
+
+    def no(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(checkpoint, "load_target", no)
+    monkeypatch.setattr(checkpoint, "load_drafter", no)
+
+
+def test_resume_takes_only_this_runs_rows(tmp_path, capsys, monkeypatch):
+    """The newcomer's mix-up: A's 2 rows into AB.jsonl, then B's 3 rows (ids are line numbers)
+    into the same file used to skip B's first two rows as done. Each line now carries its input
+    line's digest and the run's settings: another input, other settings, a line from another
+    tool, or the input itself as the output is a one-line error naming the line and --overwrite,
+    before a model loads; --overwrite starts over; the same run resumes."""
+    a = write_jsonl(tmp_path / "A.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [5, 6]}])
+    b = write_jsonl(tmp_path / "B.jsonl", [{"input_ids": [7, 8, 3]}, {"input_ids": [9, 6]}, {"input_ids": [4]}])
+    out = tmp_path / "AB.jsonl"
+    # The settings of test_too_long_prompt_is_a_row_error_and_other_rows_complete: its programs.
+    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--output", str(out),
+              "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--max-prompt-len", "128", "--quiet"]
+    assert main(common + ["--input", str(a)]) == 0
+    first = read_jsonl(out)
+    assert {r["id"] for r in first} == {1, 2}
+    fp = first[0]["fingerprint"]
+    assert fp["temperature"] == 0.0 and fp["block_size"] == 8 and fp["max_new_tokens"] == 24 and fp["input"]
+    capsys.readouterr()
+
+    refuse_to_load(monkeypatch)
+    cases = [
+        (["--input", str(b)], "was generated from another row than"),
+        (["--input", str(a), "--temperature", "0.5"], "was generated with --temperature 0.0, this run has 0.5"),
+        (["--input", str(a), "--seed", "1"], "was generated with --seed 0, this run has 1"),
+        (["--input", str(a), "--max-new-tokens", "16"], "was generated with --max-new-tokens 24, this run has 16"),
+        (["--input", str(a), "--draft-tokens", "3"], "was generated with --draft-tokens 7, this run has 3"),
+        (["--input", str(a), "--block-size", "1"], "was generated with a drafter"),
+    ]
+    for extra, message in cases:
+        code = main(common + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (extra, err)
+        assert f"{out} line 1" in err and "--overwrite" in err, err
+    assert read_jsonl(out) == first  # nothing was written
+
+    # A line from elsewhere (no fingerprint), and an id the input does not have.
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": 1, "output_ids": [3]}])
+    code = main(common[:-10] + ["--output", str(other), "--input", str(a), "--quiet"])
+    assert code == 2 and "other.jsonl line 1 has no fingerprint" in capsys.readouterr().err
+    extra_id = write_jsonl(tmp_path / "extra.jsonl", [dict(first[0], id="zz")])
+    code = main(common[:-10] + ["--output", str(extra_id), "--input", str(a), "--quiet"])
+    assert code == 2 and "id 'zz' is not a row of" in capsys.readouterr().err
+    # The input as its own output.
+    code = main(common[:-10] + ["--output", str(a), "--input", str(a), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is the input file" in err and err.count("\n") == 1
+    assert len(read_jsonl(a)) == 2
+    monkeypatch.undo()
+
+    # --overwrite starts over with B; then the same run resumes (nothing to do).
+    assert main(common + ["--input", str(b), "--overwrite"]) == 0
+    got = read_jsonl(out)
+    assert sorted(r["id"] for r in got) == [1, 2, 3] and all(r["fingerprint"]["input"] != fp["input"] for r in got)
+    capsys.readouterr()
+    assert main(common + ["--input", str(b)]) == 0
+    assert "all 3 rows already done" in capsys.readouterr().err and len(read_jsonl(out)) == 3
+
+
+def test_bad_files_and_flags_are_one_line_errors_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """Input that is not UTF-8, a directory as input or output, an output under a file, a missing
+    drafter (named as the drafter), --draft-tokens past the drafter's block, a misspelt row key
+    (did you mean): exit status 2, one line, no model loaded."""
+    refuse_to_load(monkeypatch)
+    good = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"input_ids": [1]}\n{"prompt": "caf\xe9"}\n')
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    misspelt = write_jsonl(tmp_path / "typo.jsonl", [{"input_ids": [1], "temprature": 0.7}])
+    bad_value = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1], "top_p": 0}])
+    pair = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter")]
+    cases = [
+        (["--input", str(latin)], "latin.jsonl line 2 column 16: not UTF-8 text (byte 0xe9)"),
+        (["--input", str(tmp_path / "adir")], "adir is a directory, not a JSONL file"),
+        (["--input", str(good), "--output", str(tmp_path / "adir")], "adir is a directory; give a file name"),
+        (["--input", str(good), "--output", str(tmp_path / "afile" / "o.jsonl")], "afile is a file, not a directory"),
+        (["--input", str(good), "--draft-tokens", "20"], "--draft-tokens 20 is more than a block of 8 holds (1..7)"),
+        (["--input", str(misspelt)], "unknown key 'temprature' (did you mean 'temperature'?)"),
+        (["--input", str(bad_value)], "bad.jsonl line 1: top_p must be a number in (0, 1], got 0"),
+    ]
+    for extra, message in cases:
+        code = main(pair + extra + ["--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (extra, err)
+    code = main(["--target", str(tiny() / "target"), "--drafter", str(tmp_path / "nope"), "--input", str(good)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"drafter directory {tmp_path / 'nope'} does not exist" in err
+    code = main(["--target", str(tmp_path / "nope"), "--input", str(good)])
+    assert code == 2 and "target directory" in capsys.readouterr().err
+
+
+def test_misspelt_keys_are_near_a_row_key_and_metadata_is_not():
+    from dflash_jax.generation import misspelt_key
+
+    assert misspelt_key("temprature") == "temperature" and misspelt_key("Top_P") == "top_p"
+    assert misspelt_key("max_new_token") == "max_new_tokens" and misspelt_key("promt") == "prompt"
+    assert misspelt_key("input_id") == "input_ids" and misspelt_key("messsages") == "messages"
+    for metadata in ("idx", "task_id", "category", "answer", "text", "source", "label", "meta"):
+        assert misspelt_key(metadata) is None, metadata
+
+
+def test_rows_that_cannot_run_are_found_before_loading_and_exit_4(tmp_path, capsys, monkeypatch):
+    """Every row longer than the target's context: each is an error line, found before a model
+    loads (so no cache is sized for them), and the run exits 4 saying how many rows failed."""
+    refuse_to_load(monkeypatch)
+    context = json.loads((tiny() / "target" / "config.json").read_text())["max_position_embeddings"]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "long", "input_ids": [5] * (context + 1)},
+                                              {"id": "long2", "input_ids": [6] * (context + 5)}])
+    out = tmp_path / "out.jsonl"
+    code = main(["--target", str(tiny() / "target"), "--input", str(inp), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == EXIT_ROW_ERRORS and "error: 2 of 2 rows could not run" in err.splitlines()[-1], err
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert got["long"]["error"] == f"line 1: prompt of {context + 1} tokens is longer than the context ({context} tokens)"
+    assert got["long2"]["fingerprint"]["input"]
+
+
+def test_help_documents_resume_row_keys_and_exit_codes():
+    from infer.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for phrase in ("--overwrite", "resumes", "fingerprint", "did you mean", "DFLASH_COMPILE_CACHE", "Exit status",
+                   "4 done, but some rows could not run", "temperature, top_p and top_k"):
+        assert phrase in text, phrase
+
+
+@pytest.mark.heavy  # a per-row sampling engine and a sampled one: two more compiles
+def test_rows_set_their_own_sampling(tmp_path):
+    """A row's own temperature / top_k in a greedy run gives that row exactly the tokens of a run
+    sampled with those flags (keys are per row position and seed), and the other rows stay greedy."""
+    rng = np.random.default_rng(1)
+    rows = [{"id": f"r{i}", "input_ids": rng.integers(1, 400, 6 + i).tolist()} for i in range(3)]
+    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--max-new-tokens", "12",
+              "--batch-size", "2", "--ignore-eos", "--seed", "3", "--quiet"]
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [dict(rows[0], temperature=0.8, top_k=20), *rows[1:]])
+    plain = write_jsonl(tmp_path / "plain.jsonl", rows)
+    outs = {k: tmp_path / f"{k}.jsonl" for k in ("mixed", "sampled", "greedy")}
+    assert main(common + ["--input", str(mixed), "--output", str(outs["mixed"])]) == 0
+    assert main(common + ["--input", str(plain), "--output", str(outs["sampled"]), "--temperature", "0.8",
+                          "--top-k", "20"]) == 0
+    assert main(common + ["--input", str(plain), "--output", str(outs["greedy"])]) == 0
+    got = {k: {r["id"]: r["output_ids"] for r in read_jsonl(p)} for k, p in outs.items()}
+    assert got["mixed"]["r0"] == got["sampled"]["r0"] != got["greedy"]["r0"]
+    assert got["mixed"]["r1"] == got["greedy"]["r1"] and got["mixed"]["r2"] == got["greedy"]["r2"]
