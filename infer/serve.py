@@ -23,7 +23,9 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 from dflash_jax.errors import DFlashError
@@ -95,60 +97,90 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Served:
-    """The model behind the server: tokenizer, stop tokens and the streaming engine."""
+    """The model behind the server: tokenizer, stop tokens and the streaming engine.
+
+    Made in two steps, so that the port opens at once: the constructor checks the flags and
+    reads the configs and the tokenizer (a bad flag or model directory is a one-line error
+    before the server starts), and `load` (on a thread, while the server answers /health with
+    503 "warming up") reads the weights, compiles every program serving runs and starts the
+    engine. `state`: "loading", "compiling", "ready" or "failed" (`failure` says why)."""
 
     def __init__(self, args, say=lambda *a: print(*a, file=sys.stderr, flush=True)):
-        import jax
-
-        from dflash_jax.checkpoint import load_drafter, load_target, read_model_config
-        from dflash_jax.engine import Generator, Sampling
-        from dflash_jax.engine.streaming import StreamingEngine
-        from dflash_jax.engine.watchdog import Watchdog
+        from dflash_jax.checkpoint import read_model_config
         from dflash_jax.generation import DEMO_DIR, load_tokenizer, stop_token_ids
-        from dflash_jax.sharding import make_mesh
 
         if args.target is None and args.drafter is not None:
             raise DFlashError("--drafter needs --target, the model it drafts for")
         demo = args.target is None
-        target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
-        drafter_dir = Path(args.drafter) if args.drafter else (DEMO_DIR / "drafter" if demo else None)
+        self.args, self.say = args, say
+        self.target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
+        self.drafter_dir = Path(args.drafter) if args.drafter else (DEMO_DIR / "drafter" if demo else None)
         for flag in ("batch_size", "max_new_tokens", "max_prompt_len", "max_waiting", "block_size", "draft_tokens",
                      "sync_every", "kv_pages", "page_size"):
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise DFlashError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-        self.name = args.served_model_name or (MODEL_DEFAULT_NAME if demo else target_dir.resolve().name)
+        self.name = args.served_model_name or (MODEL_DEFAULT_NAME if demo else self.target_dir.resolve().name)
         self.max_new = args.max_new_tokens or (128 if demo else 256)
-        tcfg = read_model_config(target_dir, "target", dtype=args.dtype)
-        max_prompt = args.max_prompt_len or min(2048, tcfg.max_position_embeddings)
-        self.tokenizer = load_tokenizer(target_dir)
-        self.stops = stop_token_ids(target_dir, self.tokenizer)
+        self.tcfg = read_model_config(self.target_dir, "target", dtype=args.dtype)
+        self.drafting = self.drafter_dir is not None and args.block_size != 1
+        if self.drafting:
+            dcfg = read_model_config(self.drafter_dir, "drafter", dtype=args.dtype)
+            block = args.block_size or dcfg.block_size
+            if args.draft_tokens is not None and args.draft_tokens > block - 1:
+                raise DFlashError(f"--draft-tokens {args.draft_tokens} is more than a block of {block} holds "
+                                  f"(1..{block - 1})")
+        self.max_prompt = args.max_prompt_len or min(2048, self.tcfg.max_position_embeddings)
+        self.context = min(self.max_prompt, self.tcfg.max_position_embeddings)
+        self.tokenizer = load_tokenizer(self.target_dir)
+        self.stops = stop_token_ids(self.target_dir, self.tokenizer)
         self.thinking = args.enable_thinking
+        self.engine = None
+        self.state, self.detail, self.failure = "loading", "reading the weights", None
+
+    def load(self):
+        """Read the weights, compile what serving runs, start the engine (the slow part)."""
+        import jax
+
+        from dflash_jax.checkpoint import load_drafter, load_target
+        from dflash_jax.compiling import CompileProgress
+        from dflash_jax.engine import Generator, Sampling
+        from dflash_jax.engine.streaming import StreamingEngine
+        from dflash_jax.engine.watchdog import Watchdog
+        from dflash_jax.sharding import make_mesh
+
+        args, say = self.args, self.say
         mesh = make_mesh(args.mesh) if (args.mesh or jax.device_count() > 1) else None
-        say(f"loading {target_dir}" + (f" and {drafter_dir}" if drafter_dir and args.block_size != 1 else ""))
-        tcfg, tparams = load_target(target_dir, dtype=args.dtype, progress=False, mesh=mesh)
+        say(f"loading {self.target_dir}" + (f" and {self.drafter_dir}" if self.drafting else ""))
+        tcfg, tparams = load_target(self.target_dir, dtype=args.dtype, progress=False, mesh=mesh)
         dcfg = dparams = None
-        if drafter_dir is not None and args.block_size != 1:
-            dcfg, dparams = load_drafter(drafter_dir, dtype=args.dtype, progress=False, mesh=mesh)
+        if self.drafting:
+            dcfg, dparams = load_drafter(self.drafter_dir, dtype=args.dtype, progress=False, mesh=mesh)
         watchdog = Watchdog(args.stall_timeout * 60) if args.stall_timeout > 0 else None
         gen = Generator(tcfg, tparams, dcfg, dparams, block_size=args.block_size, batch_size=args.batch_size,
-                        max_new_tokens=self.max_new, max_prompt_len=max_prompt, sampling=Sampling(per_row=True),
+                        max_new_tokens=self.max_new, max_prompt_len=self.max_prompt, sampling=Sampling(per_row=True),
                         stop_token_ids=self.stops, sync_every=args.sync_every, mesh=mesh,
                         draft_tokens=args.draft_tokens if dcfg is not None else None, watchdog=watchdog,
                         kv_pages=args.kv_pages, page_size=args.page_size, prefill_chunk=args.prefill_chunk)
         self.context = min(gen.max_prompt_len, tcfg.max_position_embeddings)
         # An engine that fails ends the server (exit status 3), after answering every open request
         # with an error: a supervisor restarts it, where a server without an engine would linger.
-        self.engine = StreamingEngine(gen, max_waiting=args.max_waiting,
-                                      on_error=lambda e: os.kill(os.getpid(), signal.SIGTERM))
+        engine = StreamingEngine(gen, max_waiting=args.max_waiting,
+                                 on_error=lambda e: os.kill(os.getpid(), signal.SIGTERM))
         self.gen = gen
         longer = (f"; longer prompts in pieces of {args.prefill_chunk} between cycles"
-                  if self.engine.interleaves else "")
-        say(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}, prompts up to "
-            f"{gen.max_prompt_len} tokens{longer}) ...")
-        t0 = time.perf_counter()
-        buckets = self.engine.warmup()
-        say(f"compiled in {time.perf_counter() - t0:.1f}s (prompt buckets {', '.join(map(str, buckets))})")
+                  if engine.interleaves else "")
+        self.state = "compiling"
+        with CompileProgress(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}, prompts up "
+                             f"to {gen.max_prompt_len} tokens{longer})") as progress:
+            def step(done, total, label):
+                self.detail = f"compiling {done}/{total}" + (f": {label}" if label else "")
+                progress.step(done, total, label)
+
+            buckets = engine.warmup(progress=step)
+        say(f"prompt buckets {', '.join(map(str, buckets))}")
+        self.engine = engine.start()
+        self.state, self.detail = "ready", ""
 
     # ------------------------------------------------------------------ text
 
@@ -366,14 +398,13 @@ def create_app(served: Served, api_key: str | None = None):
     from dflash_jax.engine.streaming import Closed, QueueFull
     from dflash_jax.engine.streaming import Request as EngineRequest
 
-    engine = served.engine
-
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         # Shutting down (SIGTERM): uvicorn has stopped taking connections and let the requests in
         # flight run on (up to --shutdown-timeout); whatever still runs is cancelled.
-        await asyncio.to_thread(engine.close, cancel_running=True, timeout=30)
+        if served.engine is not None:
+            await asyncio.to_thread(served.engine.close, cancel_running=True, timeout=30)
 
     app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None, lifespan=lifespan)
     created = int(time.time())
@@ -397,9 +428,23 @@ def create_app(served: Served, api_key: str | None = None):
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
 
+    def warming() -> APIError | None:
+        """503 while the engine loads and compiles (or after it failed to)."""
+        state = getattr(served, "state", "ready")
+        if state == "ready":
+            return None
+        if state == "failed":
+            return APIError(503, "the server failed to start; see its log", type="server_error", code="unavailable")
+        return APIError(503, f"the server is warming up ({served.detail}); retry when /health answers 200",
+                        type="server_error", code="warming_up")
+
     @app.get("/health")
     async def health():
-        if not engine.alive:
+        state = getattr(served, "state", "ready")
+        if state != "ready":
+            status = "failed" if state == "failed" else "warming up"
+            return JSONResponse({"status": status, "detail": served.detail}, status_code=503)
+        if not served.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
@@ -411,7 +456,11 @@ def create_app(served: Served, api_key: str | None = None):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(engine.metrics), media_type="text/plain; version=0.0.4")
+        ready = served.engine is not None
+        text = (render_metrics(served.engine.metrics) if ready else "") + (
+            "# HELP dflash_ready 1 once the engine has loaded and compiled (0 while warming up).\n"
+            f"# TYPE dflash_ready gauge\ndflash_ready {int(ready)}\n")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def start(job: Job):
         """Queue the job on the engine; returns the asyncio queue its (tokens, result) arrive on."""
@@ -420,7 +469,7 @@ def create_app(served: Served, api_key: str | None = None):
         emit = lambda tokens, result: loop.call_soon_threadsafe(events.put_nowait, (tokens, result))
         req = EngineRequest(job.prompt_ids, job.max_tokens, emit, job.sampling, job.row_id)
         try:
-            engine.submit(req)
+            served.engine.submit(req)
         except QueueFull as e:
             raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
                            code="queue_full") from None
@@ -439,6 +488,9 @@ def create_app(served: Served, api_key: str | None = None):
 
     async def complete(request: Request, chat: bool):
         authorize(request)
+        not_ready = warming()
+        if not_ready is not None:
+            raise not_ready
         job = Job(served, await read_body(request), chat)
         req, events = start(job)
         decoded = Decoded(served, job)
@@ -458,7 +510,7 @@ def create_app(served: Served, api_key: str | None = None):
                     continue
                 decoded.add(tokens)
                 if decoded.stopped:
-                    req.cancelled = True
+                    req.stopped = req.cancelled = True  # ends as "stop" at the engine's next sync
         finally:
             if result is None:
                 req.cancelled = True
@@ -503,7 +555,7 @@ def create_app(served: Served, api_key: str | None = None):
                 was = len(decoded.ids)
                 decoded.add(tokens)
                 if decoded.stopped and result is None:
-                    req.cancelled = True  # a stop string: the row ends at the next sync
+                    req.stopped = req.cancelled = True  # a stop string: the row ends ("stop") at the next sync
                 final = result is not None
                 text = decoded.delta(final=final)
                 new_ids = decoded.ids[was:]
@@ -577,30 +629,54 @@ def render_metrics(m) -> str:
 
 
 def main(argv=None) -> int:
+    """Exit status: 0 after a requested shutdown (SIGTERM, SIGINT); 2 for bad flags or a model
+    that cannot load; 3 when the engine failed while serving (or the device stalled)."""
     args = build_parser().parse_args(argv)
     try:
         import uvicorn
     except ImportError:
         print("error: the server needs fastapi and uvicorn: pip install fastapi uvicorn", file=sys.stderr)
         return 2
+    from dflash_jax.compiling import enable_compile_cache
+
     try:
         served = Served(args)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    served.engine.start()
+    cache = enable_compile_cache(lambda *a: print(*a, file=sys.stderr))
     app = create_app(served, args.api_key)
-
-    print(f"serving {served.name} on http://{args.host}:{args.port}/v1 (batch {args.batch_size}, "
-          f"max_tokens <= {served.max_new}, context {served.context})", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    url = f"http://{args.host}:{args.port}"
+
+    def load():
+        try:
+            served.load()
+        except BaseException as e:  # noqa: B036 (the thread's end: whatever it was, the server stops)
+            served.failure, served.state = e, "failed"
+            if isinstance(e, DFlashError):
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
+            server.should_exit = True
+            return
+        print(f"serving {served.name} on {url}/v1 (batch {args.batch_size}, max_tokens <= {served.max_new}, "
+              f"context {served.context})", file=sys.stderr, flush=True)
+
+    print(f"listening on {url}: /health answers 503 \"warming up\" until the engine has loaded and compiled "
+          f"(a first start compiles every program; {'a restart loads them from ' + cache if cache else 'no compilation cache'})",
+          file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="dflash-load", daemon=True).start()
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
     # handlers it found: these note it, so that a requested shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
-    if served.engine.error is not None:
+    server.run()
+    if served.failure is not None:
+        return 2 if isinstance(served.failure, DFlashError) else 1
+    if served.engine is not None and served.engine.error is not None:
         print(f"error: the engine failed: {served.engine.error}", file=sys.stderr)
         return 3
     return 0

@@ -17,6 +17,7 @@ SIGTERM otherwise and checks the same exit).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -447,6 +448,39 @@ def test_app_errors():
         assert client.get("/health").status_code == 503
 
 
+def test_while_warming_up_health_and_requests_answer_503():
+    """Before the engine has loaded and compiled: /health 503 "warming up" with what it is doing,
+    completions 503 "warming_up", /metrics dflash_ready 0; once ready, 200 and dflash_ready 1."""
+    from starlette.testclient import TestClient
+
+    from infer.serve import create_app
+
+    served = fake_served()
+    served.engine, served.context, served.state, served.detail = None, 64, "compiling", "compiling 3/26: cancel"
+    with TestClient(create_app(served)) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "warming up", "detail": "compiling 3/26: cancel"}
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
+        assert "compiling 3/26" in r.json()["error"]["message"]
+        assert client.get("/v1/models").status_code == 200  # the name is known before the weights load
+        assert "dflash_ready 0" in client.get("/metrics").text
+        served.state = "failed"
+        assert client.get("/health").json()["status"] == "failed"
+        served.engine, served.state = FakeEngine(), "ready"
+        assert client.get("/health").status_code == 200 and "dflash_ready 1" in client.get("/metrics").text
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_a_stop_string_ends_a_request_as_stop_in_the_metrics():
+    """A request its caller stopped (a stop string) is counted under finish_reason "stop", one a
+    client abandoned under "cancelled"."""
+    from dflash_jax.engine.streaming import Request, _cancel_reason
+
+    assert _cancel_reason(Request([1], 1, lambda *a: None, stopped=True, cancelled=True)) == "stop"
+    assert _cancel_reason(Request([1], 1, lambda *a: None, cancelled=True)) == "cancelled"
+
+
 def test_a_failing_engine_answers_its_open_requests_and_says_so():
     """The engine's thread fails (here: allocating its state): every open request ends with
     "error", on_error hears of it (the server then shuts down, exit status 3), and new requests are
@@ -592,14 +626,19 @@ def server(offline_run, tmp_path_factory):
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     srv = Server(proc, port, log)
     deadline = time.monotonic() + START_TIMEOUT
+    import httpx
+
+    srv.warming = []  # what /health answered before the engine was ready
     try:
         while "serving " not in (log.read_text(errors="replace") if log.is_file() else ""):
             if proc.poll() is not None:
                 pytest.fail(f"the server exited with status {proc.returncode} before serving:\n{tail(log)}")
             if time.monotonic() > deadline:
                 pytest.fail(f"the server was not serving after {START_TIMEOUT} s:\n{tail(log)}")
+            with contextlib.suppress(httpx.TransportError):
+                r = httpx.get(srv.url + "/health", timeout=5)
+                srv.warming.append((r.status_code, r.json()))
             time.sleep(0.5)
-        import httpx
 
         while True:  # the line comes just before uvicorn binds
             try:
@@ -672,6 +711,21 @@ def one_request(server, prompt, max_tokens, **kw) -> dict:
 async def _alone(server, prompt, max_tokens, **kw):
     async with server.async_client() as client:
         return await complete(client, prompt, max_tokens, stream=False, **{"temperature": 0, **kw})
+
+
+@heavy
+def test_the_port_opens_before_the_engine_is_ready_and_health_says_so(server):
+    """The server answers while it loads and compiles: /health 503 "warming up" with what it is
+    doing, then 200 once it serves; its log shows each compile step and how many programs the
+    persistent cache held."""
+    assert server.warming, "/health never answered before the server was ready"
+    codes = {code for code, _ in server.warming}
+    assert codes == {503}, server.warming
+    assert all(body["status"] == "warming up" and body["detail"] for _, body in server.warming), server.warming
+    log = server.log.read_text(errors="replace")
+    assert log.index("listening on ") < log.index("serving ")
+    assert re.search(r"compiling 1/\d+: prompts of 16 tokens x 1", log) and re.search(
+        r"compiled in [\d.]+s: \d+ programs, \d+ loaded from the cache", log), log
 
 
 @heavy
@@ -787,12 +841,18 @@ def test_chat_completions(server):
     assert short.choices[0].token_ids == c.token_ids[:3] and short.usage.completion_tokens == 3
     assert short.choices[0].finish_reason == "length"
     # A stop string cuts the answer where it starts, and the finish reason says so.
+    # /metrics counts it as ended, not as cancelled.
     cut = c.message.content[5:9]
     if cut.strip():
+        cancelled = 'dflash_requests_finished_total{finish_reason="cancelled"}'
+        done = lambda m: sum(v for k, v in m.items() if k.startswith("dflash_requests_finished_total"))
+        before = server.wait_idle(timeout=60)
         stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                                  stop=[cut])
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == c.message.content[:c.message.content.find(cut)]
+        after = server.wait_idle(timeout=60)
+        assert done(after) - done(before) == 1 and after.get(cancelled, 0) == before.get(cancelled, 0)
 
 
 @heavy

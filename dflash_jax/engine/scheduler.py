@@ -25,7 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -245,27 +245,52 @@ class Generator:
                                 row_sampling)
         return state
 
-    def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False):
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False,
+               progress: Callable[[int, int, str], None] | None = None):
         """Compile prefill for the buckets of these lengths at every admission width, and the
         cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry
         per prompt), so a bucket with m prompts compiles only the widths up to m's, the most
         it can be admitted at together. stream: the loop that also returns the rows' tokens
-        (`StreamingEngine`), and `cancel`."""
+        (`StreamingEngine`), and `cancel`. progress(done, total, label) is called before each
+        step and once after the last (`dflash_jax.compiling.CompileProgress.step`)."""
+        run_steps(self.warmup_steps(prompt_lengths, exact=exact, stream=stream), progress)
+
+    def warmup_steps(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False,
+                     stream: bool = False) -> list[tuple[str, Callable[[], None]]]:
+        """`warmup`'s steps, (label, run) each, in order."""
+        steps = []
         counts = collections.Counter(self._bucket([0] * n) for n in prompt_lengths)
         for length in sorted(counts):
             most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
             for width in (w for w in self.widths if not exact or w <= most):
-                state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
-                                   [1] * width)
-                self._wait(self._run(state, 1, stream=stream)[1], "running the warm-up's first cycle")
+                # The cycle loop is one program whatever was admitted: it runs after the first
+                # prefill only (a restart that loads every program from the cache then spends
+                # its time on tracing, not on cycles).
+                def prefill(length=length, width=width, cycle=not steps):
+                    state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
+                                       [1] * width)
+                    if cycle:
+                        self._wait(self._run(state, 1, stream=stream)[1], "running the warm-up's first cycle")
+                    else:
+                        self._wait(state.done, "running the warm-up's prefill")
+
+                steps.append((f"prompts of {length} tokens x {width}", prefill))
         if stream:
-            state = cancel(self.spec, self.new_state(), np.zeros((self.batch_size,), bool))
-            self._wait(state.done, "running the warm-up's cancel")
-        state = self.new_state()
-        for width in self.tail_widths:
-            state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
-            state, info = self._run(state, 1)
-            self._wait(info, "running the warm-up's narrower loops")
+            def cancel_rows():
+                state = cancel(self.spec, self.new_state(), np.zeros((self.batch_size,), bool))
+                self._wait(state.done, "running the warm-up's cancel")
+
+            steps.append(("cancel", cancel_rows))
+        if self.tail_widths:
+            def narrower_loops():
+                state = self.new_state()
+                for width in self.tail_widths:
+                    state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
+                    state, info = self._run(state, 1)
+                    self._wait(info, "running the warm-up's narrower loops")
+
+            steps.append((f"the tail's loops ({', '.join(map(str, self.tail_widths))} slots)", narrower_loops))
+        return steps
 
     def _run(self, state, cycles=None, until_free=False, stream=False):
         return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
@@ -422,6 +447,16 @@ class GenerationStats:
                     output_tokens=self.tokens, seconds=round(self.seconds, 3),
                     tokens_per_second=round(self.tokens_per_second, 2),
                     acceptance_histogram={str(k): self.histogram[k] for k in sorted(self.histogram)})
+
+
+def run_steps(steps: Sequence[tuple[str, Callable[[], None]]], progress: Callable[[int, int, str], None] | None):
+    """Run warm-up steps in order, telling progress(done, total, label) before each and after the last."""
+    for i, (label, run) in enumerate(steps):
+        if progress is not None:
+            progress(i, len(steps), label)
+        run()
+    if progress is not None:
+        progress(len(steps), len(steps), "")
 
 
 def timed(results: Iterator[Result], stats: GenerationStats) -> Iterator[Result]:

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from dflash_jax.engine.sampling import Sampling
-from dflash_jax.engine.scheduler import Generator, PagePool, Result
+from dflash_jax.engine.scheduler import Generator, PagePool, Result, run_steps
 from dflash_jax.attention import NO_PAGE
 from dflash_jax.engine.step import cancel, prefill, prefill_part
 from dflash_jax.sharding import put_batch
@@ -57,9 +57,15 @@ class Request:
     sampling: Sampling = Sampling()
     row_id: int = 0
     cancelled: bool = False  # set by anyone: the engine ends the row at its next sync
+    stopped: bool = False  # with cancelled: the caller found the row's end (a stop string), so it ends as "stop"
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     first_token: float | None = None  # when the engine emitted its first token
     finished: bool = False
+
+
+def _cancel_reason(req: Request) -> str:
+    """The finish reason of a cancelled request: "stop" where its caller found its end."""
+    return "stop" if req.stopped else "cancelled"
 
 
 # Prometheus histogram buckets, in seconds.
@@ -144,25 +150,30 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ the callers' side
 
-    def warmup(self) -> list[int]:
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> list[int]:
         """Compile all that serving runs, so nothing compiles while it serves: prefill for every
         prompt bucket (16 up to the Generator's max_prompt_len, or up to its prefill_chunk where
         longer prompts go piece by piece) at every admission width, the streaming loop, `cancel`,
-        and the pieces of a long prompt. Returns the buckets."""
+        and the pieces of a long prompt. progress(done, total, label) as `Generator.warmup`'s.
+        Returns the buckets."""
         gen = self.gen
         top = gen.spec.prefill_chunk if self.interleaves else gen.max_prompt_len
         buckets = [b for b in (16 << i for i in range(32)) if b < top] + [top]
-        gen.warmup(buckets, stream=True)
+        steps = gen.warmup_steps(buckets, stream=True)
         if self.interleaves:
-            piece = gen.spec.prefill_chunk
-            # A first, a middle (where prompts can have one) and a last piece.
-            req = Request([0] * min(gen.max_prompt_len, 2 * piece + 1), 1, lambda *a: None, gen.spec.sampling)
-            state = gen.new_state()
-            for offset in range(0, len(req.prompt), piece):
-                state = self._piece(state, 0, req, offset, [])
-            state, figures = gen._run(state, 1, stream=True)
-            state = cancel(gen.spec, state, np.ones((gen.batch_size,), bool))
-            gen._wait((figures, state.done), "running the warm-up's pieces of a long prompt")
+            def pieces():
+                piece = gen.spec.prefill_chunk
+                # A first, a middle (where prompts can have one) and a last piece.
+                req = Request([0] * min(gen.max_prompt_len, 2 * piece + 1), 1, lambda *a: None, gen.spec.sampling)
+                state = gen.new_state()
+                for offset in range(0, len(req.prompt), piece):
+                    state = self._piece(state, 0, req, offset, [])
+                state, figures = gen._run(state, 1, stream=True)
+                state = cancel(gen.spec, state, np.ones((gen.batch_size,), bool))
+                gen._wait((figures, state.done), "running the warm-up's pieces of a long prompt")
+
+            steps.append((f"a long prompt in pieces of {gen.spec.prefill_chunk}", pieces))
+        run_steps(steps, progress)
         return buckets
 
     def check(self, prompt, max_new_tokens: int) -> str | None:
@@ -291,15 +302,15 @@ class StreamingEngine:
             for req in [r for r in waiting if r.cancelled or cancel_all]:
                 waiting.remove(req)
                 self._admitted(1)
-                self._ended(req, Result(req.row_id, [], [], "cancelled"))
+                self._ended(req, Result(req.row_id, [], [], _cancel_reason(req)))
             for s, req in enumerate(occupant):
                 if req is not None and (req.cancelled or cancel_all):
-                    end(s, Result(req.row_id, [], [], "cancelled"))
+                    end(s, Result(req.row_id, [], [], _cancel_reason(req)))
             for s, (req, _) in list(filling.items()):
                 if req.cancelled or cancel_all:
                     del filling[s]
                     occupant[s] = req  # ended as a running row is: slot, pages and device row
-                    end(s, Result(req.row_id, [], [], "cancelled"))
+                    end(s, Result(req.row_id, [], [], _cancel_reason(req)))
             if to_end.any():
                 state = cancel(spec, state, to_end)
                 to_end[:] = False
