@@ -27,14 +27,26 @@ class Writer(JsonlWriter):
 
 
 def prompt_text(row: InputRow) -> str | None:
-    """The text a row asked about: its prompt, or its last user message."""
+    """The text a row asked about: its prompt, or its last user message; for an `input_ids` row
+    (no text to show: the writer has no tokenizer) its token ids, abbreviated when long."""
     if row.kind == "prompt":
         return row.value
     if row.kind == "turns":
         return row.value[-1] + "\n"
     if row.kind == "messages":
         return row.value[-1]["content"] + "\n"
+    if row.kind == "input_ids":
+        return "input_ids " + abbreviated_ids(row.value) + "\n"
     return None
+
+
+def abbreviated_ids(ids, head: int = 8) -> str:
+    """Token ids as a list, all of them up to head + 2, else the first `head` and the count:
+    `[12, 5, 99, ... 240 ids]`."""
+    ids = [int(i) for i in ids]
+    if len(ids) <= head + 2:
+        return "[" + ", ".join(map(str, ids)) + "]"
+    return "[" + ", ".join(map(str, ids[:head])) + f", ... {len(ids)} ids]"
 
 
 def readable_record(record: dict, prompt: str | None) -> str:

@@ -465,3 +465,71 @@ def test_device_check_runs_end_to_end_on_a_cpu(tmp_path):
     published = json.loads((tmp_path / "published.json").read_text())["published_shapes"]
     assert published["ar_step_s"] > 0 and published["cycle_s"] > 0
     assert json.loads((tmp_path / "cache-scaling.json").read_text())["cache_scaling"]
+
+
+def test_help_puts_each_mode_in_its_own_group_and_is_short(monkeypatch):
+    """--help: general options first, then a group per mode (its one-line description, then its
+    flags); every flag still listed once. It was 269 lines at 80 columns, with the mode flags among
+    the general options and the package docstring as epilog; now at most half of that (the floor
+    is about 110: 65 flags a line each, 13 groups of title + description + blank line)."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = bench.build_parser()
+    text = parser.format_help()
+    lines = text.splitlines()
+    assert len(lines) <= 269 // 2 and max(map(len, lines)) <= 80
+    sections, title = {}, None
+    for line in lines:
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = []
+        elif title is not None:
+            sections[title].append(line)
+    assert list(sections)[0] == "general options"
+
+    def home(flag):
+        entry = re.compile(rf"^  (-[\w-]+, )*{re.escape(flag)}(?=[ ,]|$)")  # -h, --help; --x, --no-x
+        return [t for t, body in sections.items() if any(entry.match(line) for line in body)]
+
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--"):
+                assert len(home(flag)) == 1, (flag, home(flag))
+    for flag in ("--target", "--drafter", "--dtype", "--num-prompts", "--batch-size", "--max-new-tokens", "--repeats",
+                 "--json"):
+        assert home(flag) == ["general options"], flag
+    modes = {"--cost": "--cost", "--no-pieces": "--cost", "--aot": "--aot", "--mesh": "--aot",
+             "--moe-cost": "--moe-cost", "--published-shapes": "--published-shapes",
+             "--cache-scaling": "--cache-scaling", "--mixed-workload": "--mixed-workload",
+             "--page-pool": "--page-pool", "--pool-slots": "--page-pool", "--vllm": "--vllm",
+             "--vllm-fix-knorm": "--vllm", "--serve": "--serve", "--serve-concurrency": "--serve",
+             "--quick": "the suite (default mode)", "--random": "random pair", "--hidden": "random pair"}
+    for flag, group in modes.items():
+        assert home(flag) == [group], flag
+    general = {line.split()[0].rstrip(",") for line in sections["general options"] if line.startswith("  -")}
+    assert not general & set(modes) and {"--target", "--json"} <= general  # no mode flag among the general options
+    for group in set(modes.values()):  # a one-line description, then the flags
+        body = sections[group]
+        assert body[0].startswith("  ") and not body[0].startswith("  -") and body[1].startswith("  -"), group
+    # the --cost flag's help comes after its group's title and description
+    assert text.index("\n--cost:\n") < text.index("abstract weights; rooflines") < text.index("\n--aot:\n")
+
+
+def test_the_prompts_label_says_what_the_prompts_are():
+    """Without a tokenizer (--random, the tiny pair) the prompts are random token ids, not the
+    package's snippets: the line says so; with one, the snippets."""
+    from infer.bench.prompts import describe_prompts
+
+    snippets = [dict(file="numpy/x.py", line=3, text="def f(x):\n    return x\n"),
+                dict(file="numpy/y.py", line=9, text="class A:\n    pass\n")]
+    ids = [[5] * 12, [7] * 20]
+    random_label = describe_prompts(ids, snippets, "random_token_ids", "numpy", 6)
+    first, second = random_label.splitlines()
+    assert first.startswith("prompts: 2 rows of seeded random token ids (NO TOKENIZER: not text;")
+    assert "held-out snippets from numpy" not in random_label and "12..20 tokens (mean 16.0)" in first
+    assert second == "  first: [5, 5, 5, 5, 5, 5, 5, 5, ... 12 ids]"
+    text_label = describe_prompts(ids, snippets, "text", "numpy", 6)
+    first, second = text_label.splitlines()
+    assert first.startswith("prompts: 2 held-out snippets from numpy ") and "tokenised as raw text" in first
+    assert "random" not in text_label and second == "  first: numpy/x.py:3: 'def f(x):'"

@@ -81,4 +81,4 @@ from infer.bench.timing import (
     synthetic_state, time_calls, time_pieces, time_prefill,
 )
 from infer.bench.workloads import run_cache_scaling, run_mixed_workload, run_page_pool
-from infer.bench.cli import build_parser, main  # noqa: E402  (last: it reads this docstring)
+from infer.bench.cli import build_parser, main  # noqa: E402

@@ -6,10 +6,10 @@ import argparse
 import os
 import platform
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
-import infer.bench as package
 from infer.bench.pairs import SHAPES
 from infer.bench.published import PAPER_TAU
 from infer.bench.report import write_outputs
@@ -37,138 +37,178 @@ def default_json(args, mode: str) -> Path:
     return BENCH_DIR / f"{name}.json"
 
 
+USAGE = "%(prog)s [MODE FLAG] [options]   (no mode flag: the suite)"
+
+DESCRIPTION = """\
+DFlash speculative decoding benchmarks: figures printed and written as JSON,
+no timing asserted; one device, stop tokens ignored (max_new_tokens per row)."""
+
+EPILOG = """\
+examples (more, what each figure means, results: docs/benchmarks.md):
+  python -m infer.bench                    # the suite, bundled demo pair
+  python -m infer.bench --random --quick   # a quick table on a random pair
+  python -m infer.bench --cost --scale 1   # what a cycle costs, nothing run"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """A flag and its help on one line where they fit (help from column 27), a group's one-line
+    description right above its flags, and no line broken at a flag's hyphen."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=27)
+
+    def add_text(self, text):
+        if text is None or text is argparse.SUPPRESS or self._current_section is self._root_section:
+            return super().add_text(text)
+        self._add_item(lambda t: self._format_text(t)[:-1], [text])  # a group's: no blank line after it
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m infer.bench", description=package.__doc__.splitlines()[0],
-                                epilog="\n".join(package.__doc__.splitlines()[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = p.add_argument_group("modes (default: the suite)")
-    mode.add_argument("--cost", action="store_true",
-                      help="hardware-independent cost report of an AR step and a DFlash cycle at the published "
-                           "shapes (abstract weights: nothing allocated, nothing run)")
-    mode.add_argument("--aot", metavar="TOPOLOGY",
-                      help="compile prefill and the AR / DFlash run_cycles for a TPU topology (v5e:1x1, v5e:2x2, "
-                           "v5p:1x1x1, v5p:2x2x1, ...) on this machine (needs libtpu: pip install -e '.[tpu]'); "
-                           "the TPU compiler's time estimate, bytes, HBM per chip, the ideal at its streaming "
-                           "rate, collectives")
-    mode.add_argument("--moe-cost", action="store_true",
-                      help="what a DFlash cycle costs against a decoding step for the published MoE targets "
-                           "(gpt-oss-20b, Qwen3-30B-A3B): experts touched per verify, bytes, projected speedup")
-    mode.add_argument("--published-shapes", action="store_true",
-                      help="time the engine's pieces on a Qwen3-8B-shaped target + 5-layer drafter with random "
-                           "weights")
-    mode.add_argument("--cache-scaling", action="store_true",
-                      help="tokens/s with a small and a large Generator max_prompt_len (allocated cache)")
-    mode.add_argument("--mixed-workload", action="store_true",
-                      help="tokens/s with per-row max_new_tokens spread out, against every row at the mean")
-    mode.add_argument("--page-pool", action="store_true",
-                      help="concurrent rows of a mixed-length workload in the same K/V memory: per-slot caches "
-                           "against a page pool (Generator kv_pages)")
-    mode.add_argument("--vllm", action="store_true",
-                      help="this engine and vLLM (installed beside it) on the same pair and held-out prompts, plain "
-                           "and DFlash, alternating runs: token equality, both engines' tau, tokens/s")
-    mode.add_argument("--serve", action="store_true",
-                      help="the OpenAI-compatible server (python -m infer.serve, in a subprocess) under 1, batch and 32 "
-                           "concurrent streams: throughput, TTFT, inter-token latency, tokens equal offline, against "
-                           "the offline engine on the same prompts")
-    p.add_argument("--vllm-fix-knorm", action="store_true",
-                   help="with --vllm: where vLLM's CPU rms_norm norms every DFlash drafter layer's context keys "
-                        "with layer 0's k_norm weight (the bench says so), norm each layer's with its own weight "
-                        "(vLLM runs in this process; infer.bench.vllm_peer)")
+    p = ArgumentParser(prog="python -m infer.bench", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=HelpFormatter, add_help=False)
 
-    pair = p.add_argument_group("pair")
-    pair.add_argument("--target", metavar="DIR", help="target directory, HF or converted (default: the bundled "
-                                                      "demo pair)")
-    pair.add_argument("--drafter", metavar="DIR", help="drafter directory, HF or converted")
-    pair.add_argument("--random", action="store_true",
-                      help="a random tiny Qwen3 target and random drafter built in memory (tau near 1)")
-    pair.add_argument("--hidden", type=int, default=128, help="--random: hidden size")
-    pair.add_argument("--layers", type=int, default=6, help="--random: target layers")
-    pair.add_argument("--heads", type=int, default=4, help="--random: attention heads (KV heads: half)")
-    pair.add_argument("--vocab", type=int, default=1024, help="--random: vocabulary size")
-    pair.add_argument("--drafter-layers", type=int, default=2, help="--random: drafter layers")
-    pair.add_argument("--random-block-size", type=int, default=8, help="--random: the drafter's block size")
-    pair.add_argument("--dtype", choices=("float32", "bfloat16"),
-                      help="default: the checkpoint's (--random, --cost, workloads: float32; --published-shapes: "
-                           "bfloat16)")
+    gen = p.add_argument_group("general options")
+    gen.add_argument("-h", "--help", action="help", help="show this help and exit")
+    gen.add_argument("--target", metavar="DIR", help="HF or converted (default: the bundled demo pair)")
+    gen.add_argument("--drafter", metavar="DIR", help="HF or converted, with --target")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16"),
+                     help="default: the checkpoint's (float32: --random, --cost, workloads; bfloat16: "
+                          "--published-shapes)")
+    gen.add_argument("--heldout-package", default="numpy", metavar="PKG",
+                     help="installed package giving prompts (default numpy)")
+    gen.add_argument("--num-prompts", type=int, default=16, metavar="N", help="held-out prompts (default 16)")
+    gen.add_argument("--prompt-lines", type=int, default=6, metavar="N", help="lines per snippet (default 6)")
+    gen.add_argument("--max-prompt-tokens", type=int, default=128, metavar="N",
+                     help="prompts cut to this many tokens (default 128)")
+    gen.add_argument("--batch-size", type=int, default=None, metavar="N",
+                     help="rows, 8 (--moe-cost 1 and 8, --published-shapes 1)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                     help="per row (default 128; --cache-scaling: 64)")
+    gen.add_argument("--repeats", type=int, default=None, metavar="N",
+                     help="timed runs of each, median (default 3; workloads 2)")
+    gen.add_argument("--seed", type=int, default=0, metavar="N",
+                     help="prompts, random weights, sampling (default 0)")
+    gen.add_argument("--sync-every", type=int, default=8, metavar="N",
+                     help="cycles per host sync (Generator; default 8)")
+    gen.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
+                     help="the batch's tail on narrower loops (default: CPU)")
+    gen.add_argument("--page-size", type=int, default=128, metavar="N",
+                     help="cache positions per page (default 128)")
+    gen.add_argument("--json", default=None, metavar="PATH",
+                     help=f"figures (default: {BENCH_DIR}/<mode, settings>.json)")
+    gen.add_argument("--plot", default=None, metavar="PATH",
+                     help="the suite's PNG (default: bench.png beside --json)")
 
-    suite = p.add_argument_group("suite")
+    rnd = p.add_argument_group("random pair", "a tiny random Qwen3 target and drafter built in memory (tau near 1)")
+    rnd.add_argument("--random", action="store_true", help="use it, not --target/--drafter")
+    rnd.add_argument("--hidden", type=int, default=128, metavar="N", help="hidden size (default 128)")
+    rnd.add_argument("--layers", type=int, default=6, metavar="N", help="target layers (default 6)")
+    rnd.add_argument("--heads", type=int, default=4, metavar="N",
+                     help="attention heads, KV heads half (default 4)")
+    rnd.add_argument("--vocab", type=int, default=1024, metavar="N", help="vocabulary size (default 1024)")
+    rnd.add_argument("--drafter-layers", type=int, default=2, metavar="N", help="drafter layers (default 2)")
+    rnd.add_argument("--random-block-size", type=int, default=8, metavar="B",
+                     help="the drafter's block size (default 8)")
+
+    suite = p.add_argument_group("the suite (default mode)",
+                                 "tau, acceptance, tokens/s: DFlash, no drafter, transformers; time split")
     suite.add_argument("--quick", action="store_true",
-                       help="the drafter's block size only, no --draft-tokens rows, no time split, no transformers")
-    suite.add_argument("--heldout-package", default="numpy", help="installed package whose source gives the prompts")
-    suite.add_argument("--num-prompts", type=int, default=16)
-    suite.add_argument("--prompt-lines", type=int, default=6, help="lines per snippet")
-    suite.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
-    suite.add_argument("--block-sizes", default=None, help="comma-separated DFlash block sizes (default 4,8,16)")
+                       help="only the drafter's block size (no --draft-tokens, time split, transformers)")
+    suite.add_argument("--block-sizes", default=None, metavar="B,...", help="DFlash block sizes (default 4,8,16)")
     suite.add_argument("--draft-tokens", default=None, metavar="K,...",
-                       help="also run the drafter's own block size verifying only its first K drafts per cycle "
-                            "(Generator draft_tokens), for each K (default 3,5,7); '' for none")
-    suite.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
-    suite.add_argument("--max-new-tokens", type=int, default=None,
-                       help="new tokens per row (default 128; --cache-scaling: 64)")
-    suite.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    suite.add_argument("--repeats", type=int, default=None, help="timed runs of each configuration (median; "
-                                                                 "default 3, workloads 2)")
-    suite.add_argument("--seed", type=int, default=0)
-    suite.add_argument("--sync-every", type=int, default=8, help="cycles per host sync (Generator)")
-    suite.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
-                       help="run the batch's tail on narrower loops (Generator(narrow_tail); default: on a CPU)")
+                       help="also verify only the first K drafts per cycle, each K (default 3,5,7; '': none; "
+                            "--vllm: one K)")
+    suite.add_argument("--batch-sizes", default="1,8", metavar="N,...", help="batch sizes (default 1,8)")
+    suite.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default 0)")
     suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
-    suite.add_argument("--split-rounds", type=int, default=7, help="time split: rounds per piece (median)")
-    suite.add_argument("--split-min-time", type=float, default=0.05, help="time split: seconds per round at least")
-    suite.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers comparison")
-    suite.add_argument("--hf-batch-sizes", default=None, help="transformers batch sizes (default: --batch-sizes)")
-    suite.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    suite.add_argument("--split-rounds", type=int, default=7, metavar="N",
+                       help="time split: rounds per piece, median (default 7)")
+    suite.add_argument("--split-min-time", type=float, default=0.05, metavar="S",
+                       help="time split: least seconds a round (default 0.05)")
+    suite.add_argument("--no-transformers", action="store_true",
+                       help="skip the Hugging Face transformers comparison")
+    suite.add_argument("--hf-batch-sizes", default=None, metavar="N,...",
+                       help="transformers' (default: --batch-sizes)")
+    suite.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                       help="torch.set_num_threads (default: torch's)")
 
-    shapes = p.add_argument_group("--cost, --moe-cost and --published-shapes")
-    shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b",
-                        help="--cost and --published-shapes: the published target (with a 5-layer block-16 drafter)")
-    shapes.add_argument("--scale", type=float, default=None,
-                        help="shrink layers and widths (head_dim kept); default --cost 0.25, --published-shapes 1")
-    shapes.add_argument("--context", type=int, default=1024, help="positions of context in use per row")
-    shapes.add_argument("--cache-len", type=int, default=None,
-                        help="--cost: cache positions allocated (default context + 2 x block, rounded up to pages)")
-    shapes.add_argument("--compare-cache-len", type=int, default=8192,
-                        help="--cost: the same figures at this allocated cache too (0: skip)")
-    shapes.add_argument("--batch-size", type=int, default=None,
-                        help="--cost (default 8), --moe-cost (default: 1 and 8), --published-shapes (default 1), "
-                             "workloads and --vllm (default 8)")
-    shapes.add_argument("--page-size", type=int, default=128, help="cache positions per page")
-    shapes.add_argument("--no-pieces", action="store_true", help="--cost: skip the pieces compiled alone")
-    shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, help="tau to project the speedup with")
+    shapes = p.add_argument_group("published shapes", "for --cost, --aot, --published-shapes (--moe-cost: "
+                                                      "--context, --paper-tau)")
+    shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b", metavar="NAME",
+                        help="the target, with a 5-layer block-16 drafter: " + ", ".join(SHAPES)
+                             + f" (default {SHAPES[0]})")
+    shapes.add_argument("--scale", type=float, default=None, metavar="X",
+                        help="shrink all but head_dim (--cost: 0.25, else 1)")
+    shapes.add_argument("--context", type=int, default=1024, metavar="N",
+                        help="positions in use per row (default 1024)")
+    shapes.add_argument("--cache-len", type=int, default=None, metavar="N",
+                        help="allocated (default: context + 2 x block, in pages)")
+    shapes.add_argument("--compare-cache-len", type=int, default=8192, metavar="N",
+                        help="figures at this cache too (default 8192; 0: skip)")
+    shapes.add_argument("--paper-tau", type=float, default=PAPER_TAU, metavar="TAU",
+                        help=f"tau to project the speedup with (default {PAPER_TAU})")
 
-    aot = p.add_argument_group("--aot")
+    cost = p.add_argument_group("--cost", "XLA's flops and bytes of an AR step and a DFlash cycle; nothing run")
+    cost.add_argument("--cost", action="store_true", help="abstract weights; rooflines, projected speedup")
+    cost.add_argument("--no-pieces", action="store_true", help="skip the pieces compiled alone")
+
+    aot = p.add_argument_group("--aot", "TPU compiler's time, bytes, HBM/chip, collectives; compiled on this machine")
+    aot.add_argument("--aot", metavar="TOPOLOGY",
+                     help="v5e:1x1, v5e:2x2, v5p:1x1x1, v5p:2x2x1, ...; needs libtpu (pip install -e '.[tpu]')")
     aot.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                     help="how the topology's chips are split (default: every chip on model)")
-    aot.add_argument("--programs", default="prefill,ar,dflash", help="which programs to compile, comma-separated")
+                     help="the chips' split (default: all on model)")
+    aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
+                     help="to compile (default prefill,ar,dflash)")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
-    aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel",
-                     help="the TPU attention: the Pallas kernel (the engine's on a TPU) or the portable walk")
+    aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
+                     help="kernel (Pallas, the TPU engine's; default) or walk")
     aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
-                     help="the caches as a page pool of N pages of --page-size shared by the rows (default: per-slot "
-                          "caches)")
+                     help="caches in a pool of N pages (default: per slot)")
 
-    work = p.add_argument_group("workloads")
-    work.add_argument("--cache-prompt-lens", default="128,8192",
-                      help="--cache-scaling: the small and large Generator max_prompt_len")
-    work.add_argument("--mixed-prompts", type=int, default=48, help="--mixed-workload: prompts")
-    work.add_argument("--mixed-range", default="8,256",
-                      help="--mixed-workload, --page-pool: per-row max_new_tokens lo,hi")
-    work.add_argument("--pool-slots", type=int, default=None,
-                      help="--page-pool: the pool's batch slots (default 4 x --batch-size)")
+    moe = p.add_argument_group("--moe-cost", "a DFlash cycle vs a decoding step: gpt-oss-20b, Qwen3-30B-A3B")
+    moe.add_argument("--moe-cost", action="store_true", help="experts a verify touches, bytes, speedup")
 
-    serve = p.add_argument_group("--serve")
+    pub = p.add_argument_group("--published-shapes", "the engine's pieces timed at --shape, random weights")
+    pub.add_argument("--published-shapes", action="store_true",
+                     help="AR step, verify, draft, cycle; takes --split-*")
+
+    cache = p.add_argument_group("--cache-scaling", "tokens/s with a small and a large Generator max_prompt_len")
+    cache.add_argument("--cache-scaling", action="store_true", help="what an allocated cache costs")
+    cache.add_argument("--cache-prompt-lens", default="128,8192", metavar="S,L",
+                       help="the two max_prompt_len (default 128,8192)")
+
+    mixed = p.add_argument_group("--mixed-workload", "tokens/s with per-row max_new_tokens spread out, against "
+                                                     "all at the mean")
+    mixed.add_argument("--mixed-workload", action="store_true", help="held-out prompts, seeded lengths")
+    mixed.add_argument("--mixed-prompts", type=int, default=48, metavar="N", help="prompts (default 48)")
+    mixed.add_argument("--mixed-range", default="8,256", metavar="LO,HI",
+                       help="per-row max_new_tokens (default 8,256)")
+
+    pool = p.add_argument_group("--page-pool", "concurrent rows in the same K/V memory: per-slot caches vs a page pool")
+    pool.add_argument("--page-pool", action="store_true", help="kv_pages; takes --mixed-prompts, --mixed-range")
+    pool.add_argument("--pool-slots", type=int, default=None, metavar="N",
+                      help="the pool's batch slots (default 4 x --batch-size)")
+
+    vllm = p.add_argument_group("--vllm", "this engine and vLLM (installed beside it): tokens equal, tau, tokens/s")
+    vllm.add_argument("--vllm", action="store_true",
+                      help="same pair and prompts, plain/DFlash alternating")
+    vllm.add_argument("--vllm-fix-knorm", action="store_true",
+                      help="each drafter layer's own context k_norm where vLLM CPU's rms_norm uses layer 0's "
+                           "(the bench says so)")
+
+    serve = p.add_argument_group("--serve", "python -m infer.serve (a subprocess) against the offline engine, same tokens")
+    serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
     serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
-                       help="concurrent streams (default: 1, the batch size and 32); prompts: at least the largest")
-    serve.add_argument("--serve-sync-every", type=int, default=2, help="the server's --sync-every")
+                       help="streams (default 1, batch, 32); prompts >= largest")
+    serve.add_argument("--serve-sync-every", type=int, default=2, metavar="N",
+                       help="the server's --sync-every (default 2)")
     serve.add_argument("--serve-prefill-chunk", type=int, default=512, metavar="N",
-                       help="the server's --prefill-chunk: longer prompts go in pieces of N between cycles")
+                       help="the server's --prefill-chunk (default 512)")
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
-                       help="also: the batch's other streams' inter-token latency while prompts of N tokens arrive "
-                            "(0: skip)")
-
-    p.add_argument("--json", default=None, metavar="PATH",
-                   help=f"figures as JSON (default: {BENCH_DIR}/MODE.json, e.g. suite.json, cost-qwen3-8b-x0.25.json)")
-    p.add_argument("--plot", default=None, metavar="PATH", help="suite: PNG plot (default: bench.png next to the JSON)")
+                       help="others' ITL while N-token prompts arrive (0: skip)")
     return p
 
 

@@ -96,14 +96,20 @@ def prompt_ids(snippets: list[dict], tokenizer, vocab_size: int, avoid: Sequence
 
 
 def describe_prompts(prompts: list[list[int]], snippets: list[dict], kind: str, package: str, lines: int) -> str:
-    """One line about the prompts (and the first snippet's origin on a second)."""
+    """One line about the prompts (and the first prompt on a second): the held-out snippets as
+    text, or, without a tokenizer, the random token ids that stand in for them (not the snippets)."""
     import statistics
 
     lens = [len(p) for p in prompts]
     version = package_version(package)
-    return (f"prompts: {len(prompts)} held-out snippets from {package} {version or ''} "
-            f"({lines} lines from a def/class each), "
-            + ("tokenised as raw text (code continuation)" if kind == "text" else
-               "NO TOKENIZER: seeded random token ids of a similar length stand in for the text")
-            + f"; {min(lens)}..{max(lens)} tokens (mean {statistics.mean(lens):.1f})\n"
-            + f"  first: {snippets[0]['file']}:{snippets[0]['line']}: {snippets[0]['text'].splitlines()[0]!r}")
+    source = f"{package} {version}" if version else package
+    sizes = f"; {min(lens)}..{max(lens)} tokens (mean {statistics.mean(lens):.1f})\n"
+    if kind == "text":
+        return (f"prompts: {len(prompts)} held-out snippets from {source} ({lines} lines from a def/class each), "
+                "tokenised as raw text (code continuation)" + sizes
+                + f"  first: {snippets[0]['file']}:{snippets[0]['line']}: {snippets[0]['text'].splitlines()[0]!r}")
+    first = prompts[0]
+    ids = ", ".join(map(str, first)) if len(first) <= 10 else ", ".join(map(str, first[:8])) + f", ... {len(first)} ids"
+    return (f"prompts: {len(prompts)} rows of seeded random token ids (NO TOKENIZER: not text; each as long as "
+            f"a held-out snippet from {source} would be, about 4 characters a token)" + sizes
+            + f"  first: [{ids}]")
