@@ -448,3 +448,76 @@ def test_input_benchmark_checks_the_hosts_shards(tmp_path):
     assert r["shards_disjoint_and_complete"] is True and r["sequences_per_second_per_host"] > 0
     assert r["needed_sequences_per_second_per_host"] == pytest.approx(1 / 0.5 * 4)
     assert r["headroom"] == pytest.approx(r["sequences_per_second_per_host"] / 8)
+
+
+# ----------------------------------------------------------------------------- judging a run
+
+
+def tiny_config(*overrides):
+    return load_config(REPO / "configs" / "train" / "tiny.yaml", list(overrides))
+
+
+def test_verdict_calls_the_tiny_runs_figure_the_expected_smoke_test_result():
+    from train.verdict import verdict
+
+    cfg = tiny_config()
+    assert cfg["train"]["expect_tau"] == 1.12 and "smoke test" in cfg["train"]["expect_note"]
+    text = "\n".join(verdict(1.007, 1.117, 456, cfg))  # what configs/train/tiny.yaml measured
+    assert text.startswith("verdict: eval tau 1.007 (step 0) -> 1.117 after 456 steps of 8 x 96 tokens")
+    assert "1.0 = no draft token ever accepted" in text
+    assert "as expected: this config as written reaches about 1.12 (train.expect_tau)" in text
+    assert "smoke test" in text and "NOT IMPROVED" not in text and "BELOW" not in text
+    # The reference figures, with where they come from.
+    assert "3.27 on its held-out eval, 3.67 on unseen numpy" in text and "12,750 steps" in text and "docs/demo.md" in text
+    assert "Qwen3-8B drafter: 6.49" in text and "docs/benchmarks.md" in text
+    assert len(text.splitlines()) <= 8 and "{" not in text
+
+
+def test_verdict_flags_a_run_that_did_not_improve_or_fell_short():
+    from train.verdict import verdict
+
+    flat = "\n".join(verdict(1.007, 1.010, 456, tiny_config()))
+    assert "NOT IMPROVED (+0.003)" in flat and "BELOW EXPECTATION: this config as written reaches about 1.12" in flat
+    fell = "\n".join(verdict(3.16, 3.02, 450, tiny_config("train.expect_tau=null", "train.expect_note=null")))
+    assert "NOT IMPROVED (-0.140)" in fell and "train.expect_tau" not in fell
+    short = "\n".join(verdict(1.007, 1.06, 100, tiny_config()))  # improved, but short of the config's figure
+    assert "NOT IMPROVED" not in short and "BELOW EXPECTATION" in short
+    assert "above expectation" in "\n".join(verdict(1.007, 1.30, 456, tiny_config()))
+    plain = "\n".join(verdict(1.0, 2.0, 1000, tiny_config("train.expect_tau=null")))
+    assert "names no expected tau (train.expect_tau)" in plain and "6.49" in plain
+    none = "\n".join(verdict(None, None, 16, tiny_config("data.eval_holdout=0")))
+    assert none.startswith("verdict: no eval tau measured") and "python -m infer" in none
+
+
+def test_expect_tau_is_checked_and_each_demo_stage_expects_its_logged_tau():
+    with pytest.raises(TrainConfigError, match="train.expect_tau must be a number >= 1"):
+        tiny_config("train.expect_tau=0.5")
+    with pytest.raises(TrainConfigError, match="train.expect_note must be text"):
+        tiny_config("train.expect_note=3")
+    from infer.bench.published import PAPER_TAU
+    from train import verdict
+
+    assert verdict.PAPER_TAU == PAPER_TAU
+    logs = REPO / "dflash_jax" / "demo" / "drafter"
+    stages = {"demo": "train_log_stage1.jsonl", **{f"demo-stage{i}": f"train_log_stage{i}.jsonl" for i in range(2, 8)},
+              "demo-stage8": "train_log.jsonl"}
+    steps = 0
+    for name, log_name in stages.items():
+        cfg = load_config(REPO / "configs" / "train" / f"{name}.yaml")
+        evals = [json.loads(l) for l in (logs / log_name).read_text().splitlines() if "eval_tau" in l]
+        steps += max(json.loads(l)["step"] for l in (logs / log_name).read_text().splitlines())
+        assert cfg["train"]["expect_tau"] == pytest.approx(evals[-1]["eval_tau"], abs=0.005), name
+        assert log_name in cfg["train"]["expect_note"]
+    assert steps == verdict.DEMO_STEPS and cfg["train"]["expect_tau"] == verdict.DEMO_EVAL_TAU
+
+
+def test_done_message_ends_with_the_verdict_counting_the_step0_eval_of_a_resumed_run(tmp_path):
+    from train.trainer import done_message
+
+    rows = [{"step": 0, "eval_tau": 1.0066}, {"step": 440, "loss": 3.6, "tau_estimate": 1.6},
+            {"step": 456, "loss": 3.511, "tau_estimate": 1.61, "eval_tau": 1.1172}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Resumed after step 400: this process's history has no step-0 eval, the metrics file has.
+    msg = done_message({"steps": 456, "output_dir": str(tmp_path), "history": rows[1:]}, tiny_config())
+    assert "verdict: eval tau 1.007 (step 0) -> 1.117 after 456 steps" in msg and "as expected" in msg
+    assert msg.splitlines()[-2].startswith("next: python -m train.export")

@@ -64,6 +64,10 @@ DEFAULTS: dict[str, Any] = {
         "eval_every": 500,
         "eval_max_new_tokens": 128,
         "eval_batch_size": 8,
+        # What the final eval tau of this config, as written, should be (measured), and why; the
+        # end-of-run verdict compares the run with it (train/verdict.py). None: no expectation.
+        "expect_tau": None,
+        "expect_note": None,
     },
 }
 
@@ -141,6 +145,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     for key in ("anchor_hardness", "anchor_miss"):
         if not isinstance(t[key], (int, float)) or isinstance(t[key], bool) or t[key] < 0:
             raise TrainConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
+    if t["expect_tau"] is not None and (not isinstance(t["expect_tau"], (int, float))
+                                        or isinstance(t["expect_tau"], bool) or t["expect_tau"] < 1):
+        raise TrainConfigError(f"train.expect_tau must be a number >= 1 (tau 1.0 = no draft accepted) or null, "
+                               f"got {t['expect_tau']!r}")
+    if t["expect_note"] is not None and not isinstance(t["expect_note"], str):
+        raise TrainConfigError(f"train.expect_note must be text or null, got {t['expect_note']!r}")
     if config["drafter"]["block_size"] < 2:
         raise TrainConfigError("drafter.block_size must be >= 2")
     return config

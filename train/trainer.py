@@ -26,6 +26,7 @@ from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train
                                  state_shardings, train_step)
 from infer.flags import add_distributed_flags
 from train.config import TrainConfigError, load_config
+from train.verdict import verdict
 
 CHECKPOINTS = "checkpoints"
 DRAFTER_CONFIG = "drafter_config.json"  # z-lab config of the drafter being trained
@@ -340,6 +341,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_evals(out: Path, history: list[dict]) -> list[dict]:
+    """The run's eval entries in step order: from its metrics.jsonl, which a resumed run continues
+    (so the step-0 eval of the first attempt counts), else from this process's history."""
+    entries = []
+    path = out / METRICS
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    evals = [e for e in entries if "eval_tau" in e] or [h for h in history if "eval_tau" in h]
+    return sorted(evals, key=lambda e: e["step"])
+
+
 def done_message(summary: dict, cfg: dict) -> str:
     """The end of a run, for people: where it is, the last figures, what to run next."""
     out, history = summary["output_dir"], summary["history"]
@@ -348,11 +364,11 @@ def done_message(summary: dict, cfg: dict) -> str:
     if last_train:
         lines.append(f"  step {last_train['step']}: loss {last_train['loss']:.3f}, teacher-forced tau "
                      f"{last_train['tau_estimate']:.2f}")
-    last_eval = next((h for h in reversed(history) if "eval_tau" in h), None)
-    if last_eval:
-        first = next(h for h in history if "eval_tau" in h)
-        lines.append(f"  eval tau {last_eval['eval_tau']:.3f} at step {last_eval['step']} "
-                     f"(step {first['step']}: {first['eval_tau']:.3f})")
+    evals = run_evals(Path(out), history)
+    first, last = (evals[0], evals[-1]) if evals else (None, None)
+    lines += verdict(first["eval_tau"] if first and first is not last else None,
+                     last["eval_tau"] if last else None, summary["steps"], cfg,
+                     start_step=first["step"] if first else 0)
     lines.append(f"next: python -m train.export --run {out} --out DRAFTER_DIR")
     lines.append(f"      python -m infer --target {cfg['target']} --drafter DRAFTER_DIR --input PROMPTS.jsonl")
     return "\n".join(lines)
