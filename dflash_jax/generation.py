@@ -714,7 +714,7 @@ def cpu_note(verify_len: int, tau: float) -> str:
     return (f"note: a CPU computes every verified token (a {verify_len}-token verify costs several decoding steps), "
             f"so DFlash gains little or nothing here. Where a step is memory-bound (GPU/TPU), the cost report "
             f"projects {cost['projected_speedup']:.1f}x for another pair, {cost['shapes']}, at the paper's tau "
-            f"{cost['tau']}; it is not a figure for this demo pair (tau {tau:.2f} here), too small to be memory-bound "
+            f"{cost['tau']}; it is not a figure for this demo pair (tau {tau:.3f} here), too small to be memory-bound "
             f"anywhere (`{cost['command']}`)")
 
 

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompts longer than N tokens (a power of two >= 16) are prefilled N at a time, one piece "
                         "between rounds of cycles, so the running streams never wait for a whole long prompt")
+    p.add_argument("--all-admission-widths", action="store_true",
+                   help="prefill requests that arrive together at every power-of-two width up to the batch (one "
+                        "compiled program each per prompt bucket); by default only 1 and the batch: half the "
+                        "programs to compile at start-up, a few requests arriving together are prefilled one by one")
     p.add_argument("--kv-pages", type=int, default=None, metavar="N", help="K/V in a pool of N pages shared by rows")
     p.add_argument("--page-size", type=int, default=128, help="K/V positions per page")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="parameter dtype")
@@ -161,7 +165,8 @@ class Served:
                         max_new_tokens=self.max_new, max_prompt_len=self.max_prompt, sampling=Sampling(per_row=True),
                         stop_token_ids=self.stops, sync_every=args.sync_every, mesh=mesh,
                         draft_tokens=args.draft_tokens if dcfg is not None else None, watchdog=watchdog,
-                        kv_pages=args.kv_pages, page_size=args.page_size, prefill_chunk=args.prefill_chunk)
+                        kv_pages=args.kv_pages, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                        admission_widths=None if args.all_admission_widths else (1, args.batch_size))
         self.context = min(gen.max_prompt_len, tcfg.max_position_embeddings)
         # An engine that fails ends the server (exit status 3), after answering every open request
         # with an error: a supervisor restarts it, where a server without an engine would linger.

@@ -472,6 +472,20 @@ def test_while_warming_up_health_and_requests_answer_503():
         assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
+def test_the_server_prefills_at_two_widths_and_splits_small_groups():
+    """The server compiles prefill at widths 1 and the batch only (half the programs of every
+    power of two): a group of requests is padded to the batch unless that more than doubles it,
+    then prefilled one by one; with every width, a group is padded to the next power of two."""
+    from dflash_jax.engine.scheduler import Generator
+
+    two = SimpleNamespace(widths=[1, 8])
+    parts = lambda n, g=two: Generator._admission_parts(g, list(range(n)))
+    assert parts(1) == [[0]] and parts(3) == [[0], [1], [2]] and parts(4) == [[0, 1, 2, 3]]
+    assert parts(5) == [list(range(5))] and parts(8) == [list(range(8))]
+    every = SimpleNamespace(widths=[1, 2, 4, 8])
+    assert all(parts(n, every) == [list(range(n))] for n in range(1, 9))
+
+
 def test_a_stop_string_ends_a_request_as_stop_in_the_metrics():
     """A request its caller stopped (a stop string) is counted under finish_reason "stop", one a
     client abandoned under "cancelled"."""

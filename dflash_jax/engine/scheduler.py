@@ -101,7 +101,8 @@ class Generator:
                  max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
-                 watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False):
+                 watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
+                 admission_widths: Sequence[int] | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -138,8 +139,13 @@ class Generator:
         stop = list(dict.fromkeys(int(t) for t in stop_token_ids)) or [-1]
         self.stop_ids = jax.numpy.asarray(stop + [-1] * (-len(stop) % 8), jax.numpy.int32)
         self.stop_set = frozenset(stop) - {-1}
-        # Admission widths: prompts admitted together are padded to the next of these.
+        # Admission widths: prompts admitted together are padded to the next of these (each one
+        # prefill program per prompt bucket). admission_widths narrows the set (it keeps 1 and the
+        # batch): a server warms up in half the time with (1, batch), at the price of admitting a
+        # few prompts one by one (`_admission_parts`).
         self.widths = sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)})
+        if admission_widths is not None:
+            self.widths = sorted({1, batch_size} | {int(w) for w in admission_widths if 1 <= w <= batch_size})
         # The batch's tail: the widths it narrows to, widest first: 2^k and 3 * 2^k below the
         # batch (6, 4, 3, 2, 1 for 8), each a whole number of rows per device of the data axis.
         data = mesh.shape["data"] if mesh is not None else 1
@@ -223,8 +229,8 @@ class Generator:
         per_row = self.spec.sampling.per_row
         rows = list(sampling) if sampling is not None else [self.spec.sampling] * len(prompts)
         for length, members in sorted(groups.items()):
-            for lo in range(0, len(members), self.batch_size):
-                chunk = members[lo:lo + self.batch_size]
+            for chunk in (part for lo in range(0, len(members), self.batch_size)
+                          for part in self._admission_parts(members[lo:lo + self.batch_size])):
                 width = next(w for w in self.widths if w >= len(chunk))
                 tokens = np.zeros((width, length), np.int32)
                 lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
@@ -244,6 +250,12 @@ class Generator:
                                 put(ids), np.int32(seed), put(limits), self.stop_ids, put(table) if pool else None,
                                 row_sampling)
         return state
+
+    def _admission_parts(self, chunk: list[int]) -> list[list[int]]:
+        """Prompts admitted together, in prefill calls: one, padded to the next width, unless that
+        would more than double it (widths (1, 8) and 3 prompts), then one call each."""
+        width = next(w for w in self.widths if w >= len(chunk))
+        return [chunk] if width <= 2 * len(chunk) else [[i] for i in chunk]
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False,
                progress: Callable[[int, int, str], None] | None = None):
