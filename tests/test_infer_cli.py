@@ -613,7 +613,7 @@ def test_rows_set_their_own_sampling(tmp_path):
               "--batch-size", "2", "--ignore-eos", "--seed", "3", "--quiet"]
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [dict(rows[0], temperature=0.8, top_k=20), *rows[1:]])
     plain = write_jsonl(tmp_path / "plain.jsonl", rows)
-    outs = {k: tmp_path / f"{k}.jsonl" for k in ("mixed", "sampled", "greedy")}
+    outs = {k: tmp_path / f"out-{k}.jsonl" for k in ("mixed", "sampled", "greedy")}
     assert main(common + ["--input", str(mixed), "--output", str(outs["mixed"])]) == 0
     assert main(common + ["--input", str(plain), "--output", str(outs["sampled"]), "--temperature", "0.8",
                           "--top-k", "20"]) == 0
