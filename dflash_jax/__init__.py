@@ -2,7 +2,8 @@
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import CheckpointError, ConfigError, DFlashError
-from dflash_jax.model import CausalLM, KVCache, ForwardOutput, forward, init_cache
+from dflash_jax.kv import KVCache, init_cache
+from dflash_jax.model import CausalLM, ForwardOutput, forward
 from dflash_jax.checkpoint import load_drafter, load_target
 
 __all__ = [

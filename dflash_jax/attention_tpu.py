@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dflash_jax import attention
+from dflash_jax.kv import PAGE_SIZE, page_size_of
 from dflash_jax.platform import target_platform
 
 Q_ROWS = 256  # at most this many query rows (queries x heads per K/V head) per tile
@@ -131,7 +132,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
 
 
 def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                  page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
+                  page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
     """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
     the kernel compiled on a TPU and in TPU interpret mode elsewhere.
 
@@ -171,13 +172,13 @@ def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-            page_size=attention.PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
+            page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
     """The kernel on one device's arrays."""
     n, t, kv_heads, groups, d = q.shape
     itemsize = jnp.dtype(k_buf.dtype).itemsize
     if pages is None:
         _, batch, max_len, _, _ = k_buf.shape
-        page = attention.page_size_of(max_len, page_size)
+        page = page_size_of(max_len, page_size)
         # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
         # rows of bfloat16, 8 of float32).
         sublanes = 8 * max(1, 4 // itemsize)

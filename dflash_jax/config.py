@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
-DTYPES = ("float32", "bfloat16")
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16")  # the dtypes a model computes in
+
+
+def jnp_dtype(name: str):
+    """The jax dtype of one of `DTYPES`."""
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 @dataclasses.dataclass(frozen=True)

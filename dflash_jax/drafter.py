@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
-from dflash_jax.attention import PAGE_SIZE, attend, block_attention, write_kv
-from dflash_jax.model import (MLP, KVCache, RMSNorm, apply_rope, cache_layout, jnp_dtype, rope_angles, row_lengths,
-                             unfused)
+from dflash_jax.attention import attend, block_attention
+from dflash_jax.config import jnp_dtype
+from dflash_jax.kv import KVCache, row_lengths, write_kv
+from dflash_jax.model import MLP, RMSNorm, apply_rope, rope_angles, unfused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,19 +353,6 @@ def init_drafter_params(config: DrafterConfig, rng=None):
 
 def abstract_drafter_params(config: DrafterConfig):
     return jax.eval_shape(lambda: init_drafter_params(config))
-
-
-def init_context_cache(config: DrafterConfig, batch: int, max_len: int, dtype=None,
-                       page_size: int = PAGE_SIZE, num_pages: int | None = None) -> KVCache:
-    """An empty context cache for at least max_len positions per row (whole pages); with
-    num_pages, a pool of pages (the target's page table serves it: position p of a row sits in
-    the same page of both pools)."""
-    c = config.model
-    dtype = dtype or jnp_dtype(c.dtype)
-    dims, pages = cache_layout(batch, max_len, page_size, num_pages)
-    shape = (c.num_hidden_layers, *dims, c.num_key_value_heads, c.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   pages=pages, page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
-from dflash_jax.model import CausalLM, forward, init_cache
+from dflash_jax.kv import init_cache
+from dflash_jax.model import CausalLM, forward
 from dflash_jax.sharding import constrain, param_shardings, split_over_data, tracing_on
 
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's decay per block size

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.attention import IMPLEMENTATIONS, attend, attend_fused, attend_pages_xla, cache_length, implementation, write_kv
+from dflash_jax.attention import IMPLEMENTATIONS, attend, attend_fused, attend_pages_xla, implementation
+from dflash_jax.kv import cache_length, write_kv
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import Generator, run_cycles
 from dflash_jax.model import init_params

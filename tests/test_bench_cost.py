@@ -156,7 +156,7 @@ def test_doubling_the_context_adds_exactly_the_extra_kv():
 def test_xla_counts_a_row_write_once_per_loop():
     """The basis of the write correction: XLA counts a one-row write as the update read and
     written, and a write of n rows (a loop) as one row's, whatever n."""
-    from dflash_jax.attention import write_kv
+    from dflash_jax.kv import write_kv
 
     row = 16 * 2 * 128 * 4
     buf = jax.ShapeDtypeStruct((2, 4, 256, 2, 128), jnp.float32)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import forward, init_cache, load_drafter, load_target
-from dflash_jax.drafter import draft_hidden, extend_context, init_context_cache
+from dflash_jax.drafter import draft_hidden, extend_context
+from dflash_jax.kv import init_context_cache
 from dflash_jax.model import CausalLM
 from dflash_jax.engine import Generator
 from fixtures import tiny

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import DFlashError, attention
+from dflash_jax.kv import write_kv
 from dflash_jax.attention_tpu import attend_pallas
 from dflash_jax.engine import Generator, Sampling
 from infer.bench.timing import counted_generate
@@ -96,7 +97,7 @@ def test_a_paged_write_lands_in_the_rows_pages_only(layer):
     pool = jnp.full((LAYERS, POOL, P, kv, d), STALE)
     rows, offsets = jnp.asarray([0, 2, 3]), jnp.asarray([5, 9, 0])  # row 3: padding (== batch)
     new = rs.randn(*((LAYERS,) if layer is None else ()), 3, t, kv, d).astype(np.float32)
-    out = np.asarray(attention.write_kv(pool, layer, jnp.asarray(new), offsets, rows, jnp.asarray(table)))
+    out = np.asarray(write_kv(pool, layer, jnp.asarray(new), offsets, rows, jnp.asarray(table)))
     expected = np.full(out.shape, STALE, np.float32)
     layers = slice(None) if layer is None else layer
     for i, (row, off) in enumerate(zip([0, 2], [5, 9])):
@@ -122,7 +123,7 @@ def test_a_ring_holds_what_a_window_sees(rows):
         offsets = jnp.full((batch,), offset) + jnp.asarray([0, 3, 1])
         new = [jnp.asarray(rs.randn(batch, t, kv, d), jnp.float32) for _ in range(2)]
         for name, (k, v) in caches.items():
-            caches[name] = tuple(attention.write_kv(buf, 1, x, offsets, kw.get("rows"), ring=name == "ring")
+            caches[name] = tuple(write_kv(buf, 1, x, offsets, kw.get("rows"), ring=name == "ring")
                                  for buf, x in zip((k, v), new))
         q = jnp.asarray(rs.randn(batch, t, kv, groups, d), jnp.float32)
         q_pos = offsets[:, None] + jnp.arange(t)[None, :]  # query row i is cache row rows[i], written at offsets[i]

@@ -34,7 +34,8 @@ import dataclasses
 
 from dflash_jax import DFlashError, ModelConfig, forward, init_cache
 from dflash_jax.config import LinearAttentionConfig, MoeConfig, RopeConfig
-from dflash_jax.drafter import DrafterConfig, extend_context, init_context_cache, init_drafter_params
+from dflash_jax.drafter import DrafterConfig, extend_context, init_drafter_params
+from dflash_jax.kv import init_context_cache
 from dflash_jax.model import init_params
 from dflash_jax.engine import (
     EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits, target_distribution,

@@ -15,11 +15,12 @@ import pytest
 from dflash_jax import load_drafter, load_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.attention import dense_attention
-from dflash_jax.drafter import DFlashDrafter, DraftAttention, DrafterConfig, draft_hidden, extend_context, init_context_cache, \
+from dflash_jax.drafter import DFlashDrafter, DraftAttention, DrafterConfig, draft_hidden, extend_context, \
     init_drafter_params
 from dflash_jax.model import init_params
 from dflash_jax.engine import Generator
-from dflash_jax.model import CausalLM, forward, init_cache
+from dflash_jax.kv import init_cache, init_context_cache
+from dflash_jax.model import CausalLM, forward
 from dflash_jax.training import block_layout, default_gamma, drafter_loss, drafter_miss, LossSpec, \
     miss_tilted_anchors, position_difficulty, sample_anchors, target_features
 from train.config import TrainConfigError, load_config

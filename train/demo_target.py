@@ -89,7 +89,8 @@ def hf_config(tokenizer) -> dict:
 
 
 def make_step(config, tx):
-    from dflash_jax.model import forward, init_cache
+    from dflash_jax.kv import init_cache
+    from dflash_jax.model import forward
 
     def loss_fn(params, tokens):
         b, s = tokens.shape

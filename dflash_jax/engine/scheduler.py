@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.attention import NO_PAGE, PAGE_SIZE
+from dflash_jax.kv import NO_PAGE, PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling

@@ -27,12 +27,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from dflash_jax.attention import PAGE_SIZE
+from dflash_jax.kv import PAGE_SIZE
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_context_cache
+from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample, sample_rows
 from dflash_jax.errors import DFlashError
-from dflash_jax.model import CausalLM, ForwardOutput, KVCache, forward, init_cache, settle
+from dflash_jax.kv import KVCache, init_cache, init_context_cache
+from dflash_jax.model import CausalLM, ForwardOutput, forward, settle
 from dflash_jax.platform import decode_jit
 from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of, tracing_on
 

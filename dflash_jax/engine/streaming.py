@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash_jax.engine.sampling import Sampling
 from dflash_jax.engine.scheduler import Generator, PagePool, Result, run_steps
-from dflash_jax.attention import NO_PAGE
+from dflash_jax.kv import NO_PAGE
 from dflash_jax.engine.step import cancel, prefill, prefill_part
 from dflash_jax.sharding import put_batch
 from dflash_jax.errors import DFlashError

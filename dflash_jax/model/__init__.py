@@ -5,15 +5,14 @@
 - `moe`: the sparse mixture-of-experts block (router, dispatch by expert, grouped matmuls).
 - `delta_rule`: the gated delta rule and Qwen3.5's gated delta-net layer (linear attention
   with a recurrent state), chunked and per token, and the settling of a verify pass's state.
-- `decoder`: the KV cache, the decoder layer and model, and `forward`, the one jit-compiled
+- `decoder`: the decoder layer and model, and `forward`, the one jit-compiled
   entry point for prefill, decoding and verification.
 
 Which switches a checkpoint turns on is its family's business (`dflash_jax.families`).
 """
 
 from dflash_jax.model.decoder import (  # noqa: F401
-    CausalLM, Decoder, DecoderLayer, ForwardOutput, KVCache, abstract_params, cache_layout, forward, init_cache,
-    init_params, row_lengths, settle,
+    CausalLM, Decoder, DecoderLayer, ForwardOutput, abstract_params, forward, init_params, settle,
 )
-from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, jnp_dtype, rope_angles, unfused  # noqa: F401
+from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, rope_angles, unfused  # noqa: F401
 from dflash_jax.model.moe import MoE  # noqa: F401

@@ -10,14 +10,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import attend, write_kv
-from dflash_jax.config import ModelConfig
+from dflash_jax.attention import attend
+from dflash_jax.kv import write_kv
+from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.model.rope import rope_inv_freq
 from dflash_jax.platform import target_platform
-
-
-def jnp_dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 _UNFUSED_PLATFORMS = {"tpu"}

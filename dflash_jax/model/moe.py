@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, MoeConfig
-from dflash_jax.model.layers import MLP, RMSNorm, jnp_dtype
+from dflash_jax.config import jnp_dtype
+from dflash_jax.model.layers import MLP, RMSNorm
 
 
 def route(logits, moe: MoeConfig):

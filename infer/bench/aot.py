@@ -303,7 +303,7 @@ def _gib(n: float) -> str:
 def run_aot(args) -> dict:
     import jax
 
-    from dflash_jax.attention import cache_length
+    from dflash_jax.kv import cache_length
     from dflash_jax.model import abstract_params
     from dflash_jax.sharding import MeshError
 

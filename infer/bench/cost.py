@@ -12,7 +12,7 @@ XLA counts every loop body once. Two loops inside a cycle matter:
   count known only on the device) is counted as one page per attention call, where a row at
   context C walks ceil((C + verify_len) / page) pages in the target's verify and ceil(C / page)
   in the drafter;
-- a cache write (`attention.write_kv`: a fori_loop over the rows) is counted as one row's write.
+- a cache write (`kv.write_kv`: a fori_loop over the rows) is counted as one row's write.
 XLA also counts an embedding lookup (a gather fused with its consumer) as a read of the whole
 table, where a lookup reads the rows it indexes (the AR step looks up once, the DFlash cycle
 twice: the drafter's block and the verify's).
@@ -162,7 +162,7 @@ def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
     docstring): bytes and flops of the extra pages walked, bytes of the other rows' writes.
     Per attention layer: its own head shape and window (Gemma 4's sliding and global layers);
     a layer sharing another's K/V walks its pages but writes none."""
-    from dflash_jax.attention import page_size_of
+    from dflash_jax.kv import page_size_of
 
     page = page_size_of(max_len, spec.page_size)
     v = spec.verify_len
@@ -285,7 +285,7 @@ def piece_costs(spec, batch: int, context: int) -> dict:
 def run_cost(args) -> dict:
     import warnings
 
-    from dflash_jax.attention import cache_length
+    from dflash_jax.kv import cache_length
     from dflash_jax.engine import EngineSpec, Sampling
 
     scale = 0.25 if args.scale is None else args.scale

@@ -183,7 +183,7 @@ def run_mixed_workload(args) -> dict:
 def run_page_pool(args) -> dict:
     import jax
 
-    from dflash_jax.attention import cache_length
+    from dflash_jax.kv import cache_length
     from dflash_jax.engine import Generator
     from dflash_jax.platform import narrow_tail_default
 

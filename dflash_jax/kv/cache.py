@@ -1,0 +1,137 @@
+"""The KV cache type and its init: the target's (`init_cache`: K/V per attention layer, Gemma 4's
+global group, a hybrid's recurrent states) and the drafter's context cache (`init_context_cache`:
+the K/V of the target's tap features, which serve every block drafted after them).
+
+Rollback is a length update: entries at or past a row's length are stale, and the causal limit
+(key position <= query position, with every position below the query written in this or an
+earlier call) guarantees they are never read. Layouts: `dflash_jax.kv.layout`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.config import ModelConfig, jnp_dtype
+from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, ring_length
+
+if TYPE_CHECKING:
+    from dflash_jax.drafter import DrafterConfig
+
+
+@struct.dataclass
+class KVCache:
+    """Static-shape paged KV cache with a length per row.
+
+    k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
+    k_global, v_global: the same for the full-attention layers with their own head_dim and KV
+             heads (Gemma 4's global layers), None when there are none. A layer that shares
+             another's K/V has no slot of its own.
+    lengths: [batch] int32, number of valid (committed) positions of each row.
+    state:   per linear layer [batch, v_heads, k_dim, v_dim] float32, the gated delta-net
+             layers' recurrent states (None when the decoder has none). Separate arrays, not one
+             stacked buffer: a step rewrites each whole, and an update of one slice of a stacked
+             buffer that reads the same slice is copied whole by XLA.
+    tail:    per linear layer [batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
+    pages:   None (each row owns max_len positions of the buffers), or a page pool's table
+             [batch, pages per row] int32: k, v (and k_global, v_global) are then
+             [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
+             every row, and row b's page j is page pages[b, j] (an entry past the pool, as
+             NO_PAGE: none; see `dflash_jax.attention`).
+    ring:    (static) with a pool, k and v (the main group) are rings of the last k.shape[2]
+             positions of each row, [layers, batch, ring, kv_heads, head_dim], position p at p % ring:
+             the group's layers all slide (`ModelConfig.local_window`), so the pages behind the
+             window are written over instead of held (see `dflash_jax.attention`).
+    page_size: positions per page (static), the unit attention walks in.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    k_global: jax.Array | None = None
+    v_global: jax.Array | None = None
+    state: tuple[jax.Array, ...] | None = None
+    tail: tuple[jax.Array, ...] | None = None
+    pages: jax.Array | None = None
+    ring: bool = struct.field(pytree_node=False, default=False)
+    page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
+
+    @property
+    def max_len(self) -> int:
+        """Positions a row can hold."""
+        return self.k.shape[2] if self.pages is None else self.pages.shape[1] * self.page_size
+
+    def layout(self, global_group: bool) -> tuple[jax.Array | None, bool]:
+        """(page table or None, ring) of a K/V group: the main one or Gemma 4's global one."""
+        if global_group:
+            return self.pages, False
+        return (None, True) if self.ring else (self.pages, False)
+
+    def assign_pages(self, rows, table) -> "KVCache":
+        """Rows `rows` [n] (out of range: ignored) take the page table rows `table` [n, pages
+        per row] (a pool only)."""
+        return self.replace(pages=self.pages.at[rows].set(table, mode="drop"))
+
+    def release_pages(self, rows_done) -> "KVCache":
+        """Rows where rows_done [batch] lose their pages (their writes are dropped from now on:
+        the host hands the pages to other rows). A no-op without a pool."""
+        if self.pages is None:
+            return self
+        return self.replace(pages=jnp.where(rows_done[:, None], NO_PAGE, self.pages))
+
+    def reset_rows(self, rows) -> "KVCache":
+        """Rows `rows` [n] (out of range: ignored) emptied for a new sequence: length 0 and,
+        in a hybrid decoder, zero recurrent state and tail."""
+        out = self.replace(lengths=self.lengths.at[rows].set(0, mode="drop"))
+        if self.state is not None:
+            zero = lambda arrays: tuple(a.at[rows].set(0, mode="drop") for a in arrays)
+            out = out.replace(state=zero(self.state), tail=zero(self.tail))
+        return out
+
+
+def row_lengths(cache: KVCache, rows):
+    """lengths of cache rows `rows` [n]; 0 for padding rows (out of range)."""
+    return jnp.where(rows < cache.lengths.shape[0], jnp.take(cache.lengths, rows, mode="clip"), 0)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE,
+               num_pages: int | None = None, ring_chunk: int | None = None) -> KVCache:
+    """An empty cache for at least max_len positions per row (rounded up to whole pages); with
+    num_pages, a pool of that many pages shared by the rows, every row without a page yet, and
+    (ring_chunk: the most positions a call writes) the main group a ring of its window per row
+    where its layers all slide."""
+    dtype = dtype or jnp_dtype(config.dtype)
+    dims, pages = cache_layout(batch, max_len, page_size, num_pages)
+    ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
+    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), config.num_key_value_heads,
+             config.head_dim)
+    k_global = v_global = None
+    if config.num_kv_slots(True):
+        g = next(i for i in range(config.num_hidden_layers) if config.is_global(i))
+        head_dim, kv_heads = config.attention_shape(g)
+        global_shape = (config.num_kv_slots(True), *dims, kv_heads, head_dim)
+        k_global, v_global = jnp.zeros(global_shape, dtype), jnp.zeros(global_shape, dtype)
+    state = tail = None
+    if config.num_linear_layers:
+        lin, n = config.linear_attention, config.num_linear_layers
+        state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
+        tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
+                   k_global=k_global, v_global=v_global, state=state, tail=tail, pages=pages, ring=ring is not None,
+                   page_size=page_size)
+
+
+def init_context_cache(config: "DrafterConfig", batch: int, max_len: int, dtype=None,
+                       page_size: int = PAGE_SIZE, num_pages: int | None = None) -> KVCache:
+    """An empty context cache for at least max_len positions per row (whole pages); with
+    num_pages, a pool of pages (the target's page table serves it: position p of a row sits in
+    the same page of both pools)."""
+    c = config.model
+    dtype = dtype or jnp_dtype(c.dtype)
+    dims, pages = cache_layout(batch, max_len, page_size, num_pages)
+    shape = (c.num_hidden_layers, *dims, c.num_key_value_heads, c.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
+                   pages=pages, page_size=page_size)

@@ -1,0 +1,77 @@
+"""Cache writes: a chunk of new keys/values at each row's own offset, straight into the buffer
+(per-row slots, a page pool through each row's page table, or a ring). With the buffer donated
+(or carried by a loop), XLA updates it in place, and no step copies or re-stacks the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False):
+    """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
+    row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
+    with layer None, into every layer: new is then [layers, n, T, ...]).
+
+    A loop of one dynamic-update-slice per row, which XLA performs in place on a donated or
+    loop-carried buffer (a scatter is in place too, but XLA's cost analysis counts it as the
+    whole buffer read and written; a loop body is counted once, so cost reports add the
+    other rows' writes). Rows out of range are padding (an admission batch points them at
+    row `batch`) and write back what is there. The caller keeps offsets + T <= len.
+
+    With a page table (`pages` [batch, pages per row]; buf a pool [layers, num_pages, page,
+    ...]) it is one scatter of every (row, position) into its page, positions in no page of
+    the row (padding rows, pages past its reservation) dropped. A ring (`ring`) is one scatter
+    too, position p at p % the buffer's length."""
+    if pages is not None:
+        return _write_pool(buf, layer, new, offsets, rows, pages)
+    if ring:
+        return _write_ring(buf, layer, new, offsets, rows)
+    n = new.shape[-4]
+    batch = buf.shape[1]
+    new = new.astype(buf.dtype)
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+
+    def one(i, buf):
+        row = rows[i]
+        start = (0 if layer is None else layer, jnp.minimum(row, batch - 1), offsets[i], 0, 0)
+        if layer is None:  # [layers, 1, T, kv, d]
+            update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=1)
+        else:  # [1, 1, T, kv, d]
+            update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=0)[None]
+        update = jnp.where(row < batch, update, jax.lax.dynamic_slice(buf, start, update.shape))
+        return jax.lax.dynamic_update_slice(buf, update, start)
+
+    return jax.lax.fori_loop(0, n, one, buf)
+
+
+def _write_pool(buf, layer, new, offsets, rows, pages):
+    layers, num_pages, page, heads, dim = buf.shape
+    n, t = new.shape[-4], new.shape[-3]
+    batch, per_row = pages.shape
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    pos = offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [n, T]
+    logical = pos // page
+    table = jnp.take(pages, rows, axis=0, mode="clip")  # [n, per_row]
+    phys = jnp.take_along_axis(table, jnp.clip(logical, 0, per_row - 1), axis=1)
+    ok = (rows < batch)[:, None] & (logical < per_row) & (phys >= 0) & (phys < num_pages)
+    flat = (jnp.where(ok, phys, num_pages) * page + pos % page).reshape(-1)  # no page: past the pool, dropped
+    pool = buf.reshape(layers, num_pages * page, heads, dim)
+    new = new.astype(buf.dtype)
+    if layer is None:  # [layers, n, T, kv, d]
+        pool = pool.at[:, flat].set(new.reshape(layers, n * t, heads, dim), mode="drop")
+    else:
+        pool = pool.at[layer, flat].set(new.reshape(n * t, heads, dim), mode="drop")
+    return pool.reshape(buf.shape)
+
+
+def _write_ring(buf, layer, new, offsets, rows):
+    n, t = new.shape[-4], new.shape[-3]
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
+    where = jnp.broadcast_to(rows[:, None], pos.shape)  # rows out of range (padding): dropped
+    new = new.astype(buf.dtype)
+    if layer is None:
+        return buf.at[:, where, pos].set(new, mode="drop")
+    return buf.at[layer, where, pos].set(new, mode="drop")
