@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import safetensors_io
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import VERSION, ModelConfig
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
 from dflash_jax.families.table import Row, layer_rows
@@ -351,10 +351,9 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
     for name in SIDE_FILES:
         if (hf_dir / name).is_file():
             shutil.copy2(hf_dir / name, out / name)
-    from dflash_jax import __version__
 
     meta = dict(format="dflash-jax", format_version=FORMAT_VERSION, kind=kind, dtype=dtype,
-                source=str(hf_dir), dflash_jax_version=__version__)
+                source=str(hf_dir), dflash_jax_version=VERSION)
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+VERSION = "0.1.0"  # the package's version (dflash_jax.__version__), recorded in converted checkpoints
 DTYPES = ("float32", "bfloat16")  # the dtypes a model computes in
 
 
