@@ -455,6 +455,47 @@ def test_app_errors():
         assert client.get("/health").status_code == 503
 
 
+@heavy
+def test_schemathesis_finds_no_5xx_and_every_4xx_in_openai_schema():
+    """schemathesis against the app's own OpenAPI schema, in process (ASGI, no socket) over the
+    scripted fake engine: requests that fit the schema and requests that do not, a bounded
+    number per operation. No answer is a 5xx, and every 4xx carries OpenAI's error body."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    from infer.serve.app import create_app
+
+    served = fake_served()
+    served.engine, served.context = FakeEngine(), 64
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(served))
+    seen: dict[int, int] = {}
+
+    def check(case):
+        r = case.call()
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        where = f"{case.method} {case.path} {case.body!r}"
+        assert r.status_code < 500, f"{r.status_code} for {where}: {r.text[:500]}"
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert list(err) == ["message", "type", "param", "code"] and err["message"], (where, r.text)
+            assert isinstance(err["type"], str) and (err["param"] is None or isinstance(err["param"], str)), where
+
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
+        "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics"}
+    for op in operations:
+        # Requests that do not fit the schema only where there is something to break (a body).
+        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.method.upper() == "POST" else \
+            (GenerationMode.POSITIVE,)
+        for mode in modes:
+            runs = settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                            suppress_health_check=list(HealthCheck))(given(case=op.as_strategy(mode))(check))
+            runs()
+    assert seen.get(200) and seen.get(400), seen  # both kinds were exercised
+    print(f"schemathesis: {sum(seen.values())} requests, by status {dict(sorted(seen.items()))}")
+
+
 def test_while_warming_up_health_and_requests_answer_503():
     """Before the engine has loaded and compiled: /health 503 "warming up" with what it is doing,
     completions 503 "warming_up", /metrics dflash_ready 0; once ready, 200 and dflash_ready 1."""

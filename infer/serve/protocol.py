@@ -108,11 +108,10 @@ ChatCompletionRequest.model_rebuild()
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """The first of pydantic's (or FastAPI's) validation errors as a 400 in OpenAI's schema."""
+    """The first of pydantic's (or FastAPI's) validation errors as a 400 in OpenAI's schema. A
+    value that fits none of a field's forms (a union) is answered with the forms it may take."""
     first = errors[0] if errors else {}
-    loc = list(first.get("loc", ()))
-    if loc[:1] == ["body"]:
-        loc = loc[1:]
+    loc = _strip_body(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
     if not loc or not isinstance(loc[0], str):
@@ -120,13 +119,30 @@ def validation_error(errors: list[dict]) -> APIError:
     param = loc[0]
     if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
         param = f"messages[{loc[1]}]"
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:] if not _union_tag(p))
-    return APIError(400, f"'{loc[0]}{where}': {first.get('msg', 'invalid')}", param)
+    tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
+    if tag is None:
+        return APIError(400, f"'{_path(loc)}': {first.get('msg', 'invalid')}", param)
+    forms = []
+    for e in errors:
+        other = _strip_body(e.get("loc", ()))
+        if other[:tag] == loc[:tag] and len(other) > tag and other[tag] not in forms:
+            forms.append(other[tag])
+    forms = [f.replace("constrained-str", "non-empty str") for f in forms]
+    return APIError(400, f"'{_path(loc[:tag])}' must be one of: {', '.join(forms)}", param)
+
+
+def _strip_body(loc) -> list:
+    loc = list(loc)
+    return loc[1:] if loc[:1] == ["body"] else loc
+
+
+def _path(loc: list) -> str:
+    return str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
 
 
 def _union_tag(part) -> bool:
-    """pydantic names the member of a union it tried in the error's location ("str", "list[int]")."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "TextPart"))
+    """pydantic names the member of a union it tried in an error's location ("str", "list[int]")."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-str"))
 
 
 def parse_request(body: Any, chat: bool) -> CompletionRequest | ChatCompletionRequest:
