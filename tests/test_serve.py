@@ -1,6 +1,6 @@
 """`python -m infer.serve`: the OpenAI-compatible server over the streaming engine.
 
-Everyday (no model, well under a second each): a request's checks and defaults (`Job`), the
+Everyday (no model, well under a second each): a request's checks and defaults (`prepare_request`), the
 release of a row's text as it grows with stop strings held back (`Decoded`), /metrics'
 Prometheus text (`render_metrics`), and the app over a scripted fake engine (the response and
 event-stream schema, stop strings cancelling the row, 400/401/429/503/500).
@@ -31,7 +31,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from infer.serve import APIError, Decoded, Job, render_metrics
+from infer.serve.metrics import render_metrics
+from infer.serve.prepare import prepare_request
+from infer.serve.protocol import APIError
+from infer.serve.streaming import Decoded
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "dflash-demo"  # the demo pair's served name
@@ -39,11 +42,11 @@ heavy = pytest.mark.heavy
 START_TIMEOUT = 300  # seconds for the server to load and compile (about 40 s warm, 2 min with no compile cache)
 TIMEOUT = 60  # seconds for one HTTP operation
 
-# ----------------------------------------------------------------------------- everyday: Job
+# ----------------------------------------------------------------------------- everyday: prepare_request
 
 
 def fake_served(check=lambda ids, n: None, max_new=16):
-    """What Job and Decoded use of a Served, without a model: a character-per-token "tokenizer"."""
+    """What prepare_request and Decoded use of a ServedModel, without a model: a character-per-token "tokenizer"."""
     chats = []
 
     def chat(messages, kwargs):
@@ -99,7 +102,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 ])
 def test_job_refuses_bad_requests_in_openai_schema(body, chat, status, param):
     with pytest.raises(APIError) as e:
-        Job(fake_served(), body, chat)
+        prepare_request(fake_served(), body, chat)
     assert e.value.status == status and e.value.param == param
     err = e.value.body()["error"]
     assert list(err) == ["message", "type", "param", "code"] and err["message"] and err["param"] == param
@@ -110,49 +113,53 @@ def test_job_refuses_bad_requests_in_openai_schema(body, chat, status, param):
 
 def test_job_defaults_and_fields():
     served = fake_served()
-    job = Job(served, {"prompt": "hi"}, chat=False)
+    job = prepare_request(served, {"prompt": "hi"}, chat=False)
     assert job.prompt_ids == [104, 105] and job.max_tokens == 16  # the server's limit by default
     assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p) == (1.0, 0, 1.0)  # OpenAI's defaults
     assert job.sampling.per_row and 0 <= job.row_id < 2**32
     assert job.stop == [] and job.stop_ids == set() and not job.stream and not job.include_usage
     assert not job.return_token_ids and not job.chat
 
-    job = Job(served, {"prompt": [[3, 4]], "model": "m", "n": 1, "max_tokens": 16, "temperature": 0, "top_p": 0.5,
-                       "top_k": -1, "seed": 2**32 + 5, "stop": "\n", "stop_token_ids": [2], "stream": True,
-                       "stream_options": {"include_usage": True}, "return_token_ids": True, "logprobs": None}, False)
+    job = prepare_request(served, {"prompt": [[3, 4]], "model": "m", "n": 1, "max_tokens": 16, "temperature": 0,
+                                   "top_p": 0.5, "top_k": -1, "seed": 2**32 + 5, "stop": "\n", "stop_token_ids": [2],
+                                   "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+                                   "logprobs": None}, False)
     assert job.prompt_ids == [3, 4] and job.max_tokens == 16 and job.row_id == 5  # a seed modulo 2**32
     assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p) == (0.0, 0, 0.5)
     assert job.stop == ["\n"] and job.stop_ids == {2} and job.stream and job.include_usage and job.return_token_ids
-    assert Job(served, {"prompt": ["ab"], "top_k": 40}, False).prompt_ids == [97, 98]  # a batch of one
-    assert Job(served, {"prompt": "x", "top_k": 40}, False).sampling.top_k == 40
-    assert not Job(served, {"prompt": "x", "stream_options": {"include_usage": True}}, False).include_usage
+    assert prepare_request(served, {"prompt": ["ab"], "top_k": 40}, False).prompt_ids == [97, 98]  # a batch of one
+    assert prepare_request(served, {"prompt": "x", "top_k": 40}, False).sampling.top_k == 40
+    assert not prepare_request(served, {"prompt": "x", "stream_options": {"include_usage": True}},
+                               False).include_usage
     # The same seed, the same random stream; none: a fresh one each time.
-    assert Job(served, {"prompt": "x", "seed": 9}, False).row_id == Job(served, {"prompt": "x", "seed": 9}, False).row_id
-    assert len({Job(served, {"prompt": "x"}, False).row_id for _ in range(8)}) > 1
+    seeded = lambda: prepare_request(served, {"prompt": "x", "seed": 9}, False).row_id
+    assert seeded() == seeded()
+    assert len({prepare_request(served, {"prompt": "x"}, False).row_id for _ in range(8)}) > 1
 
 
 def test_job_chat_messages_and_template_kwargs():
     served = fake_served()
     messages = [{"role": "system", "content": None},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"}]
-    job = Job(served, {"messages": messages, "max_tokens": 3, "max_completion_tokens": 5,
+    job = prepare_request(served, {"messages": messages, "max_tokens": 3, "max_completion_tokens": 5,
                        "chat_template_kwargs": {"enable_thinking": False}}, chat=True)
     assert job.chat and job.prompt_ids == [7, 8, 9] and job.max_tokens == 5  # max_completion_tokens wins
     assert served.chats == [([{"role": "system", "content": ""}, {"role": "user", "content": "ab"}],
                              {"enable_thinking": False})]
-    assert Job(served, {"messages": CHAT, "max_tokens": 3}, chat=True).max_tokens == 3
-    assert Job(served, {"messages": CHAT}, chat=True).max_tokens == 16
+    assert prepare_request(served, {"messages": CHAT, "max_tokens": 3}, chat=True).max_tokens == 3
+    assert prepare_request(served, {"messages": CHAT}, chat=True).max_tokens == 16
 
 
 def test_job_reports_the_engines_refusal():
     too_long = lambda ids, n: "prompt of 100 tokens is longer than the context (64 tokens)"
     for chat, body, param in ((False, {"prompt": [1] * 100}, "prompt"), (True, {"messages": CHAT}, "messages")):
         with pytest.raises(APIError) as e:
-            Job(fake_served(check=too_long), body, chat)
+            prepare_request(fake_served(check=too_long), body, chat)
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "context_length_exceeded")
         assert "longer than the context" in e.value.message
     with pytest.raises(APIError) as e:
-        Job(fake_served(check=lambda ids, n: "token id 99999 outside the vocabulary (size 10)"), {"prompt": [99999]}, False)
+        prepare_request(fake_served(check=lambda ids, n: "token id 99999 outside the vocabulary (size 10)"),
+                        {"prompt": [99999]}, False)
     assert (e.value.status, e.value.code) == (400, None) and "outside the vocabulary" in e.value.message
 
 
@@ -343,7 +350,7 @@ class FakeEngine:
 def app_client(engine, api_key=None):
     from starlette.testclient import TestClient
 
-    from infer.serve import create_app
+    from infer.serve.app import create_app
 
     served = fake_served()
     served.engine, served.context = engine, 64
@@ -448,12 +455,53 @@ def test_app_errors():
         assert client.get("/health").status_code == 503
 
 
+@heavy
+def test_schemathesis_finds_no_5xx_and_every_4xx_in_openai_schema():
+    """schemathesis against the app's own OpenAPI schema, in process (ASGI, no socket) over the
+    scripted fake engine: requests that fit the schema and requests that do not, a bounded
+    number per operation. No answer is a 5xx, and every 4xx carries OpenAI's error body."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    from infer.serve.app import create_app
+
+    served = fake_served()
+    served.engine, served.context = FakeEngine(), 64
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(served))
+    seen: dict[int, int] = {}
+
+    def check(case):
+        r = case.call()
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        where = f"{case.method} {case.path} {case.body!r}"
+        assert r.status_code < 500, f"{r.status_code} for {where}: {r.text[:500]}"
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert list(err) == ["message", "type", "param", "code"] and err["message"], (where, r.text)
+            assert isinstance(err["type"], str) and (err["param"] is None or isinstance(err["param"], str)), where
+
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
+        "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics"}
+    for op in operations:
+        # Requests that do not fit the schema only where there is something to break (a body).
+        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.method.upper() == "POST" else \
+            (GenerationMode.POSITIVE,)
+        for mode in modes:
+            runs = settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                            suppress_health_check=list(HealthCheck))(given(case=op.as_strategy(mode))(check))
+            runs()
+    assert seen.get(200) and seen.get(400), seen  # both kinds were exercised
+    print(f"schemathesis: {sum(seen.values())} requests, by status {dict(sorted(seen.items()))}")
+
+
 def test_while_warming_up_health_and_requests_answer_503():
     """Before the engine has loaded and compiled: /health 503 "warming up" with what it is doing,
     completions 503 "warming_up", /metrics dflash_ready 0; once ready, 200 and dflash_ready 1."""
     from starlette.testclient import TestClient
 
-    from infer.serve import create_app
+    from infer.serve.app import create_app
 
     served = fake_served()
     served.engine, served.context, served.state, served.detail = None, 64, "compiling", "compiling 3/26: cancel"

@@ -1,0 +1,131 @@
+"""`python -m infer.serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+    python -m infer.serve                                   # the bundled demo pair on 127.0.0.1:8000
+    python -m infer.serve --target DIR --drafter DIR --batch-size 32 --port 8000
+
+The flags and `main`: check the flags and read the model's configs (a bad one is a one-line
+error, exit status 2), open the port at once, load and compile on a thread while /health answers
+503, and serve until SIGTERM (exit status 0) or an engine failure (3).
+"""
+
+import argparse
+import signal
+import sys
+import threading
+import traceback
+
+from dflash_jax.errors import DFlashError
+
+# --------------------------------------------------------------------------- flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from infer.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="python -m infer.serve", formatter_class=HelpFormatter,
+        description="Serve a target and DFlash drafter behind an OpenAI-compatible HTTP API (completions, chat "
+                    "completions, streaming). With no --target, serves the bundled demo pair.")
+    p.add_argument("--target", "--model", dest="target", metavar="DIR", help="target model directory")
+    p.add_argument("--drafter", "--draft-model", dest="drafter", metavar="DIR",
+                   help="DFlash drafter; without it, plain decoding")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the target directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together (slots)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the most tokens a request may ask for, which sizes the cache (default 256; 128 for the demo)")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt in tokens, which sizes the cache (default: the target's context, at most 2048)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued for a slot; more are answered 429")
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's; 1 = plain decoding")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="drafts verified per cycle (default B-1)")
+    p.add_argument("--sync-every", type=int, default=2,
+                   help="decoding cycles per host sync: tokens reach clients at each; fewer syncs cost the host "
+                        "less, more keep the inter-token latency near one cycle")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompts longer than N tokens (a power of two >= 16) are prefilled N at a time, one piece "
+                        "between rounds of cycles, so the running streams never wait for a whole long prompt")
+    p.add_argument("--all-admission-widths", action="store_true",
+                   help="prefill requests that arrive together at every power-of-two width up to the batch (one "
+                        "compiled program each per prompt bucket); by default only 1 and the batch: half the "
+                        "programs to compile at start-up, a few requests arriving together are prefilled one by one")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N", help="K/V in a pool of N pages shared by rows")
+    p.add_argument("--page-size", type=int, default=128, help="K/V positions per page")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="parameter dtype")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="device mesh (as python -m infer)")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="chat template default for enable_thinking (a request's chat_template_kwargs overrides it)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may run on before they are cancelled")
+    p.add_argument("--stall-timeout", type=float, default=10.0, metavar="MINUTES",
+                   help="end the server when the device makes no progress for this long (0: never)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    return p
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    """Exit status: 0 after a requested shutdown (SIGTERM, SIGINT); 2 for bad flags or a model
+    that cannot load; 3 when the engine failed while serving (or the device stalled)."""
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("error: the server needs fastapi and uvicorn: pip install fastapi uvicorn", file=sys.stderr)
+        return 2
+    from dflash_jax.compiling import enable_compile_cache
+    from infer.serve.app import create_app
+    from infer.serve.model import ServedModel
+
+    try:
+        model = ServedModel(args)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cache = enable_compile_cache(lambda *a: print(*a, file=sys.stderr))
+    app = create_app(model, args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    url = f"http://{args.host}:{args.port}"
+
+    def load():
+        try:
+            model.load()
+        except BaseException as e:  # noqa: B036 (the thread's end: whatever it was, the server stops)
+            model.failure, model.state = e, "failed"
+            if isinstance(e, DFlashError):
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
+            server.should_exit = True
+            return
+        print(f"serving {model.name} on {url}/v1 (batch {args.batch_size}, max_tokens <= {model.max_new}, "
+              f"context {model.context})", file=sys.stderr, flush=True)
+
+    print(f"listening on {url}: /health answers 503 \"warming up\" until the engine has loaded and compiled "
+          f"(a first start compiles every program; {'a restart loads them from ' + cache if cache else 'no compilation cache'})",
+          file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="dflash-load", daemon=True).start()
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
+    # handlers it found: these note it, so that a requested shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if model.failure is not None:
+        return 2 if isinstance(model.failure, DFlashError) else 1
+    if model.engine is not None and model.engine.error is not None:
+        print(f"error: the engine failed: {model.engine.error}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

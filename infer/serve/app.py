@@ -1,0 +1,67 @@
+"""The FastAPI app: wiring only. Routes go to the module-level handlers of
+`infer.serve.handlers`; every error (the server's own `APIError`, a request that does not fit
+its pydantic model, an unknown path or method) is answered in OpenAI's error schema; shutting
+down cancels the requests still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from infer.serve import handlers
+from infer.serve.protocol import APIError, Completion, ErrorResponse, ModelList, validation_error
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_COMPLETION = {200: {"model": Completion, "content": {"text/event-stream": {}}}, **_ERRORS}
+
+
+def create_app(model, api_key: str | None = None) -> FastAPI:
+    """The app serving `model` (a `ServedModel`, or anything with its attributes); with
+    `api_key`, /v1 requests need `Authorization: Bearer KEY`."""
+    # Clients that send JSON without a Content-Type are served, as OpenAI's server does.
+    app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None, lifespan=_lifespan, strict_content_type=False)
+    app.state.model, app.state.api_key, app.state.created = model, api_key, int(time.time())
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    auth, ready = Depends(handlers.authorize), Depends(handlers.require_ready)
+    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", handlers.list_models, methods=["GET"], dependencies=[auth],
+                      responses={200: {"model": ModelList}, 401: _ERRORS[401]})
+    for path, endpoint in (("/v1/completions", handlers.completions),
+                           ("/v1/chat/completions", handlers.chat_completions)):
+        app.add_api_route(path, endpoint, methods=["POST"], dependencies=[auth, ready], response_model=None,
+                          responses=_COMPLETION)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    # Shutting down (SIGTERM): uvicorn has stopped taking connections and let the requests in
+    # flight run on (up to --shutdown-timeout); whatever still runs is cancelled.
+    engine = app.state.model.engine
+    if engine is not None:
+        await asyncio.to_thread(engine.close, cancel_running=True, timeout=30)
+
+
+async def _api_error(_request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _validation_error(_request, e: RequestValidationError) -> JSONResponse:
+    return await _api_error(_request, validation_error(list(e.errors())))
+
+
+async def _http_error(_request, e: HTTPException) -> JSONResponse:
+    """Starlette's own errors (404 for an unknown path, 405 for a wrong method, ...)."""
+    err = APIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
+    return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))

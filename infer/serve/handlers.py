@@ -1,0 +1,117 @@
+"""One handler per endpoint. Each reads the served model from the app's state
+(`app.state.model`, a `ServedModel`); the API key and the warming-up check run before them, as
+FastAPI dependencies (`authorize`, `require_ready`) that `infer.serve.app` attaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from dflash_jax.engine.streaming import Closed, QueueFull
+from dflash_jax.engine.streaming import Request as EngineRequest
+from dflash_jax.errors import DFlashError
+from infer.serve.metrics import metrics_text
+from infer.serve.prepare import PreparedRequest, prepare_request
+from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
+from infer.serve.streaming import Decoded, collect, event_stream, response
+
+# --------------------------------------------------------------------------- dependencies
+
+
+def authorize(http_request: HTTPRequest) -> None:
+    """401 unless the request carries the server's API key (when it has one)."""
+    api_key = http_request.app.state.api_key
+    if api_key is not None and http_request.headers.get("authorization") != f"Bearer {api_key}":
+        raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def require_ready(http_request: HTTPRequest) -> None:
+    """503 while the engine loads and compiles (or after it failed to)."""
+    model = http_request.app.state.model
+    state = getattr(model, "state", "ready")
+    if state == "failed":
+        raise APIError(503, "the server failed to start; see its log", type="server_error", code="unavailable")
+    if state != "ready":
+        raise APIError(503, f"the server is warming up ({model.detail}); retry when /health answers 200",
+                       type="server_error", code="warming_up")
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+async def health(http_request: HTTPRequest):
+    """GET /health: 200 {"status": "ok"} once serving; 503 while warming up, after a failed
+    start, or once the engine stopped."""
+    model = http_request.app.state.model
+    state = getattr(model, "state", "ready")
+    if state != "ready":
+        status = "failed" if state == "failed" else "warming up"
+        return JSONResponse({"status": status, "detail": model.detail}, status_code=503)
+    if not model.engine.alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+async def list_models(http_request: HTTPRequest):
+    """GET /v1/models: the one model served."""
+    state = http_request.app.state
+    return dump(ModelList(data=[ModelCard(id=state.model.name, object="model", created=state.created,
+                                          owned_by="dflash-jax", max_model_len=state.model.context)]))
+
+
+async def metrics(http_request: HTTPRequest):
+    """GET /metrics: Prometheus text."""
+    return PlainTextResponse(metrics_text(http_request.app.state.model.engine),
+                             media_type="text/plain; version=0.0.4")
+
+
+async def completions(body: CompletionRequest, http_request: HTTPRequest):
+    """POST /v1/completions."""
+    return await _complete(http_request, body, chat=False)
+
+
+async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
+    """POST /v1/chat/completions."""
+    return await _complete(http_request, body, chat=True)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def submit(model, request: PreparedRequest) -> tuple[EngineRequest, asyncio.Queue]:
+    """Queue the request on the engine; returns its engine request and the asyncio queue its
+    (tokens, result) deliveries arrive on."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    emit = lambda tokens, result: loop.call_soon_threadsafe(events.put_nowait, (tokens, result))
+    engine_request = EngineRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, request.row_id)
+    try:
+        model.engine.submit(engine_request)
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
+                       code="queue_full") from None
+    except Closed as e:
+        raise APIError(503, str(e), type="server_error", code="unavailable") from None
+    except DFlashError as e:
+        raise APIError(400, str(e)) from None
+    return engine_request, events
+
+
+async def _complete(http_request: HTTPRequest, body, chat: bool):
+    model = http_request.app.state.model
+    request = prepare_request(model, body, chat)
+    engine_request, events = submit(model, request)
+    decoded = Decoded(model, request)
+    ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    if request.stream:
+        return StreamingResponse(event_stream(request, engine_request, events, decoded, ident, model.name),
+                                 media_type="text/event-stream")
+    result = await collect(http_request, engine_request, events, decoded)
+    if result is None:
+        return None  # the client went away
+    return response(request, decoded, result, ident, model.name)

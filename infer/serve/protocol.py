@@ -1,0 +1,225 @@
+"""OpenAI's wire format as pydantic models: the completions and chat requests the server takes,
+the responses and stream chunks it sends, and its error body.
+
+A request that does not fit its model is answered 400 in OpenAI's error schema
+({"error": {"message", "type", "param", "code"}}): `validation_error` turns pydantic's errors
+into that answer, naming the field at fault as `param` (`messages[i]` for a chat message).
+What the models accept but the server does not do (n > 1, logprobs, echo, ...) is refused
+later, by `infer.serve.prepare`, with a message that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+StrictInt = Annotated[int, Field(strict=True)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+NonEmptyStr = Annotated[str, StringConstraints(strict=True, min_length=1)]
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's schema: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    """What completions and chat requests share. Fields OpenAI defines that the server does not
+    read are accepted and ignored (extra="allow"), as OpenAI's clients send some by default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = Field(None, description="0 or -1: no top-k")
+    seed: StrictInt | None = Field(None, description="keys the request's random stream (modulo 2**32)")
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = Field(None, description="each choice (or chunk) carries its token ids")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = None
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    best_of: PositiveInt | None = None
+    logprobs: StrictInt | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """A part of a message's content; only text is understood."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: Annotated[str, Field(strict=True)]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[str, Field(strict=True)]
+    content: Annotated[str, Field(strict=True)] | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions: messages rendered by the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first of pydantic's (or FastAPI's) validation errors as a 400 in OpenAI's schema. A
+    value that fits none of a field's forms (a union) is answered with the forms it may take."""
+    first = errors[0] if errors else {}
+    loc = _strip_body(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    if not loc or not isinstance(loc[0], str):
+        return APIError(400, "the request body must be a JSON object")
+    param = loc[0]
+    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param = f"messages[{loc[1]}]"
+    tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
+    if tag is None:
+        return APIError(400, f"'{_path(loc)}': {first.get('msg', 'invalid')}", param)
+    forms = []
+    for e in errors:
+        other = _strip_body(e.get("loc", ()))
+        if other[:tag] == loc[:tag] and len(other) > tag and other[tag] not in forms:
+            forms.append(other[tag])
+    forms = [f.replace("constrained-str", "non-empty str") for f in forms]
+    return APIError(400, f"'{_path(loc[:tag])}' must be one of: {', '.join(forms)}", param)
+
+
+def _strip_body(loc) -> list:
+    loc = list(loc)
+    return loc[1:] if loc[:1] == ["body"] else loc
+
+
+def _path(loc: list) -> str:
+    return str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+
+
+def _union_tag(part) -> bool:
+    """pydantic names the member of a union it tried in an error's location ("str", "list[int]")."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-str"))
+
+
+def parse_request(body: Any, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    """A request's JSON (already decoded) as its model; APIError (400) where it does not fit."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers (4xx, 5xx, and an error event ending a stream)."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    """One choice of a response or a stream chunk: `text` for completions, `message` (a
+    response) or `delta` (a chunk) for chat; `token_ids` with return_token_ids."""
+
+    index: int = 0
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+    text: str | None = None
+    message: AssistantMessage | None = None
+    delta: AssistantMessage | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    """A response (object "text_completion" or "chat.completion") or a stream's chunk
+    ("text_completion" or "chat.completion.chunk"; the last may hold only usage)."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dflash-jax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def dump(model: BaseModel) -> dict:
+    """A response model as JSON-ready data: the fields it was given, no others (so a choice
+    holds `text` or `message`, and `token_ids` only when asked for)."""
+    return model.model_dump(exclude_unset=True)

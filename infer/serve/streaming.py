@@ -1,0 +1,185 @@
+"""A request's answer as it comes from the engine: its tokens turned into text and released as
+they grow (`Decoded`: stop strings and stop token ids end it, text that may begin a stop string
+or is half a UTF-8 character is held back), and the two ways it reaches the client: gathered
+into one response (`collect`) or sent as server-sent events (`event_stream`, ending in
+`data: [DONE]`).
+
+The engine delivers (tokens, result) pairs on an asyncio queue (`submit` in
+`infer.serve.handlers`); `result` is None until the row has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from infer.serve.protocol import APIError, AssistantMessage, Choice, Completion, Usage, dump
+
+
+class Decoded:
+    """A row's tokens as text, released as it grows: stop strings cut it (the row ends there)
+    and text that may be the start of a stop string, or half a character, is held back.
+    `model`: what decodes ids (`ServedModel.decode`); `request`: its `stop` and `stop_ids`."""
+
+    def __init__(self, model, request):
+        self.model, self.request = model, request
+        self.ids: list[int] = []
+        self.text, self.released = "", 0
+        self.stopped = False  # a stop string or a request's stop token ended it
+        self.hold = max((len(s) for s in request.stop), default=1) - 1
+
+    def add(self, tokens: list[int]) -> None:
+        if self.stopped:
+            return
+        for j, t in enumerate(tokens):
+            if t in self.request.stop_ids:
+                tokens, self.stopped = tokens[:j + 1], True
+                break
+        before = len(self.ids)
+        self.ids += tokens
+        self.text = self.model.decode(self.ids)
+        cut = self._stop_at(self.text)
+        if cut is not None:
+            # The row ends with the token that completed the stop string: later ones are dropped
+            # (from the ids and the usage too), and the text ends before the stop string.
+            for k in range(before + 1, len(self.ids) + 1):
+                if self._stop_at(self.model.decode(self.ids[:k])) is not None:
+                    self.ids = self.ids[:k]
+                    break
+            self.text, self.stopped = self.text[:cut], True
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the earliest stop string starts in text (None: nowhere); text already released
+        holds none, so the search starts just before it."""
+        found = [at for s in self.request.stop if (at := text.find(s, max(0, self.released - len(s)))) >= 0]
+        return min(found) if found else None
+
+    def delta(self, final: bool) -> str:
+        """Text not yet released that can be."""
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self.hold
+            while end > self.released and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.released:
+            return ""
+        out, self.released = self.text[self.released:end], end
+        return out
+
+
+def finish_reason(decoded: Decoded, result) -> str:
+    return "stop" if decoded.stopped or result.finish_reason == "stop" else "length"
+
+
+def usage(request, decoded: Decoded) -> Usage:
+    n, prompt = len(decoded.ids), len(request.prompt_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n)
+
+
+ENGINE_FAILED = "the engine failed; see the server's log"
+
+
+async def collect(http_request, engine_request, events: asyncio.Queue, decoded: Decoded):
+    """Wait for the row to end, adding its tokens to `decoded`; the engine's Result, or None when
+    the client went away (its row is then cancelled)."""
+    result = None
+    try:
+        while result is None:
+            try:
+                tokens, result = await asyncio.wait_for(events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http_request.is_disconnected():
+                    engine_request.cancelled = True  # the client went away: its slot is freed at the next sync
+                    return None
+                continue
+            decoded.add(tokens)
+            if decoded.stopped:
+                engine_request.stopped = engine_request.cancelled = True  # ends as "stop" at the engine's next sync
+    finally:
+        if result is None:
+            engine_request.cancelled = True
+    if result.finish_reason == "error":
+        raise APIError(500, ENGINE_FAILED, type="server_error")
+    return result
+
+
+def response(request, decoded: Decoded, result, ident: str, model_name: str) -> dict:
+    """The whole answer of a request not streamed."""
+    choice = Choice(index=0, finish_reason=finish_reason(decoded, result), logprobs=None)
+    if request.chat:
+        choice.message = AssistantMessage(role="assistant", content=decoded.text)
+    else:
+        choice.text = decoded.text
+    if request.return_token_ids:
+        choice.token_ids = decoded.ids
+    return dump(Completion(id=ident, object="chat.completion" if request.chat else "text_completion",
+                           created=int(time.time()), model=model_name, choices=[choice],
+                           usage=usage(request, decoded)))
+
+
+class _Chunks:
+    """The data lines of one stream: every chunk carries the stream's id, object and time."""
+
+    def __init__(self, request, ident: str, model_name: str):
+        self.request, self.ident, self.model_name = request, ident, model_name
+        self.kind = "chat.completion.chunk" if request.chat else "text_completion"
+        self.created = int(time.time())
+
+    def _line(self, body: Completion) -> str:
+        return f"data: {json.dumps(dump(body), ensure_ascii=False)}\n\n"
+
+    def chunk(self, text: str | None, reason: str | None, ids: list[int] | None = None, role: bool = False) -> str:
+        choice = Choice(index=0, finish_reason=reason, logprobs=None)
+        if self.request.chat:
+            delta = AssistantMessage(role="assistant") if role else AssistantMessage()
+            if text is not None:
+                delta.content = text
+            choice.delta = delta
+        else:
+            choice.text = text or ""
+        if ids is not None and self.request.return_token_ids:
+            choice.token_ids = ids
+        body = Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
+                          choices=[choice])
+        if self.request.include_usage:
+            body.usage = None
+        return self._line(body)
+
+    def usage(self, decoded: Decoded) -> str:
+        return self._line(Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
+                                     choices=[], usage=usage(self.request, decoded)))
+
+
+async def event_stream(request, engine_request, events: asyncio.Queue, decoded: Decoded, ident: str,
+                       model_name: str):
+    """The server-sent events of a streamed request: a chunk at each delivery of tokens (text
+    held back as `Decoded` says), the finish reason on the last, usage if asked for, then
+    `data: [DONE]`; an engine failure ends it with an error event instead."""
+    chunks = _Chunks(request, ident, model_name)
+    result = None
+    try:
+        if request.chat:
+            yield chunks.chunk("", None, role=True)
+        while result is None:
+            tokens, result = await events.get()
+            was = len(decoded.ids)
+            decoded.add(tokens)
+            if decoded.stopped and result is None:
+                engine_request.stopped = engine_request.cancelled = True  # a stop string: ends ("stop") next sync
+            final = result is not None
+            text = decoded.delta(final=final)
+            new_ids = decoded.ids[was:]
+            if final:
+                if result.finish_reason == "error":
+                    yield f"data: {json.dumps(APIError(500, ENGINE_FAILED, type='server_error').body())}\n\n"
+                    return
+                yield chunks.chunk(text, finish_reason(decoded, result), new_ids)
+            elif text or new_ids:
+                yield chunks.chunk(text, None, new_ids)
+        if request.include_usage:
+            yield chunks.usage(decoded)
+        yield "data: [DONE]\n\n"
+    finally:
+        if result is None:
+            engine_request.cancelled = True  # the client went away (or the server is stopping): free the slot
