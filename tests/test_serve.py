@@ -369,6 +369,19 @@ def events(response) -> list:
     return out
 
 
+def test_a_json_body_is_read_whatever_its_content_type_says():
+    """curl's `-d` sends application/x-www-form-urlencoded; the body is JSON all the same."""
+    engine = FakeEngine()
+    with app_client(engine) as client:
+        for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+            headers = {} if content_type is None else {"content-type": content_type}
+            r = client.post("/v1/completions", content=b'{"prompt": "xy", "max_tokens": 5}', headers=headers)
+            assert r.status_code == 200, (content_type, r.text)
+            assert r.json()["choices"][0]["text"] == "bde"
+        r = client.post("/v1/completions", content=b"prompt=xy", headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+
+
 def test_app_answers_completions_streamed_and_not():
     engine = FakeEngine()
     with app_client(engine) as client:

@@ -27,6 +27,7 @@ def create_app(model, api_key: str | None = None) -> FastAPI:
     `api_key`, /v1 requests need `Authorization: Bearer KEY`."""
     # Clients that send JSON without a Content-Type are served, as OpenAI's server does.
     app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None, lifespan=_lifespan, strict_content_type=False)
+    app.add_middleware(_BodyIsJson)
     app.state.model, app.state.api_key, app.state.created = model, api_key, int(time.time())
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -41,6 +42,21 @@ def create_app(model, api_key: str | None = None) -> FastAPI:
         app.add_api_route(path, endpoint, methods=["POST"], dependencies=[auth, ready], response_model=None,
                           responses=_COMPLETION)
     return app
+
+
+class _BodyIsJson:
+    """A POST body is read as JSON whatever its Content-Type says (curl's `-d` sends
+    application/x-www-form-urlencoded): the body's own parse decides, as before the pydantic
+    models, and a body that is not JSON is answered "not valid JSON"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 @contextlib.asynccontextmanager
