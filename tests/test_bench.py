@@ -11,6 +11,7 @@ import pytest
 
 from dflash_jax.drafter import default_target_layer_ids as default_taps
 from dflash_jax.shapes import published_configs
+from fixtures import TINY
 
 from infer import bench
 
@@ -21,7 +22,6 @@ FAST_SPLIT = ["--split-rounds", "2", "--split-min-time", "0.002"]
 SMALL_RANDOM = ["--random", "--layers", "2", "--drafter-layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "256",
                 "--random-block-size", "4"]
 
-TINY = Path(__file__).resolve().parents[1] / "dflash_jax" / "demo" / "tiny"
 
 
 @pytest.fixture(scope="module")
