@@ -51,8 +51,8 @@ def roofline(path: str, bandwidth: float | None) -> int:
     import jax
 
     from infer.bench.cost import abstract_inputs, ideal_bytes
-    from infer.bench.pairs import published_configs
     from dflash_jax.engine import EngineSpec, Sampling
+    from dflash_jax.shapes import published_configs
 
     r = json.load(open(path))["published_shapes"]
     kind = jax.devices()[0].device_kind

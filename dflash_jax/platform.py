@@ -28,13 +28,6 @@ def target_platform() -> str:
     return _compiling_for[-1] if _compiling_for else jax.default_backend()
 
 
-def narrow_tail_default(flag: bool | None) -> bool:
-    """`Generator(narrow_tail=...)` as the bench chooses it: the flag when given, else on a CPU only,
-    where a cycle's cost grows with its rows (an accelerator's reads its weights whatever the rows).
-    The bench times warm engines, so the loops narrowing compiles cost it nothing."""
-    return jax.default_backend() == "cpu" if flag is None else flag
-
-
 # Compiler options for the decoding loop, by platform. On a TPU, memory-space assignment otherwise
 # prefetches weights that a step reads once (each layer's o_proj and k_proj) into on-chip memory,
 # which buys no bandwidth (the weight crosses HBM once either way) and which the compiler's own cost

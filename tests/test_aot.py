@@ -117,7 +117,7 @@ def _matvec_chain(n: int, d: int = 4096, **jit_kwargs):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from infer.bench.aot import topology
+    from dflash_jax.aot import topology
 
     mesh = Mesh(np.array(topology("v5p:1x1x1").devices).reshape(1), ("x",))
 
@@ -138,7 +138,7 @@ def test_prefetched_weights_are_counted_five_times():
     """The report's HBM figure subtracts 4 x the bytes the HLO prefetches into on-chip memory:
     that is how the TPU compiler's cost analysis counts them. A chain of matvecs over separate
     [4096, 4096] weights, p of them prefetched: bytes accessed = (n + 4 p) weights."""
-    from infer.bench.aot import cost_of, prefetched_bytes
+    from dflash_jax.aot import cost_of, prefetched_bytes
 
     n, weight = 8, 4096 * 4096 * 2
     compiled = _matvec_chain(n)

@@ -175,7 +175,7 @@ def no_compile_cache():
 def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache):
     """Through Mosaic for one v5e chip: one custom call, and its declared bytes are the K/V of the
     blocks `expected_live` positions fill (+ queries and output), whatever the cache's length."""
-    from infer.bench.aot import topology
+    from dflash_jax.aot import topology
     from dflash_jax.platform import compiling_for
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -208,7 +208,7 @@ def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
     """Gemma 4's global layers (4 K/V heads of 512, 8 queries each) verifying 16 tokens over an
     8192-position cache compile for a v5e chip: blocks and query tiles are sized to the 16 MiB of
     scoped VMEM, with the K/V heads padded to whole sublane tiles (unpadded sizing asked 18.6 MiB)."""
-    from infer.bench.aot import topology
+    from dflash_jax.aot import topology
     from dflash_jax.platform import compiling_for
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -234,7 +234,7 @@ def test_a_pool_and_a_ring_compile_for_a_tpu(no_compile_cache, layout):
     row's table in the index map) and over a sliding window's ring (the block taken modulo the
     ring); with rows of 8192 positions declared, a pool's bytes are the row's pages and a ring's at
     most the ring (its window of 512 in blocks of 512), not the row."""
-    from infer.bench.aot import topology
+    from dflash_jax.aot import topology
     from dflash_jax.platform import compiling_for
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from dflash_jax.drafter import default_target_layer_ids as default_taps
+from dflash_jax.shapes import published_configs
+from fixtures import TINY
 
 from infer import bench
 
@@ -20,7 +22,6 @@ FAST_SPLIT = ["--split-rounds", "2", "--split-min-time", "0.002"]
 SMALL_RANDOM = ["--random", "--layers", "2", "--drafter-layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "256",
                 "--random-block-size", "4"]
 
-TINY = Path(__file__).resolve().parents[1] / "dflash_jax" / "demo" / "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +238,7 @@ def test_pieces_are_the_engines_own():
 def test_synthetic_state_comes_from_init_state():
     from dflash_jax.engine import EngineSpec, Sampling
 
-    target, drafter = bench.published_configs(0.05, "float32")
+    target, drafter = published_configs(0.05, "float32")
     spec = EngineSpec(target=target, drafter=drafter, block_size=16, sampling=Sampling(), max_new_tokens=8,
                       cache_len=64)
     s = jax.eval_shape(lambda: bench.synthetic_state(spec, 3, 40))  # abstract: nothing allocated
@@ -267,7 +268,7 @@ def test_published_shapes_at_tiny_scale(tmp_path, capsys):
 
 
 def test_published_configs_at_full_scale():
-    target, drafter = bench.published_configs(1.0)
+    target, drafter = published_configs(1.0)
     assert (target.hidden_size, target.num_hidden_layers, target.num_attention_heads, target.num_key_value_heads,
             target.head_dim, target.intermediate_size, target.vocab_size) == (4096, 36, 32, 8, 128, 12288, 151936)
     assert drafter.model.num_hidden_layers == 5 and drafter.block_size == 16
@@ -278,7 +279,7 @@ def test_published_hybrid_shape_at_full_scale_and_scaled():
     """Qwen3.5-27B: 64 layers, every fourth full attention (24/4 heads x 256, a quarter of each
     rotating), 48 gated delta-net layers (16 q/k heads, 48 value heads, x 128); its drafter is
     dense with whole-head RoPE. Scaled, the layer pattern stays whole."""
-    target, drafter = bench.published_configs(1.0, shape="qwen3.5-27b")
+    target, drafter = published_configs(1.0, shape="qwen3.5-27b")
     assert (target.hidden_size, target.num_hidden_layers, target.num_attention_heads, target.num_key_value_heads,
             target.head_dim, target.intermediate_size, target.vocab_size) == (5120, 64, 24, 4, 256, 17408, 248320)
     assert target.num_linear_layers == 48 and target.linear_layers[:4] == (True, True, True, False)
@@ -288,11 +289,11 @@ def test_published_hybrid_shape_at_full_scale_and_scaled():
     m = drafter.model
     assert (m.num_hidden_layers, m.num_linear_layers, m.rope.partial_rotary_factor) == (5, 0, 1.0)
     assert drafter.block_size == 16 and drafter.target_layer_ids == default_taps(64, 5)
-    small, _ = bench.published_configs(0.25, shape="qwen3.5-27b")
+    small, _ = published_configs(0.25, shape="qwen3.5-27b")
     assert small.num_hidden_layers == 16 and small.linear_layers == (True, True, True, False) * 4
     assert small.linear_attention.v_heads == 3 * small.linear_attention.k_heads
     with pytest.raises(ValueError, match="unknown published shape 'llama-70b'"):
-        bench.published_configs(1.0, shape="llama-70b")
+        published_configs(1.0, shape="llama-70b")
 
 
 def test_heldout_snippets_are_deterministic_source_excerpts():

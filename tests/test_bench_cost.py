@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.shapes import published_configs
+
 from infer import bench
 
 SCALE = 0.05  # 2 target layers, 1 drafter layer, 2/1 heads x 128, vocab 7552
@@ -19,7 +21,7 @@ SCALE = 0.05  # 2 target layers, 1 drafter layer, 2/1 heads x 128, vocab 7552
 def specs(cache_len, page_size=128, dtype="float32"):
     from dflash_jax.engine import EngineSpec, Sampling
 
-    target, drafter = bench.published_configs(SCALE, dtype)
+    target, drafter = published_configs(SCALE, dtype)
     common = dict(target=target, sampling=Sampling(), max_new_tokens=16, cache_len=cache_len, page_size=page_size)
     return (EngineSpec(drafter=None, block_size=1, **common),
             EngineSpec(drafter=drafter, block_size=16, **common))
@@ -235,7 +237,7 @@ def test_hybrid_cost_report_counts_attention_pages_and_recurrent_states(tmp_path
         assert bench.main(["--cost", "--shape", "qwen3.5-27b", "--scale", "0.0625", "--context", "256",
                            "--batch-size", "2", "--compare-cache-len", "0", "--no-pieces", "--json", str(out)]) == 0
     c = json.loads(out.read_text())["cost"]
-    target, drafter = bench.published_configs(0.0625, "float32", "qwen3.5-27b")
+    target, drafter = published_configs(0.0625, "float32", "qwen3.5-27b")
     assert c["shape"] == "qwen3.5-27b" and target.num_hidden_layers == 4 and target.num_linear_layers == 3
     lin = target.linear_attention
     per_row = lin.v_heads * lin.k_dim * lin.v_dim * 4 + (lin.conv_kernel - 1) * lin.conv_dim * 4

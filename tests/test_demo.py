@@ -25,7 +25,7 @@ def read_jsonl(path):
 
 
 def test_bundle_is_small_and_complete():
-    files = [f for f in DEMO_DIR.rglob("*") if f.is_file() and "tiny" not in f.relative_to(DEMO_DIR).parts]
+    files = [f for f in DEMO_DIR.rglob("*") if f.is_file()]
     names = {str(f.relative_to(DEMO_DIR)) for f in files}
     assert {"target/config.json", "target/model.safetensors", "target/tokenizer.json", "drafter/config.json",
             "drafter/model.safetensors", "prompts.jsonl"} <= names

@@ -85,7 +85,7 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
 def test_published_31b_config_parses():
     """Gemma 4 31B's text config: 60 layers, every sixth global (512 x 4 KV heads, k = v,
     proportional RoPE on a quarter), sliding window 1024, no shared K/V or per-layer inputs."""
-    from infer.bench.pairs import PUBLISHED_TARGETS
+    from dflash_jax.shapes import PUBLISHED_TARGETS
 
     config = model_config(PUBLISHED_TARGETS["gemma4-31b"])
     assert config.num_hidden_layers == 60 and config.num_kv_slots(True) == 10 and config.num_kv_slots(False) == 50
@@ -141,7 +141,7 @@ def test_a_new_drafter_for_gemma4_is_plain_qwen3():
     and none of its extras (GELU, sandwich norms, scaled embeddings, shared K/V...), so the
     exported z-lab config reads back as the same drafter."""
     from dflash_jax.drafter import DrafterConfig, dense_drafter_model
-    from infer.bench.pairs import PUBLISHED_TARGETS
+    from dflash_jax.shapes import PUBLISHED_TARGETS
 
     target = model_config(PUBLISHED_TARGETS["gemma4-31b"])
     model = dense_drafter_model(target, 5)

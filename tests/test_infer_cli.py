@@ -20,7 +20,7 @@ from dflash_jax import load_target
 from dflash_jax.engine import Generator
 from dflash_jax.families import model_config_from_json
 from fixtures import tiny
-from infer.cli import DEMO_DIR, EXIT_ROW_ERRORS, main
+from infer.cli import EXIT_ROW_ERRORS, main
 from tiny import make_model, save_model
 
 FIELDS = ["id", "output_ids", "acceptance_lengths", "num_output_tokens", "finish_reason", "fingerprint"]
@@ -39,9 +39,9 @@ def write_jsonl(path, rows):
 
 
 def tiny_pair(max_new_tokens=40):
-    """The parity fixture's pair on its greedy cases' prompts (also shipped as dflash_jax/demo/tiny)."""
+    """The parity fixture's pair on its greedy cases' prompts (its prompts.jsonl)."""
     return ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
-            "--input", str(DEMO_DIR / "tiny" / "prompts.jsonl"), "--max-new-tokens", str(max_new_tokens)]
+            "--input", str(tiny() / "prompts.jsonl"), "--max-new-tokens", str(max_new_tokens)]
 
 
 def test_tiny_pair_reproduces_the_reference(tmp_path, capsys):
@@ -153,7 +153,7 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
     from train.generate_data import conversation_record
 
     out = tmp_path / "new" / "conversations.jsonl"
-    job = GenerationJob(target=tiny() / "target", drafter=tiny() / "drafter", input=DEMO_DIR / "tiny" / "prompts.jsonl",
+    job = GenerationJob(target=tiny() / "target", drafter=tiny() / "drafter", input=tiny() / "prompts.jsonl",
                         output=out, max_new_tokens=40, quiet=True)
     result = run_job(job, make_record=conversation_record)
     s = result.summary
@@ -173,7 +173,7 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
 def test_a_job_with_a_bad_field_is_refused_naming_it():
     from dflash_jax.generation import GenerationJob, InputError
 
-    target = dict(target=tiny() / "target", input=DEMO_DIR / "tiny" / "prompts.jsonl")
+    target = dict(target=tiny() / "target", input=tiny() / "prompts.jsonl")
     for fields, message in ((dict(batch_size=0), "--batch-size must be >= 1, got 0"),
                             (dict(page_size="8"), "--page-size must be an integer, got '8'"),
                             (dict(stall_timeout=-1.0), "--stall-timeout must be >= 0"),
@@ -378,7 +378,7 @@ def test_a_page_pool_reproduces_the_reference_and_refuses_what_it_cannot_hold(tm
     """--kv-pages: the reference pair's rows through a pool of 12 pages of 16 positions (per-row
     caches would take 8 x 208), the same tokens as the reference; a row longer than the whole pool
     is a row error naming the pages, and the other rows complete."""
-    rows = read_jsonl(DEMO_DIR / "tiny" / "prompts.jsonl") + [{"id": "long", "input_ids": [5] * 150}]
+    rows = read_jsonl(tiny() / "prompts.jsonl") + [{"id": "long", "input_ids": [5] * 150}]
     out = tmp_path / "out.jsonl"
     args = tiny_pair()
     args[args.index("--input") + 1] = str(write_jsonl(tmp_path / "in.jsonl", rows))

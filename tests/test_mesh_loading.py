@@ -276,7 +276,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
     # One of the reference's prompts in a batch of two (one row per `data` index): compiling the engine
     # for the mesh is most of this test's time, and one prompt needs the fewest programs.
     prompts, out = work / "prompts.jsonl", work / "infer.jsonl"
-    prompts.write_text((REPO / "dflash_jax/demo/tiny/prompts.jsonl").read_text().splitlines(True)[0])
+    prompts.write_text((fixture / "prompts.jsonl").read_text().splitlines(True)[0])
     probe.start()
     try:
         code = main(["--target", str(fixture / "target"), "--drafter", str(fixture / "drafter"),

@@ -318,8 +318,7 @@ def test_a_drafter_made_for_a_moe_target_is_dense_and_its_config_round_trips(hf_
     experts, sinks or float32 norm weights), the target's YaRN, and an exported config that
     reads back as the same drafter."""
     from dflash_jax.drafter import DrafterConfig
-    from train.config import load_config
-    from train.trainer import new_drafter_config
+    from train.config import load_config, new_drafter_config
 
     tcfg = load_target(hf_moe["gpt_oss"][1])[0]
     cfg = load_config(REPO / "configs" / "train" / "tiny.yaml", [f"target={hf_moe['gpt_oss'][1]}"])

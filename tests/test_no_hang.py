@@ -29,7 +29,6 @@ import pytest
 
 from dflash_jax.engine import Sampling, prefill, run_cycles
 from dflash_jax.engine.watchdog import STALL_EXIT_CODE, Watchdog
-from dflash_jax.generation import DEMO_DIR
 from dflash_jax.model import delta_rule
 from dflash_jax.training import target_features
 from fixtures import tiny
@@ -169,7 +168,7 @@ def test_infer_cli_stall_exits_3_naming_it_and_keeps_finished_rows(tmp_path):
         scheduler.to_host, generation.JsonlWriter.write = to_host, write
         from infer.cli import main
         sys.exit(main(["--target", {str(tiny() / "target")!r},
-                       "--input", {str(DEMO_DIR / 'tiny' / 'prompts.jsonl')!r}, "--output", {str(out)!r},
+                       "--input", {str(tiny() / 'prompts.jsonl')!r}, "--output", {str(out)!r},
                        "--max-new-tokens", "8", "--batch-size", "1", "--quiet", "--stall-timeout", "0.02"]))
     """)
     assert proc.returncode == STALL_EXIT_CODE, proc.stderr[-2000:]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.sharding import MeshError, parse_mesh
+from fixtures import TINY
 from train.export import restore_params
 
 pytestmark = pytest.mark.heavy  # subprocesses on 8 CPU devices and on 2 processes: minutes each
@@ -119,7 +120,7 @@ def free_port():
 
 def train_processes(tmp_path, name, n, devices_each, *overrides, kill_at=None):
     base = [sys.executable, "-m", "train", "--config", str(REPO / "configs/train/tiny.yaml"), "--quiet",
-            f"target={REPO / 'dflash_jax/demo/tiny/target'}", f"train.output_dir={tmp_path / name}", *overrides]
+            f"target={TINY / 'target'}", f"train.output_dir={tmp_path / name}", *overrides]
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_each}",
            "JAX_PLATFORMS": "cpu"}
     if kill_at:
@@ -137,7 +138,7 @@ def train_processes(tmp_path, name, n, devices_each, *overrides, kill_at=None):
 def conversations(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mh")
     conv = tmp / "conv.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "train.generate_data", "--target", str(REPO / "dflash_jax/demo/tiny/target"),
+    proc = subprocess.run([sys.executable, "-m", "train.generate_data", "--target", str(TINY / "target"),
                            "--input", str(REPO / "configs/train/tiny_prompts.jsonl"), "--output", str(conv),
                            "--max-new-tokens", "32"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -38,11 +38,19 @@ from dflash_jax.drafter import DrafterConfig, extend_context, init_drafter_param
 from dflash_jax.kv import init_context_cache
 from dflash_jax.model import init_params
 from dflash_jax.engine import (
-    EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits, target_distribution,
+    EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits,
 )
 from infer.bench.timing import compile_counts
 
 NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def target_distribution(logits, sampling: Sampling):
+    """The exact distribution the engine's target samples from, [..., vocab] float32: one-hot on
+    its greedy pick, else the softmax of its processed logits (temperature, top-k, top-p)."""
+    if sampling.greedy:
+        return jax.nn.one_hot(greedy_pick(logits), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
 
 
 # --------------------------------------------------------------------------- models
@@ -635,7 +643,7 @@ def exact_logits(family="qwen3"):
 
 def exact_distribution(logits, sampling):
     """The target's sampling distribution from an independent numpy implementation, after
-    checking that the library's `target_distribution` agrees with it."""
+    checking that `target_distribution` (the engine's own pieces) agrees with it."""
     probs, margin = numpy_distribution(logits, sampling)
     assert margin > 1e-5
     np.testing.assert_allclose(np.asarray(target_distribution(jnp.asarray(logits), sampling)), probs, atol=1e-5)

@@ -55,7 +55,8 @@ def test_bad_topology_mesh_and_batch_are_one_line_errors(tmp_path):
 
 
 def test_a_target_without_config_needs_a_shape(tmp_path):
-    from train.aot import AotError, target_config
+    from dflash_jax.aot import AotError
+    from train.aot import target_config
 
     with pytest.raises(AotError, match="has no config.json here; give --shape"):
         target_config({"target_dtype": None, "target": str(tmp_path)}, None)

@@ -25,9 +25,10 @@ from dflash_jax.training import block_layout, default_gamma, drafter_loss, draft
     miss_tilted_anchors, position_difficulty, sample_anchors, target_features
 from train.config import TrainConfigError, load_config
 from train.export import export, restore_params
+from fixtures import TINY
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TARGET = REPO / "dflash_jax" / "demo" / "tiny" / "target"
+TINY_TARGET = TINY / "target"
 
 TARGET = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)

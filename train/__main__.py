@@ -1,5 +1,7 @@
+"""`python -m train`: see train/cli.py."""
+
 import sys
 
-from train.trainer import main
+from train.cli import main
 
 sys.exit(main())

@@ -27,18 +27,20 @@ come out negative): time one chip, use several for HBM.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
-from infer.bench.aot import GIB, AotError, _compile, _replicated, _sharded, mesh_for, topology
+from dflash_jax.aot import GIB, AotError, abstract_replicated, abstract_sharded, compile_for_tpu, mesh_for, topology
+
+from train.config import new_drafter_config
+
 
 def target_config(cfg: dict, shape: str | None):
     """The target's ModelConfig: from `--shape` (a published shape), else the config's target
     directory (config.json). Raises AotError naming what is missing."""
     dtype = cfg["target_dtype"] or "bfloat16"
     if shape:
-        from infer.bench.pairs import published_configs
+        from dflash_jax.shapes import published_configs
 
         return published_configs(1.0, dtype, shape)[0]
     from dflash_jax.families import model_config, read_config_json
@@ -52,8 +54,6 @@ def target_config(cfg: dict, shape: str | None):
 
 def drafter_config(cfg: dict, tcfg):
     from dflash_jax.drafter import DrafterConfig
-
-    from train.trainer import new_drafter_config
 
     init = cfg["drafter"]["init"]
     compute = cfg["train"]["compute_dtype"]
@@ -161,11 +161,11 @@ def run_train_aot(cfg: dict, args) -> dict:
     dparams = jax.eval_shape(lambda: init_drafter_params(dcfg.with_dtype("float32")))
     state = jax.eval_shape(lambda: init_train_state(init_drafter_params(dcfg.with_dtype("float32")), tx))
     rows = NamedSharding(mesh, P("data"))
-    args_ = (_sharded(state, state_shardings(state, mesh, fsdp=t["fsdp"])),
-             _sharded(tparams, param_shardings(tparams, mesh, over_data=t["fsdp"])),
+    args_ = (abstract_sharded(state, state_shardings(state, mesh, fsdp=t["fsdp"])),
+             abstract_sharded(tparams, param_shardings(tparams, mesh, over_data=t["fsdp"])),
              jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows),
-             jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows), _replicated(mesh, (2,), jnp.uint32))
-    fig = _compile(train_step, args_, Path(args.hlo) if args.hlo else None, "train_step", spec=spec, tx=tx)
+             jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows), abstract_replicated(mesh, (2,), jnp.uint32))
+    fig = compile_for_tpu(train_step, args_, Path(args.hlo) if args.hlo else None, "train_step", spec=spec, tx=tx)
     print(f"  compiled train_step in {fig['compile_seconds']:.0f} s" if fig["compiled"]
           else f"  train_step did not compile: {fig['error'][:200]}", flush=True)
     useful = useful_flops(tcfg, dcfg, tparams, dparams, batch=batch, seq_len=seq, num_anchors=t["num_anchors"],
@@ -208,11 +208,3 @@ def print_train_report(r: dict) -> None:
     p = r["projection"]
     print(f"projected: {p['conversations']:,} conversations x {p['epochs']} epochs on {p['chips']} {r['chip']} chips: "
           f"{p['hours']:.1f} h")
-
-
-def main_aot(cfg: dict, args) -> int:
-    report = run_train_aot(cfg, args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return 0

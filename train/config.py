@@ -1,4 +1,5 @@
-"""Training configuration: YAML file + `key.sub=value` overrides over these defaults.
+"""Training configuration: YAML file + `key.sub=value` overrides over these defaults, and the new
+drafter its `drafter` section describes (`new_drafter_config`).
 
 Unknown keys are errors (a typo must not silently train with a default).
 """
@@ -8,11 +9,14 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from dflash_jax.errors import DFlashError
+
+if TYPE_CHECKING:
+    from dflash_jax.drafter import DrafterConfig
 
 DEFAULTS: dict[str, Any] = {
     "target": None,  # HF or converted target directory (required)
@@ -154,3 +158,23 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     if config["drafter"]["block_size"] < 2:
         raise TrainConfigError("drafter.block_size must be >= 2")
     return config
+
+
+def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:
+    """The new drafter the config's `drafter` section describes for the target `tcfg`: dense layers
+    of the target's widths, in `compute_dtype`; its mask token the config's, else the tokenizer's,
+    else the first id the tokenizer never produces (the last id without one)."""
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
+
+    d = cfg["drafter"]
+    n = d["num_hidden_layers"]
+    mask = d["mask_token_id"]
+    if mask is None and tokenizer is not None and tokenizer.mask_token_id is not None:
+        mask = tokenizer.mask_token_id
+    if mask is None:  # the first id the tokenizer never produces, else the last id
+        first_free = len(tokenizer) if tokenizer is not None else tcfg.vocab_size - 1
+        mask = first_free if first_free < tcfg.vocab_size else tcfg.vocab_size - 1
+    taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
+    model = dense_drafter_model(tcfg, n, d["intermediate_size"], compute_dtype)
+    return DrafterConfig(model=model, block_size=d["block_size"], mask_token_id=int(mask),
+                         target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers)

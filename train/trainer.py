@@ -4,7 +4,6 @@ orbax checkpoints that resume bit-identically."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,15 +16,12 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
-from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model, retap,
-                                init_drafter_params)
-from dflash_jax.errors import DFlashError
-from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
+from dflash_jax.drafter import DrafterConfig, check_pair, init_drafter_params, retap
+from dflash_jax.sharding import global_batch, make_mesh, shard_params
 from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
-from infer.flags import add_distributed_flags
-from train.config import TrainConfigError, load_config
+from train.config import TrainConfigError, new_drafter_config
 from train.verdict import verdict
 
 CHECKPOINTS = "checkpoints"
@@ -59,21 +55,6 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
                         mesh=str(cfg["train"]["mesh"]) if cfg["train"]["mesh"] else None)
     log(f"regenerating responses with the target: {d['generate_from']} -> {d['conversations']}")
     run_job(job, make_record=conversation_record)
-
-
-def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:
-    d = cfg["drafter"]
-    n = d["num_hidden_layers"]
-    mask = d["mask_token_id"]
-    if mask is None and tokenizer is not None and tokenizer.mask_token_id is not None:
-        mask = tokenizer.mask_token_id
-    if mask is None:  # the first id the tokenizer never produces, else the last id
-        first_free = len(tokenizer) if tokenizer is not None else tcfg.vocab_size - 1
-        mask = first_free if first_free < tcfg.vocab_size else tcfg.vocab_size - 1
-    taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
-    model = dense_drafter_model(tcfg, n, d["intermediate_size"], compute_dtype)
-    return DrafterConfig(model=model, block_size=d["block_size"], mask_token_id=int(mask),
-                         target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers)
 
 
 def eval_prompts(records, tokenizer, thinking: bool) -> list[list[int]]:
@@ -295,50 +276,6 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
         if metrics_file is not None:
             metrics_file.close()
     return {"steps": total, "output_dir": str(out), "history": history}
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train", description=(
-        "Train a DFlash drafter against a frozen target. Settings come from --config (YAML) and "
-        "key.sub=value overrides, e.g. train.steps=100 drafter.block_size=8."))
-    p.add_argument("--config", required=True, help="YAML config (see configs/train/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_distributed_flags(p)
-    aot = p.add_argument_group("--aot: compile the training step for a TPU and report (trains nothing; no TPU needed)")
-    aot.add_argument("--aot", metavar="TOPOLOGY", help="e.g. v5p:1x1x1, v5e:2x2 (needs libtpu: pip install -e '.[tpu]')")
-    aot.add_argument("--shape", default=None, help="a published target shape (qwen3-8b, ...) instead of the "
-                     "config's target directory")
-    aot.add_argument("--batch", type=_positive, default=None, help="sequences per step (default: one per data shard)")
-    aot.add_argument("--conversations", type=_positive, default=800_000,
-                     help="conversations the projected training time covers (default: the paper's 800k)")
-    aot.add_argument("--chips", type=_positive, default=32, help="chips the projection trains on (default 32: v5p-64)")
-    aot.add_argument("--hlo", default=None, metavar="DIR", help="write the step's scheduled TPU HLO here")
-    aot.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
-    args = p.parse_args(argv)
-    try:
-        init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
-        cfg = load_config(args.config, args.overrides)
-        if args.aot:
-            from train.aot import main_aot
-
-            return main_aot(cfg, args)
-        summary = train(cfg, progress=not args.quiet)
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    log(done_message(summary, cfg))
-    return 0
 
 
 def run_evals(out: Path, history: list[dict]) -> list[dict]:

@@ -7,7 +7,7 @@
 """
 
 from dflash_jax.engine.sampling import (
-    Sampling, greedy_pick, position_keys, processed_logits, sample, target_distribution,
+    Sampling, greedy_pick, position_keys, processed_logits, sample,
 )
 from dflash_jax.engine.scheduler import GenerationStats, Generator, Result, bucket, timed
 from dflash_jax.engine.step import (
@@ -16,7 +16,7 @@ from dflash_jax.engine.step import (
 )
 
 __all__ = [
-    "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample", "target_distribution",
+    "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample",
     "GenerationStats", "Generator", "Result", "bucket", "timed",
     "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",
     "prefill", "run_cycles", "verify",

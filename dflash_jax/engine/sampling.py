@@ -80,13 +80,6 @@ def greedy_pick(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def target_distribution(logits, sampling: Sampling):
-    """The exact distribution the target samples from, [..., vocab] float32."""
-    if sampling.greedy:
-        return jax.nn.one_hot(greedy_pick(logits), logits.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
-
-
 def sample(logits, keys, sampling: Sampling):
     """Tokens [...] from logits [..., vocab] with one key [..., 2] per token."""
     if sampling.greedy:

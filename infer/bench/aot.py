@@ -33,148 +33,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
-import re
-import time
 from pathlib import Path
 
+from dflash_jax.aot import (COLLECTIVES, GIB, AotError, abstract_replicated, abstract_sharded, compile_for_tpu,
+                            cost_of, mesh_for, topology)
 from dflash_jax.attention_tpu import expected_live
-
-GIB = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    hbm: int  # bytes per chip
-    bandwidth: float  # HBM bytes/s
-    flops: float  # peak dense bfloat16 flop/s
-    host_bounds: tuple[int, int, int]  # the most chips one host holds along each axis
-
-
-CHIPS = {
-    "v4": Chip(32 * GIB, 1.2e12, 275e12, (2, 2, 1)),
-    "v5e": Chip(int(15.75 * GIB), 0.82e12, 197e12, (2, 4, 1)),  # 16 GiB, 15.75 usable (the compiler's figure)
-    "v5p": Chip(95 * GIB, 2.76e12, 459e12, (2, 2, 1)),
-    "v6e": Chip(32 * GIB, 1.64e12, 918e12, (2, 4, 1)),
-}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-class AotError(Exception):
-    pass
-
-
-@dataclasses.dataclass
-class Target:
-    """A TPU topology to compile for: its name, chip kind and devices."""
-
-    name: str
-    chip_name: str
-    chip: Chip
-    devices: list
-
-    @property
-    def num_chips(self) -> int:
-        return len(self.devices)
-
-
-def topology(name: str) -> Target:
-    """'v5p:1x1x1', 'v5e:2x2', ... -> its devices, from libtpu (no TPU needed). Raises AotError."""
-    kind, _, dims_text = name.partition(":")
-    if kind not in CHIPS or not re.fullmatch(r"\d+(x\d+){1,2}", dims_text):
-        raise AotError(f"unknown TPU topology {name!r}: give KIND:AxB[xC] with KIND one of {', '.join(CHIPS)} "
-                       "(e.g. v5e:2x2, v5p:1x1x1, v5p:2x2x1)")
-    dims = tuple(int(d) for d in dims_text.split("x")) + (1,) * (3 - len(dims_text.split("x")))
-    # libtpu asks the cloud metadata server where it runs unless told not to (about 20 s here)
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # nor take the lock that keeps a second process off a real chip: nothing runs on one here
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    try:
-        from jax.experimental import topologies
-
-        bounds = tuple(min(d, h) for d, h in zip(dims, CHIPS[kind].host_bounds))
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
-                                            chips_per_host_bounds=bounds, num_slices=1)
-    except Exception as e:  # no libtpu, or a topology it does not know
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        try:
-            import libtpu  # noqa: F401
-
-            hint = ""
-        except ImportError:
-            hint = "; install libtpu: pip install -e '.[tpu]'"
-        raise AotError(f"cannot compile for TPU {name}: {first}{hint}") from None
-    return Target(name, kind, CHIPS[kind], list(topo.devices))
-
-
-def mesh_for(target: Target, text: str | None):
-    """The project's (data, model) mesh over the topology's chips; default every chip on model."""
-    import numpy as np
-    from jax.sharding import AxisType, Mesh
-
-    from dflash_jax.sharding import AXES, parse_mesh
-
-    sizes = parse_mesh(text or f"data=1,model={target.num_chips}", target.num_chips)
-    devices = np.array(target.devices).reshape(tuple(sizes[a] for a in AXES))
-    return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-
-
-def _sharded(tree, shardings):
-    import jax
-
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def _replicated(mesh, shape, dtype):
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
-
-
-def cost_of(compiled) -> dict:
-    """The compiler's estimate (seconds; None where it gives none: a negative sentinel, e.g. for
-    an op it has no model of), flops and bytes accessed."""
-    ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    seconds = float(ca.get("optimal_seconds", -1.0))
-    return dict(seconds=seconds if seconds > 0 else None, flops=float(ca.get("flops", 0.0)),
-                bytes=float(ca.get("bytes accessed", 0.0)))
-
-
-def memory_of(compiled) -> dict:
-    m = compiled.memory_analysis()
-    args, out, alias, temp = (int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
-    return dict(arguments=args, outputs=out - alias, temporaries=temp, total=args + out - alias + temp)
-
-
-def collectives_of(hlo: str) -> dict:
-    """Count of each collective in a compiled HLO, and the shapes all-gathered."""
-    out = {c: len(re.findall(rf"= \S+ {c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
-    out["all_gathered"] = sorted(set(re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)))[:20]
-    return out
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4}
-
-
-def prefetched_bytes(hlo: str) -> int:
-    """Bytes the scheduled HLO copies into on-chip memory ahead of use (`copy-start` into memory
-    space 1: the compiler prefetching weights into VMEM). The cost analysis counts such a buffer
-    five times, as if every on-chip move were HBM traffic: compiled for a v5p, a chain of n
-    batch-8 matvecs over separate [4096, 4096] weights, p of them prefetched, is counted at
-    exactly n + 4p weights (n = 1..16). The chip reads it from HBM once."""
-    total = 0
-    for m in re.finditer(r"copy-start\.?\d* = \((\w+)\[([\d,]*)\]\{[^}]*S\(1\)\}", hlo):
-        n = 1
-        for dim in m.group(2).split(","):
-            n *= int(dim) if dim else 1
-        total += n * _DTYPE_BYTES.get(m.group(1), 4)
-    return total
-
-
-def custom_calls_of(hlo: str) -> list[str]:
-    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)) - {"AllocateBuffer"})
 
 
 @functools.cache
@@ -199,41 +62,13 @@ def streaming_rate(device, nbytes: int, batch: int) -> float:
     return n * d * d * 2 / cost_of(compiled)["seconds"]
 
 
-def _compile(fn, args, hlo_dir: Path | None, name: str, **static) -> dict:
-    """Compile a jitted function for abstract args (and static keyword arguments); its cost,
-    memory and HLO figures, or why it did not compile."""
-    from dflash_jax.platform import compiling_for
-
-    t = time.perf_counter()
-    try:
-        with compiling_for("tpu"):
-            compiled = fn.trace(*args, **static).lower().compile()
-    except Exception as e:  # jax raises XlaRuntimeError; only running out of HBM is a result
-        text = str(e)
-        if "RESOURCE_EXHAUSTED" not in text:
-            raise
-        asked = re.search(r"\(([\d.]+[GM])\) exceeds available HBM \(([\d.]+[GM])\)", text)
-        return dict(compiled=False, error=text.strip().splitlines()[0][:400],
-                    asked=f"needs {asked.group(1)} of {asked.group(2)} HBM" if asked else None,
-                    compile_seconds=time.perf_counter() - t)
-    seconds = time.perf_counter() - t
-    hlo = compiled.as_text()
-    if hlo_dir is not None:
-        hlo_dir.mkdir(parents=True, exist_ok=True)
-        (hlo_dir / f"{name}.hlo.txt").write_text(hlo)
-    return dict(compiled=True, compile_seconds=seconds, **cost_of(compiled), prefetched=prefetched_bytes(hlo),
-                memory=memory_of(compiled),
-                collectives=collectives_of(hlo), custom_calls=custom_calls_of(hlo),
-                while_loops=len(re.findall(r"\bwhile\(", hlo)))
-
-
 def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cache_len: int, page_size: int,
                     hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "", attention: str = "kernel",
                     kv_pages: int | None = None) -> dict:
     """Compile the engine's prefill / AR run_cycles / DFlash run_cycles on `mesh` for abstract
-    inputs; per program its `_compile` figures and the ideal bytes. attention: the Pallas kernel
-    (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or the
-    portable walk. kv_pages: the caches as a page pool of that many pages."""
+    inputs; per program its `compile_for_tpu` figures and the ideal bytes. attention: the Pallas
+    kernel (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or
+    the portable walk. kv_pages: the caches as a page pool of that many pages."""
     with _tpu_attention(attention), expected_live(context):
         return _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir,
                                 programs, tag, kv_pages)
@@ -269,24 +104,24 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
                           sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh,
                           kv_pages=kv_pages))
     specs["prefill"] = specs["dflash"]
-    rep = functools.partial(_replicated, mesh)
+    rep = functools.partial(abstract_replicated, mesh)
     out = {}
     for name in programs:
         spec = specs[name]
         tparams, dparams, state, _ = abstract_inputs(spec, batch, context)
-        tparams = _sharded(tparams, param_shardings(tparams, mesh))
-        dparams = None if dparams is None else _sharded(dparams, param_shardings(dparams, mesh))
+        tparams = abstract_sharded(tparams, param_shardings(tparams, mesh))
+        dparams = None if dparams is None else abstract_sharded(dparams, param_shardings(dparams, mesh))
         if name == "prefill":
             empty = jax.eval_shape(functools.partial(init_state, spec, batch))
-            args = (tparams, dparams, spec, _sharded(empty, decode_state_shardings(empty, mesh)),
+            args = (tparams, dparams, spec, abstract_sharded(empty, decode_state_shardings(empty, mesh)),
                     rep((batch, context), jnp.int32), rep((batch,), jnp.int32), rep((batch,), jnp.int32),
                     rep((batch,), jnp.uint32), rep((), jnp.int32), rep((batch,), jnp.int32), rep((8,), jnp.int32),
                     None if kv_pages is None else rep(empty.target_cache.pages.shape, jnp.int32))
-            fig = _compile(prefill, args, hlo_dir, f"prefill{tag}")
+            fig = compile_for_tpu(prefill, args, hlo_dir, f"prefill{tag}")
         else:
-            args = (tparams, dparams, spec, _sharded(state, decode_state_shardings(state, mesh)), rep((8,), jnp.int32),
-                    rep((), jnp.int32), rep((), jnp.bool_))
-            fig = _compile(run_cycles, args, hlo_dir, f"{name}{tag}")
+            args = (tparams, dparams, spec, abstract_sharded(state, decode_state_shardings(state, mesh)),
+                    rep((8,), jnp.int32), rep((), jnp.int32), rep((), jnp.bool_))
+            fig = compile_for_tpu(run_cycles, args, hlo_dir, f"{name}{tag}")
             fig["ideal"] = ideal_bytes(spec, tparams, dparams, batch, context)
         fig.update(block_size=spec.block_size if name != "prefill" else None, verify_len=spec.verify_len,
                    cache_len=cache_len)
@@ -307,7 +142,9 @@ def run_aot(args) -> dict:
     from dflash_jax.model import abstract_params
     from dflash_jax.sharding import MeshError
 
-    from infer.bench.pairs import describe_published, param_bytes, published_configs
+    from dflash_jax.shapes import published_configs
+
+    from infer.bench.pairs import describe_published, param_bytes
 
     try:
         target = topology(args.aot)

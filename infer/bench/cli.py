@@ -10,7 +10,8 @@ import textwrap
 import warnings
 from pathlib import Path
 
-from infer.bench.pairs import SHAPES
+from dflash_jax.shapes import SHAPES
+
 from infer.bench.published import PAPER_TAU
 from infer.bench.report import write_outputs
 

@@ -36,7 +36,9 @@ import functools
 import math
 import time
 
-from infer.bench.pairs import describe_published, param_bytes, published_configs
+from dflash_jax.shapes import published_configs
+
+from infer.bench.pairs import describe_published, param_bytes
 from infer.bench.report import fmt_gb
 
 

@@ -22,7 +22,7 @@ experts are dequantized to bfloat16 at load). Rooflines: max(flops / peak, bytes
 from __future__ import annotations
 
 from infer.bench.cost import HARDWARE
-from infer.bench.pairs import PUBLISHED_MOE
+from dflash_jax.shapes import PUBLISHED_MOE
 from infer.bench.report import fmt_gb
 
 DRAFTER_LAYERS = 5  # the z-lab recipe's drafter depth (as the Qwen3-8B drafter); dense Qwen3 layers

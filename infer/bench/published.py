@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from infer.bench.pairs import describe_published, param_count, published_configs, random_params
+from dflash_jax.shapes import published_configs
+
+from infer.bench.pairs import describe_published, param_count, random_params
 from infer.bench.timing import split_figures, synthetic_state, time_pieces
 
 PAPER_TAU = 6.49  # Qwen3-8B + DFlash (B=16), T=0, average over the paper's benchmarks (DFlash, arXiv 2602.06036)

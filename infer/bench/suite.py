@@ -11,7 +11,8 @@ from pathlib import Path
 from infer.bench.prompts import describe_prompts, heldout_snippets, package_version, prompt_ids
 from infer.bench.report import acceptance_figures, config_label, print_tables
 from infer.bench.timing import (
-    bench_generator, first_state, host_peak_rss, device_peak_bytes, split_figures, time_pieces, time_prefill,
+    bench_generator, first_state, host_peak_rss, device_peak_bytes, narrow_tail_default, split_figures, time_pieces,
+    time_prefill,
 )
 
 
@@ -88,7 +89,6 @@ def host_overhead(run: dict, prefill_s: float, cycle_s: float) -> float | None:
 def run_suite(args, result: dict) -> int:
     from dflash_jax.engine import Generator, Sampling
     from dflash_jax.errors import DFlashError
-    from dflash_jax.platform import narrow_tail_default
 
     try:
         pair = get_pair(args)

@@ -69,6 +69,13 @@ def device_peak_bytes() -> int | None:
 # --------------------------------------------------------------------------- engines
 
 
+def narrow_tail_default(flag: bool | None) -> bool:
+    """`Generator(narrow_tail=...)` as the bench chooses it: the flag when given, else on a CPU only,
+    where a cycle's cost grows with its rows (an accelerator's reads its weights whatever the rows).
+    The bench times warm engines, so the loops narrowing compiles cost it nothing."""
+    return jax.default_backend() == "cpu" if flag is None else flag
+
+
 def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list | None = None):
     """One `generate` run that also counts the engine's loop cycles (the iterations of every
     run_cycles call: the largest rise of a row's num_cycles during the call, since a row running

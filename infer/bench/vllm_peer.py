@@ -146,10 +146,10 @@ def run_vllm_peer(args) -> dict:
     if missing:
         raise SystemExit(f"error: {missing}")
     from dflash_jax.engine import Generator, Sampling
-    from dflash_jax.platform import narrow_tail_default
     from infer.bench.pairs import load_pair
     from infer.bench.prompts import describe_prompts, package_version
     from infer.bench.suite import describe_pair, heldout_prompts, pair_record
+    from infer.bench.timing import narrow_tail_default
 
     knorm_broken = context_knorm_broken()
     fixed = bool(args.vllm_fix_knorm and knorm_broken)

@@ -38,7 +38,7 @@ import numpy as np
 from infer.bench.pairs import load_pair
 from infer.bench.prompts import describe_prompts
 from infer.bench.suite import describe_pair, heldout_prompts, int_list, pair_record
-from infer.bench.timing import compile_counts, counted_generate, delta, time_generate
+from infer.bench.timing import compile_counts, counted_generate, delta, narrow_tail_default, time_generate
 
 
 def _load(args):
@@ -94,7 +94,6 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
 
 def run_cache_scaling(args) -> dict:
     from dflash_jax.engine import Generator
-    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     small, large = int_list(args.cache_prompt_lens, "--cache-prompt-lens")[:2]
@@ -141,7 +140,6 @@ def run_cache_scaling(args) -> dict:
 
 def run_mixed_workload(args) -> dict:
     from dflash_jax.engine import Generator
-    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     batch = args.batch_size or 8
@@ -185,7 +183,6 @@ def run_page_pool(args) -> dict:
 
     from dflash_jax.kv import cache_length
     from dflash_jax.engine import Generator
-    from dflash_jax.platform import narrow_tail_default
 
     pair = _load(args)
     batch = args.batch_size or 8

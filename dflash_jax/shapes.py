@@ -1,0 +1,118 @@
+"""Published models' shapes, for compiling or timing them without their weights: Qwen3-8B with
+the z-lab Qwen3-8B-DFlash-b16 drafter, and the config.json fields of other published targets
+(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B) with the drafter the z-lab recipe gives them.
+`published_configs(scale, dtype, shape)` scales them down for tests and small machines.
+(`python -m infer.bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
+
+from __future__ import annotations
+
+
+# Published targets besides Qwen3-8B (config.json fields our parser reads), with the drafter
+# shape the z-lab recipe gives them (dense layers of the target's widths, block 16).
+PUBLISHED_TARGETS = {
+    "qwen3.5-27b": dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, full_attention_interval=4, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+}
+PUBLISHED_TARGETS["gemma4-31b"] = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+    num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+    attention_k_eq_v=True, sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0, enable_moe_block=False, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    max_position_embeddings=262144, rope_parameters=dict(
+        full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0)))
+# Published mixture-of-experts configs (the fields our parser reads), from the models' config.json files.
+PUBLISHED_MOE = {
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, attention_bias=True, tie_word_embeddings=False, max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"] * 12, dtype="bfloat16",
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=4096, truncate=False)),
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1e6, dtype="bfloat16"),
+}
+PUBLISHED_MOE["gpt-oss-120b"] = dict(
+    PUBLISHED_MOE["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128,
+    layer_types=["sliding_attention", "full_attention"] * 18)
+
+PUBLISHED_TARGETS.update({name.lower(): hf for name, hf in PUBLISHED_MOE.items()})
+SHAPES = ("qwen3-8b", *PUBLISHED_TARGETS)
+
+
+def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = "qwen3-8b"):
+    """A published target and its 5-layer block-16 drafter, scaled: layers, heads and widths
+    times `scale` (head dims kept; at least 1 head, 2 target layers, 1 drafter layer; widths
+    rounded to multiples of 128; a hybrid's layer pattern kept whole).
+    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (the z-lab checkpoints' published shapes)."""
+    from dflash_jax.config import ModelConfig, RopeConfig
+    from dflash_jax.families import model_config
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
+
+    mult = lambda n: max(128, round(n * scale / 128) * 128)
+    dlayers = max(1, round(5 * scale))
+    if shape == "qwen3-8b":
+        head_dim = 128
+        heads = max(1, round(32 * scale))
+        kv = max(1, min(heads, round(8 * scale)))
+        while heads % kv:
+            kv -= 1
+        layers = max(2, round(36 * scale))
+        vocab = mult(151936)
+        target = ModelConfig(
+            model_type="qwen3", vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=mult(12288),
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+            rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+            sliding_windows=(None,) * layers, dtype=dtype,
+        )
+        mask = min(151669, vocab - 1)
+    elif shape in PUBLISHED_TARGETS:
+        target = model_config(_scaled(PUBLISHED_TARGETS[shape], scale, mult), dtype=dtype)
+        layers, mask = target.num_hidden_layers, target.vocab_size - 1
+    else:
+        raise ValueError(f"unknown published shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    drafter = DrafterConfig(
+        model=dense_drafter_model(target, dlayers), block_size=16, mask_token_id=mask,
+        target_layer_ids=default_target_layer_ids(layers, dlayers), num_target_layers=layers,
+    )
+    return target, drafter
+
+
+def _scaled(hf: dict, scale: float, mult) -> dict:
+    """A published config.json scaled: heads (key/value heads dividing them; a delta-net's
+    value heads a multiple of its key heads), hidden, MLP and vocabulary widths, and layers as
+    whole repeats of the layer_types pattern."""
+    out = dict(hf)
+    heads = max(1, round(hf["num_attention_heads"] * scale))
+    kv = max(1, min(heads, round(hf["num_key_value_heads"] * scale)))
+    while heads % kv:
+        kv -= 1
+    out.update(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=mult(hf["hidden_size"]),
+               intermediate_size=mult(hf["intermediate_size"]), vocab_size=mult(hf["vocab_size"]))
+    if "num_global_key_value_heads" in hf:
+        out["num_global_key_value_heads"] = max(1, min(heads, round(hf["num_global_key_value_heads"] * scale)))
+        while heads % out["num_global_key_value_heads"]:
+            out["num_global_key_value_heads"] -= 1
+    if "linear_num_key_heads" in hf:
+        k = max(1, round(hf["linear_num_key_heads"] * scale))
+        out.update(linear_num_key_heads=k,
+                   linear_num_value_heads=k * (hf["linear_num_value_heads"] // hf["linear_num_key_heads"]))
+    types = hf.get("layer_types") or [None]
+    period = next(p for p in range(1, len(types) + 1) if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+    pattern = types[:period]
+    repeats = max(1, round(hf["num_hidden_layers"] * scale / len(pattern)))
+    layers = max(2, repeats * len(pattern))
+    out["num_hidden_layers"] = layers
+    if hf.get("layer_types"):
+        out["layer_types"] = (pattern * layers)[:layers]
+    return out
