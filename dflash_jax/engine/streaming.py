@@ -264,12 +264,12 @@ class StreamingEngine:
 
     def _loop(self):
         gen, spec, m = self.gen, self.gen.spec, self.metrics
+        state = gen.new_state()
         # The ledger's rows are the Requests.
         ledger = SlotLedger(gen.batch_size, spec.kv_pages, gen.stop_set,
                             lambda req: gen.pages_needed(len(req.prompt), req.max_new_tokens))
         last_emit = np.zeros(gen.batch_size)  # when each slot's row last emitted tokens
         to_end = np.zeros(gen.batch_size, bool)  # slots whose rows the host ended: the device ends them next
-        state = gen.new_state()
         pending = None  # (figures of the call in flight, the occupants it ran with, when it was issued)
 
         def end(s: int, result: Result):
