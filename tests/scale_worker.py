@@ -13,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def record_widths(gen) -> list[int]:
     """The slots of each run_cycles call the generator makes from now on."""
-    widths, run = [], gen._run
+    widths, run = [], gen.run_cycles
 
     def recording(state, *args, **kwargs):
         widths.append(int(state.done.shape[0]))
         return run(state, *args, **kwargs)
 
-    gen._run = recording
+    gen.run_cycles = recording
     return widths
 
 

@@ -334,7 +334,7 @@ class FakeEngine:
         threading.Thread(target=self._play, args=(req,), daemon=True).start()
 
     def _play(self, req):
-        from dflash_jax.engine.scheduler import Result
+        from dflash_jax.engine.slots import Result
 
         ids = []
         for c in self.chunks:

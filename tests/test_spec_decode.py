@@ -445,12 +445,12 @@ def narrowed_engine(name, block_size, **kw):
 
 def run_widths(gen, prompt_list, **kw):
     """Results in order, and the slots of each run_cycles call."""
-    widths, run = [], gen._run
-    gen._run = lambda state, *a, **kw: widths.append(int(state.done.shape[0])) or run(state, *a, **kw)
+    widths, run = [], gen.run_cycles
+    gen.run_cycles = lambda state, *a, **kw: widths.append(int(state.done.shape[0])) or run(state, *a, **kw)
     try:
         return by_index(gen.generate(prompt_list, **kw)), widths
     finally:
-        del gen._run
+        del gen.run_cycles
 
 
 @pytest.mark.parametrize("name,block_size,pool", [

@@ -1,7 +1,7 @@
 """The serving engine (`dflash_jax.engine.streaming.StreamingEngine`), without HTTP: requests fed
 through its queue while others run stream the tokens `Generator.generate` gives the same prompts
 (greedy, and sampled with their own settings and streams), long prompts go in piece by piece
-between cycles (held rows keep their caches: per-slot, a page pool with ring layers, a hybrid's
+between cycles (rows being filled keep their caches: per-slot, a page pool with ring layers, a hybrid's
 recurrent states), cancelled requests free their slots, and nothing compiles after warm-up.
 
 Each engine compiles every prompt bucket at every admission width, the streaming loop and the

@@ -1,15 +1,21 @@
-"""The speculative decoding engine, in three parts:
+"""The speculative decoding engine:
 
 - `sampling`: how the target picks tokens (greedy, temperature / top-k / top-p, per-row keys);
 - `step`: the pure device step (`init_state`, `prefill`, `insert`, `cycle` built from `draft`,
   `verify`, `accept`, `commit`, and `run_cycles`), jit-compiled over static shapes;
-- `scheduler`: the host side (`Generator`: slots, continuous batching, syncs; stats).
+- `slots`: the host's ledger of a batch's slots (`SlotLedger`: occupants, slots being filled,
+  pages held, the waiting rows, the stop-token cut, finishing rows), `Result`, `GenerationStats`;
+- `scheduler`: the batch generator (`Generator`: admission, continuous batching, syncs, warm-up);
+- `streaming`: the serving engine (`StreamingEngine`: a Generator fed by a queue of requests on a
+  thread of its own, each row's tokens streamed at every sync; its live `EngineMetrics`);
+- `watchdog`: the host's waits on the device, each bounded (`Watchdog`: a stall ends the run).
 """
 
 from dflash_jax.engine.sampling import (
     Sampling, greedy_pick, position_keys, processed_logits, sample,
 )
-from dflash_jax.engine.scheduler import GenerationStats, Generator, Result, bucket, timed
+from dflash_jax.engine.scheduler import Generator, bucket
+from dflash_jax.engine.slots import GenerationStats, Result, SlotLedger, timed
 from dflash_jax.engine.step import (
     DecodeState, EngineSpec, accept, commit, cycle, decode_state_shardings, draft, init_state, insert, prefill,
     run_cycles, verify,
@@ -17,7 +23,7 @@ from dflash_jax.engine.step import (
 
 __all__ = [
     "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample",
-    "GenerationStats", "Generator", "Result", "bucket", "timed",
+    "GenerationStats", "Generator", "Result", "SlotLedger", "bucket", "timed",
     "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",
     "prefill", "run_cycles", "verify",
 ]

@@ -23,53 +23,26 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import time
 from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.kv import NO_PAGE, PAGE_SIZE
+from dflash_jax.kv import PAGE_SIZE, page_table, pages_needed
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import Sampling
+from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles
 from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
 
 
-@dataclasses.dataclass
-class Result:
-    index: int  # position in the prompts given to `generate`
-    output_ids: list[int]
-    acceptance_lengths: list[int]
-    finish_reason: str  # "stop" | "length"
-
-
 def bucket(n: int, minimum: int = 16) -> int:
     """Next power of two >= n (and >= minimum): prompt lengths compile to a few shapes."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-class PagePool:
-    """The host's ledger of a page pool: which pages are free."""
-
-    def __init__(self, num_pages: int):
-        self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
-
-    @property
-    def available(self) -> int:
-        return len(self.free)
-
-    def take(self, n: int) -> list[int]:
-        taken, self.free = self.free[len(self.free) - n:][::-1], self.free[:len(self.free) - n]
-        return taken
-
-    def give(self, pages: Sequence[int]):
-        self.free.extend(reversed(pages))
 
 
 class Generator:
@@ -171,12 +144,10 @@ class Generator:
         return None
 
     def pages_needed(self, prompt_len: int, max_new: int) -> int:
-        """Pages a row holds in the pool: every position it can write. Its cache holds
-        prompt_len + num_generated - 1 positions, and its last cycle starts at num_generated <=
-        max_new and writes the K + 1 verified tokens from there: positions below prompt_len +
-        max_new + K (the drafter's context, never longer, writes no further)."""
+        """Pages a row of this prompt length and max_new holds in the pool (`kv.pool.pages_needed`)."""
         spec = self.spec
-        return -(-min(spec.cache_len, prompt_len + max_new + spec.num_drafts) // spec.page_size)
+        return pages_needed(prompt_len, max_new, drafts=spec.num_drafts, cache_len=spec.cache_len,
+                            page_size=spec.page_size)
 
     def _limits(self, max_new_tokens, n: int) -> list[int]:
         top = self.spec.max_new_tokens
@@ -192,7 +163,7 @@ class Generator:
 
     # ------------------------------------------------------------------ device calls
 
-    def _wait(self, x, what: str):
+    def read(self, x, what: str):
         """The arrays of x on the host: the host's only waits on the device, each under the
         watchdog (`what` names it in the stall's error)."""
         with self.watchdog.waiting(what) if self.watchdog else contextlib.nullcontext():
@@ -236,18 +207,19 @@ class Generator:
                 lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
-                table = np.full((width, pages_per_row), NO_PAGE, np.int32)
                 temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
                 top_k = np.zeros((width,), np.int32)
                 for j, i in enumerate(chunk):
                     tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
                     temperature[j], top_k[j], top_p[j] = rows[i].temperature, rows[i].top_k, rows[i].top_p
-                    if pool and pages is not None:
-                        table[j, :len(pages[i])] = pages[i]
                 row_sampling = (put(temperature), put(top_k), put(top_p)) if per_row else None
+                table = None
+                if pool:  # pages None: every entry NO_PAGE
+                    table = put(page_table([pages[i] for i in chunk] if pages is not None else [], width,
+                                           pages_per_row))
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
-                                put(ids), np.int32(seed), put(limits), self.stop_ids, put(table) if pool else None,
+                                put(ids), np.int32(seed), put(limits), self.stop_ids, table,
                                 row_sampling)
         return state
 
@@ -282,15 +254,15 @@ class Generator:
                     state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                        [1] * width)
                     if cycle:
-                        self._wait(self._run(state, 1, stream=stream)[1], "running the warm-up's first cycle")
+                        self.read(self.run_cycles(state, 1, stream=stream)[1], "running the warm-up's first cycle")
                     else:
-                        self._wait(state.done, "running the warm-up's prefill")
+                        self.read(state.done, "running the warm-up's prefill")
 
                 steps.append((f"prompts of {length} tokens x {width}", prefill))
         if stream:
             def cancel_rows():
                 state = cancel(self.spec, self.new_state(), np.zeros((self.batch_size,), bool))
-                self._wait(state.done, "running the warm-up's cancel")
+                self.read(state.done, "running the warm-up's cancel")
 
             steps.append(("cancel", cancel_rows))
         if self.tail_widths:
@@ -298,37 +270,25 @@ class Generator:
                 state = self.new_state()
                 for width in self.tail_widths:
                     state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
-                    state, info = self._run(state, 1)
-                    self._wait(info, "running the warm-up's narrower loops")
+                    state, info = self.run_cycles(state, 1)
+                    self.read(info, "running the warm-up's narrower loops")
 
             steps.append((f"the tail's loops ({', '.join(map(str, self.tail_widths))} slots)", narrower_loops))
         return steps
 
-    def _run(self, state, cycles=None, until_free=False, stream=False):
+    def run_cycles(self, state, cycles=None, until_free=False, stream=False):
+        """Run `cycles` (default sync_every) decoding cycles on the state (donated), or until a row
+        frees its slot with until_free; with stream, the figures include the rows' tokens
+        (`step.run_cycles`). Returns (state, figures), the figures still on the device."""
         return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
                           np.int32(self.sync_every if cycles is None else cycles), np.bool_(until_free), stream=stream)
 
     # ------------------------------------------------------------------ generation
 
-    def _finish(self, index, output, num_generated, acceptance, num_cycles, limit) -> Result:
-        tokens = output[:num_generated].tolist()
-        reason = "length"
-        for j, t in enumerate(tokens):
-            if t in self.stop_set:
-                tokens, reason = tokens[:j + 1], "stop"
-                break
-        if len(tokens) > limit:
-            tokens, reason = tokens[:limit], "length"
-        return Result(index, tokens, acceptance[:num_cycles].tolist(), reason)
+    # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, indices: Sequence[int] | None = None,
-                 max_new_tokens: int | Sequence[int] | None = None, progress=None,
-                 sampling: Sequence[Sampling] | None = None) -> Iterator[Result]:
-        """Yield a Result per prompt as rows finish. `indices` (default 0..n-1) name the rows
-        and key their random streams. `max_new_tokens`: one limit for every row or one per
-        row, each at most the engine's (default: the engine's). `progress(n_tokens)` is called
-        after each sync with the tokens generated since the last. `sampling`: one per prompt,
-        for an engine built with Sampling(per_row=True) (default: its Sampling for every row)."""
+    def _check_rows(self, prompts, indices, max_new_tokens, sampling) -> tuple[list[int], list[int]]:
+        """`generate`'s arguments checked: (each row's index, each row's max_new_tokens)."""
         if sampling is not None and not self.spec.sampling.per_row:
             raise DFlashError("sampling per row needs an engine built with Sampling(per_row=True)")
         if sampling is not None and len(sampling) != len(prompts):
@@ -344,121 +304,90 @@ class Generator:
             why = self.check_prompt(p, m)
             if why:
                 raise DFlashError(f"prompt {i}: {why}")
+        return indices, limits
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, indices: Sequence[int] | None = None,
+                 max_new_tokens: int | Sequence[int] | None = None, progress=None,
+                 sampling: Sequence[Sampling] | None = None) -> Iterator[Result]:
+        """Yield a Result per prompt as rows finish. `indices` (default 0..n-1) name the rows
+        and key their random streams. `max_new_tokens`: one limit for every row or one per
+        row, each at most the engine's (default: the engine's). `progress(n_tokens)` is called
+        after each sync with the tokens generated since the last. `sampling`: one per prompt,
+        for an engine built with Sampling(per_row=True) (default: its Sampling for every row)."""
+        indices, limits = self._check_rows(prompts, indices, max_new_tokens, sampling)
         if not prompts:
             return
-        pool = PagePool(self.spec.kv_pages) if self.spec.kv_pages else None
-        need = [self.pages_needed(len(p), m) for p, m in zip(prompts, limits)] if pool else []
-        held: list[list[int]] = [[] for _ in range(self.batch_size)]  # each slot's pool pages
+        # The ledger's rows are the prompts' positions in `prompts`.
+        ledger = SlotLedger(self.batch_size, self.spec.kv_pages, self.stop_set,
+                            lambda i: self.pages_needed(len(prompts[i]), limits[i]))
         # Longest first: a long row admitted last would run on alone while the other slots
         # idle; admitting by descending limit (stable: equal limits keep their order) leaves
         # the short rows for the end, where they fill the slots the long ones free.
-        waiting = collections.deque(sorted(range(len(prompts)), key=lambda i: -limits[i]))
-        occupant = np.full(self.batch_size, -1)  # prompt in each slot, -1: free
-        counted = np.zeros(self.batch_size, np.int64)  # tokens of each slot's row already reported
+        ledger.waiting.extend(sorted(range(len(prompts)), key=lambda i: -limits[i]))
 
         def fill(state):
-            free, new, tables = np.flatnonzero(occupant < 0), [], []
-            for s in free:
-                if not waiting or (pool and need[waiting[0]] > pool.available):
-                    break  # in order: the next prompt waits for pages rather than be overtaken
-                if pool:
-                    held[s] = pool.take(need[waiting[0]])
-                    tables.append(held[s])
-                new.append(waiting.popleft())
+            slots, new = ledger.admit_waiting()
             if not new:
-                if waiting and (occupant < 0).all():  # cannot happen: every prompt fits the empty pool
-                    raise DFlashError("no row is running and the next prompt does not fit the page pool")
                 return state
-            free = free[:len(new)]
-            occupant[free] = new
-            counted[free] = 0
-            return self.admit(state, free.tolist(), [prompts[i] for i in new], [indices[i] for i in new],
-                              [limits[i] for i in new], seed, tables if pool else None,
+            return self.admit(state, slots, [prompts[i] for i in new], [indices[i] for i in new],
+                              [limits[i] for i in new], seed, ledger.tables(slots),
                               None if sampling is None else [sampling[i] for i in new])
 
         state = fill(self._take_state())
-        state, info = self._run(state, until_free=bool(waiting))
+        state, info = self.run_cycles(state, until_free=bool(ledger.waiting))
         columns = None  # the slots of a narrowed state in the wider one its pending figures are of
         while True:
-            ahead = not waiting
+            ahead = not ledger.waiting
             if ahead:
                 # Nothing to admit: the next cycles are queued before this sync's figures are
                 # read. Finished rows are frozen (later cycles skip them), so their tokens are
                 # read from the newer state; once all are done the queued call runs no cycle.
                 # A tail that narrows syncs as rows finish, so that it narrows without delay.
-                state, next_info = self._run(state, until_free=bool(self.tail_widths))
-            info = self._wait(info, "running decoding cycles")
+                state, next_info = self.run_cycles(state, until_free=bool(self.tail_widths))
+            info = self.read(info, "running decoding cycles")
             if columns is not None:
                 info, columns = info[:, columns], None
             done, num_generated = info[0].astype(bool), info[1]
-            busy = occupant >= 0
             if progress is not None:
-                top = np.asarray([limits[i] if i >= 0 else 0 for i in occupant])
-                counts = np.where(busy, np.minimum(num_generated, top), counted)
-                progress(int((counts - counted)[busy].sum()))
-                counted[:] = counts
-            finished = np.flatnonzero(done & busy)
-            if len(finished):
-                output, acceptance, num_cycles = self._wait((state.output, state.acceptance, state.num_cycles),
-                                                            "reading finished rows")
-                for s in finished:
-                    i = occupant[s]
-                    yield self._finish(indices[i], output[s], num_generated[s], acceptance[s], num_cycles[s], limits[i])
-                occupant[finished] = -1
-                for s in finished:
-                    if pool:
-                        pool.give(held[s])
-                    held[s] = []
+                progress(ledger.report(num_generated, lambda i: limits[i]))
+            yield from self._finish_rows(ledger, state, done, num_generated, indices, limits)
             if ahead:
-                if (occupant < 0).all():
-                    if len(occupant) == self.batch_size:
+                if not ledger.running:
+                    if ledger.width == self.batch_size:
                         self._idle = state  # every slot free: the next call starts from here
                     return
-                # The tail: while the rows still running fit the next narrower width, move them
-                # to a state of that many slots (the cycles already queued on this one come along:
-                # a row that finished in them moves too, and is read from there). The queued
-                # cycles' figures are the wide state's: `columns` picks the moved slots'.
-                narrower = [w for w in self.tail_widths if w < len(occupant)]
-                while narrower and (occupant >= 0).sum() <= narrower[0]:
-                    keep = np.argsort(occupant < 0, kind="stable")[:narrower.pop(0)]  # running slots first
-                    state = narrow_state(self.spec, state, keep.astype(np.int32))
-                    columns = keep if columns is None else columns[keep]
-                    occupant, counted, held = occupant[keep], counted[keep], [held[k] for k in keep]
+                state, columns = self._narrow_tail(ledger, state, columns)
                 info = next_info
                 continue
             state = fill(state)
-            state, info = self._run(state, until_free=bool(waiting))
+            state, info = self.run_cycles(state, until_free=bool(ledger.waiting))
 
+    def _finish_rows(self, ledger: SlotLedger, state: DecodeState, done, num_generated, indices,
+                     limits) -> Iterator[Result]:
+        """The Results of the rows that finished (done), then their slots and pages freed."""
+        finished = np.flatnonzero(done & ledger.occupied())
+        if not len(finished):
+            return
+        output, acceptance, num_cycles = self.read((state.output, state.acceptance, state.num_cycles),
+                                                   "reading finished rows")
+        for s in finished:
+            i = ledger.occupant[s]
+            yield ledger.result(indices[i], output[s], min(num_generated[s], limits[i]), acceptance[s], num_cycles[s])
+        for s in finished:
+            ledger.finish(s)
 
-@dataclasses.dataclass
-class GenerationStats:
-    """Aggregates over Results: tau, acceptance histogram, tokens/s."""
-
-    block_size: int
-    tokens: int = 0
-    cycles: int = 0
-    seconds: float = 0.0
-    histogram: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def add(self, result: Result):
-        self.tokens += len(result.output_ids)
-        self.cycles += len(result.acceptance_lengths)
-        for a in result.acceptance_lengths:
-            self.histogram[a] = self.histogram.get(a, 0) + 1
-
-    @property
-    def tau(self) -> float:
-        return sum(k * v for k, v in self.histogram.items()) / max(1, self.cycles)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def summary(self) -> dict:
-        return dict(block_size=self.block_size, tau=round(self.tau, 4), cycles=self.cycles,
-                    output_tokens=self.tokens, seconds=round(self.seconds, 3),
-                    tokens_per_second=round(self.tokens_per_second, 2),
-                    acceptance_histogram={str(k): self.histogram[k] for k in sorted(self.histogram)})
+    def _narrow_tail(self, ledger: SlotLedger, state: DecodeState, columns):
+        """The tail: while the rows still running fit the next narrower width, move them to a
+        state of that many slots (the cycles already queued on this one come along: a row that
+        finished in them moves too, and is read from there). The queued cycles' figures are the
+        wide state's: `columns` picks the moved slots'. Returns (state, columns)."""
+        narrower = [w for w in self.tail_widths if w < ledger.width]
+        while narrower and ledger.running <= narrower[0]:
+            keep = np.argsort(~ledger.occupied(), kind="stable")[:narrower.pop(0)]  # running slots first
+            state = narrow_state(self.spec, state, keep.astype(np.int32))
+            columns = keep if columns is None else columns[keep]
+            ledger.narrow(keep)
+        return state, columns
 
 
 def run_steps(steps: Sequence[tuple[str, Callable[[], None]]], progress: Callable[[int, int, str], None] | None):
@@ -470,13 +399,3 @@ def run_steps(steps: Sequence[tuple[str, Callable[[], None]]], progress: Callabl
     if progress is not None:
         progress(len(steps), len(steps), "")
 
-
-def timed(results: Iterator[Result], stats: GenerationStats) -> Iterator[Result]:
-    """Pass results through, adding them and the wall time spent producing them to stats."""
-    t = time.perf_counter()
-    for r in results:
-        stats.seconds += time.perf_counter() - t
-        stats.add(r)
-        yield r
-        t = time.perf_counter()
-    stats.seconds += time.perf_counter() - t

@@ -28,9 +28,10 @@ from typing import Callable
 import numpy as np
 
 from dflash_jax.engine.sampling import Sampling
-from dflash_jax.engine.scheduler import Generator, PagePool, Result, run_steps
-from dflash_jax.kv import NO_PAGE
+from dflash_jax.engine.scheduler import Generator, run_steps
+from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import cancel, prefill, prefill_part
+from dflash_jax.kv import page_table
 from dflash_jax.sharding import put_batch
 from dflash_jax.errors import DFlashError
 
@@ -168,9 +169,9 @@ class StreamingEngine:
                 state = gen.new_state()
                 for offset in range(0, len(req.prompt), piece):
                     state = self._piece(state, 0, req, offset, [])
-                state, figures = gen._run(state, 1, stream=True)
+                state, figures = gen.run_cycles(state, 1, stream=True)
                 state = cancel(gen.spec, state, np.ones((gen.batch_size,), bool))
-                gen._wait((figures, state.done), "running the warm-up's pieces of a long prompt")
+                gen.read((figures, state.done), "running the warm-up's pieces of a long prompt")
 
             steps.append((f"a long prompt in pieces of {gen.spec.prefill_chunk}", pieces))
         run_steps(steps, progress)
@@ -263,28 +264,19 @@ class StreamingEngine:
 
     def _loop(self):
         gen, spec, m = self.gen, self.gen.spec, self.metrics
-        batch = gen.batch_size
-        pool = PagePool(spec.kv_pages) if spec.kv_pages else None
-        held: list[list[int]] = [[] for _ in range(batch)]
-        occupant: list[Request | None] = [None] * batch
-        sent = np.zeros(batch, np.int64)  # tokens of each slot's row already emitted
-        last_emit = np.zeros(batch)  # when each slot's row last emitted tokens
-        waiting: collections.deque[Request] = collections.deque()
-        to_end = np.zeros(batch, bool)  # slots whose rows the host ended: the device ends them next
-        # Slots whose long prompts go in piece by piece between cycles: slot -> [request, tokens in].
-        filling: dict[int, list] = {}
-        piece = spec.prefill_chunk if self.interleaves else None
         state = gen.new_state()
+        # The ledger's rows are the Requests.
+        ledger = SlotLedger(gen.batch_size, spec.kv_pages, gen.stop_set,
+                            lambda req: gen.pages_needed(len(req.prompt), req.max_new_tokens))
+        last_emit = np.zeros(gen.batch_size)  # when each slot's row last emitted tokens
+        to_end = np.zeros(gen.batch_size, bool)  # slots whose rows the host ended: the device ends them next
         pending = None  # (figures of the call in flight, the occupants it ran with, when it was issued)
 
         def end(s: int, result: Result):
-            req = occupant[s]
-            occupant[s], to_end[s] = None, True
-            if pool:
-                pool.give(held[s])
-                held[s] = []
+            req = ledger.finish(s)
+            to_end[s] = True
             with m.lock:
-                m.running = sum(o is not None for o in occupant) + len(filling)  # before the request hears
+                m.running = ledger.busy  # before the request hears
                 m.cycles += len(result.acceptance_lengths)
                 m.accepted += sum(result.acceptance_lengths)
                 for a in result.acceptance_lengths:
@@ -292,82 +284,70 @@ class StreamingEngine:
             self._ended(req, result)
 
         while True:
-            running = sum(o is not None for o in occupant)
-            idle = not running and pending is None and not waiting and not filling
+            idle = not ledger.busy and pending is None and not ledger.waiting
             if idle and self._closing.is_set() and self._inbox.empty():
                 return
-            self._take(waiting, block=idle)
-            cancel_all = self._cancel_all
-            # Requests cancelled while they waited end here; running ones at the device below.
-            for req in [r for r in waiting if r.cancelled or cancel_all]:
-                waiting.remove(req)
-                self._admitted(1)
-                self._ended(req, Result(req.row_id, [], [], _cancel_reason(req)))
-            for s, req in enumerate(occupant):
-                if req is not None and (req.cancelled or cancel_all):
-                    end(s, Result(req.row_id, [], [], _cancel_reason(req)))
-            for s, (req, _) in list(filling.items()):
-                if req.cancelled or cancel_all:
-                    del filling[s]
-                    occupant[s] = req  # ended as a running row is: slot, pages and device row
-                    end(s, Result(req.row_id, [], [], _cancel_reason(req)))
+            self._take(ledger.waiting, block=idle)
+            self._cancel_rows(ledger, end)
             if to_end.any():
                 state = cancel(spec, state, to_end)
                 to_end[:] = False
-            # Admission: the free slots take the first requests, in arrival order (one that
-            # waits for pages is not overtaken).
-            new, slots, tables = [], [], []
-            for s in range(batch):
-                if occupant[s] is None and s not in filling and waiting:
-                    req = waiting[0]
-                    if pool:
-                        need = gen.pages_needed(len(req.prompt), req.max_new_tokens)
-                        if need > pool.available:
-                            break
-                        held[s] = pool.take(need)
-                    waiting.popleft()
-                    if piece and len(req.prompt) > piece:  # a long prompt: piece by piece, below
-                        filling[s] = [req, 0]
-                        self._admitted(1)
-                        continue
-                    tables.append(held[s])
-                    new.append(req)
-                    slots.append(s)
-            # One piece of each long prompt per round of cycles: the running rows wait for a
-            # piece, not for a whole prompt. Its last piece makes it a running row.
-            for s, entry in list(filling.items()):
-                req, done_tokens = entry
-                state = self._piece(state, s, req, done_tokens, held[s] if pool else None)
-                entry[1] += piece
-                if entry[1] >= len(req.prompt):
-                    del filling[s]
-                    occupant[s], sent[s] = req, 0
-                    with m.lock:
-                        m.prompt_tokens += len(req.prompt)
-            if new:
-                for s, req in zip(slots, new):
-                    occupant[s], sent[s] = req, 0
-                self._admitted(len(new))
-                state = gen.admit(state, slots, [r.prompt for r in new], [r.row_id for r in new],
-                                  [r.max_new_tokens for r in new], 0, tables if pool else None,
-                                  [r.sampling for r in new])
-                with m.lock:
-                    m.prompt_tokens += sum(len(r.prompt) for r in new)
+            state = self._admit(state, ledger)
             issued = None
-            if any(o is not None for o in occupant):
-                state, figures = gen._run(state, until_free=bool(waiting), stream=True)
-                issued = (figures, list(occupant), time.perf_counter())
+            if ledger.running:
+                state, figures = gen.run_cycles(state, until_free=bool(ledger.waiting), stream=True)
+                issued = (figures, list(ledger.occupant), time.perf_counter())
             if pending is not None:
-                self._deliver(pending, occupant, sent, last_emit, end)
+                self._deliver(pending, ledger, last_emit, end)
             pending = issued
             with m.lock:
-                m.running, m.waiting = sum(o is not None for o in occupant) + len(filling), self._queued_now()
+                m.running, m.waiting = ledger.busy, self._queued_now()
+
+    def _cancel_rows(self, ledger: SlotLedger, end):
+        """Requests cancelled while they waited end here; those decoding or being filled end as a
+        running row does (`end`: slot, pages and, at the device, the row)."""
+        cancel_all = self._cancel_all
+        for req in [r for r in ledger.waiting if r.cancelled or cancel_all]:
+            ledger.waiting.remove(req)
+            self._admitted(1)
+            self._ended(req, Result(req.row_id, [], [], _cancel_reason(req)))
+        for s, req in enumerate(ledger.occupant):
+            if req is not None and (req.cancelled or cancel_all):
+                end(s, Result(req.row_id, [], [], _cancel_reason(req)))
+        for s, (req, _) in list(ledger.filling.items()):
+            if req.cancelled or cancel_all:
+                end(s, Result(req.row_id, [], [], _cancel_reason(req)))
+
+    def _admit(self, state, ledger: SlotLedger):
+        """Admission: the free slots take the first requests, in arrival order (one that waits
+        for pages is not overtaken); a long prompt goes in piece by piece, one piece of each per
+        round of cycles (the running rows wait for a piece, not for a whole prompt), and its last
+        piece makes it a running row."""
+        gen, m = self.gen, self.metrics
+        piece = gen.spec.prefill_chunk if self.interleaves else None
+        queued = len(ledger.waiting)
+        slots, new = ledger.admit_waiting(lambda req: piece is not None and len(req.prompt) > piece)
+        self._admitted(queued - len(ledger.waiting))
+        for s, entry in list(ledger.filling.items()):
+            req, done_tokens = entry
+            state = self._piece(state, s, req, done_tokens, ledger.pages[s])
+            entry[1] += piece
+            if entry[1] >= len(req.prompt):
+                ledger.filled(s)
+                with m.lock:
+                    m.prompt_tokens += len(req.prompt)
+        if new:
+            state = gen.admit(state, slots, [r.prompt for r in new], [r.row_id for r in new],
+                              [r.max_new_tokens for r in new], 0, ledger.tables(slots), [r.sampling for r in new])
+            with m.lock:
+                m.prompt_tokens += sum(len(r.prompt) for r in new)
+        return state
 
     @property
     def interleaves(self) -> bool:
         """Whether prompts longer than the Generator's prefill_chunk go in piece by piece between
         cycles. Not for a hybrid target decoded plainly: its recurrent layers advance every row a
-        cycle passes over, and a held row's state must wait for its next piece."""
+        cycle passes over, and the state of a row being filled must wait for its next piece."""
         spec = self.gen.spec
         return self.gen.max_prompt_len > spec.prefill_chunk and not (spec.target.num_linear_layers
                                                                       and not spec.uses_drafter)
@@ -383,11 +363,7 @@ class StreamingEngine:
         tokens[0, :len(part)] = part
         where = put(np.int32([slot]))
         if offset + piece < len(req.prompt):
-            table = None
-            if spec.kv_pages:
-                table = np.full((1, state.target_cache.pages.shape[1]), NO_PAGE, np.int32)
-                table[0, :len(pages)] = pages
-                table = put(table)
+            table = put(page_table([pages], 1, state.target_cache.pages.shape[1])) if spec.kv_pages else None
             return prefill_part(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])), where,
                                 table, begin=offset == 0)
         s = req.sampling
@@ -404,24 +380,21 @@ class StreamingEngine:
         with self._lock:
             self._queued -= n
 
-    def _deliver(self, pending, occupant, sent, last_emit, end):
+    def _deliver(self, pending, ledger: SlotLedger, last_emit, end):
         """Read a call's figures (waiting for it) and hand each row still served by the request
         it ran for its new tokens; rows that ended end their requests."""
-        gen, m = self.gen, self.metrics
+        gen, m, sent = self.gen, self.metrics, ledger.counted
         figures, owners, issued = pending
-        (progress, (output, acceptance, num_cycles)) = gen._wait(figures, "running decoding cycles")
+        (progress, (output, acceptance, num_cycles)) = gen.read(figures, "running decoding cycles")
         now = time.perf_counter()
         done, num_generated = progress[0].astype(bool), progress[1]
         busy = 0
         for s, req in enumerate(owners):
-            if req is None or req.finished or occupant[s] is not req:
+            if req is None or req.finished or ledger.occupant[s] is not req:
                 continue
             busy += 1
             upto = int(min(num_generated[s], req.max_new_tokens))
-            tokens = output[s, sent[s]:upto].tolist()
-            stop = next((j for j, t in enumerate(tokens) if t in gen.stop_set), None)
-            if stop is not None:
-                tokens = tokens[:stop + 1]
+            tokens, stopped = ledger.cut(output[s, sent[s]:upto].tolist())
             if tokens:
                 if req.first_token is None:
                     req.first_token = now
@@ -435,10 +408,8 @@ class StreamingEngine:
                 with m.lock:
                     m.generation_tokens += len(tokens)
                 req.emit(tokens, None)
-            if stop is not None or done[s] or sent[s] >= req.max_new_tokens:
-                ids = output[s, :sent[s]].tolist()
-                reason = "stop" if ids and ids[-1] in gen.stop_set else "length"
-                end(s, Result(req.row_id, ids, acceptance[s, :num_cycles[s]].tolist(), reason))
+            if stopped or done[s] or sent[s] >= req.max_new_tokens:
+                end(s, ledger.result(req.row_id, output[s], sent[s], acceptance[s], num_cycles[s]))
         with m.lock:
             m.slot_syncs += len(owners)
             m.busy_slot_syncs += busy

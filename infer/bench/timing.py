@@ -86,7 +86,7 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
     rows ran every cycle of it, and the slots it ran: the batch, or fewer once the tail narrows).
     Returns (results by index, loop cycles, admissions)."""
     admissions, cycles = [], []
-    run, admit = gen._run, gen.admit
+    run, admit = gen.run_cycles, gen.admit
 
     def counting_run(state, cycles_=None, until_free=False):
         before = np.asarray(state.num_cycles)  # read before the call takes the state donated
@@ -101,11 +101,11 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
         admissions.append((list(slots), [list(p) for p in prompts_], list(row_ids), list(max_new)))
         return admit(state, slots, prompts_, row_ids, max_new, *rest)
 
-    gen._run, gen.admit = counting_run, recording_admit
+    gen.run_cycles, gen.admit = counting_run, recording_admit
     try:
         results = {r.index: r for r in gen.generate(prompts, seed=seed, max_new_tokens=max_new_tokens)}
     finally:
-        del gen._run, gen.admit  # the class's methods again
+        del gen.run_cycles, gen.admit  # the class's methods again
     return results, sum(cycles), admissions
 
 
