@@ -29,7 +29,7 @@ import pytest
 
 from dflash_jax.engine import Sampling, prefill, run_cycles
 from dflash_jax.engine.watchdog import STALL_EXIT_CODE, Watchdog
-from dflash_jax.generation import DEMO_DIR
+from dflash_jax.pair import DEMO_DIR
 from dflash_jax.model import delta_rule
 from dflash_jax.training import target_features
 from fixtures import tiny

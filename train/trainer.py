@@ -15,12 +15,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.checkpoint import load_drafter, load_target
+from dflash_jax.checkpoint import load_drafter
 from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
 from dflash_jax.drafter import (DrafterConfig, check_pair, default_target_layer_ids, dense_drafter_model, retap,
                                 init_drafter_params)
 from dflash_jax.errors import DFlashError
-from dflash_jax.sharding import global_batch, init_distributed, make_mesh, shard_params
+from dflash_jax.pair import engine_mesh, open_pair
+from dflash_jax.sharding import global_batch, init_distributed, shard_params
 from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
@@ -155,32 +156,10 @@ class TauEvaluator:
 # --------------------------------------------------------------------------- main loop
 
 
-def train(cfg: dict, *, progress: bool = True) -> dict:
-    from dflash_jax.generation import load_tokenizer
-    from tqdm import tqdm
-
-    t, d = cfg["train"], cfg["data"]
-    out = Path(t["output_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    target_dir = Path(cfg["target"])
-    mesh = make_mesh(t["mesh"]) if (t["mesh"] or jax.device_count() > 1) else None
-    tokenizer = load_tokenizer(target_dir)
-    # Regenerated first: generation loads the target itself, so it is never held twice.
-    ensure_data(cfg, target_dir)
-    if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("data ready")
-    # Every tensor read straight into its shard on the mesh: no device holds the whole target.
-    # train.fsdp: split over `data` as well, each device keeping a share of its model shard.
-    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"], mesh=mesh, over_data=t["fsdp"])
-
-    records = read_jsonl(d["conversations"])
-    holdout = min(d["eval_holdout"], len(records) - 1)
-    train_records, held = (records[:-holdout], records[-holdout:]) if holdout > 0 else (records, [])
-    if len(train_records) < t["global_batch"]:
-        raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
-
+def initial_drafter(cfg: dict, tcfg, tokenizer, mesh):
+    """The drafter training starts from: drafter.init's checkpoint (retapped where the config
+    names other taps), else a new one of the config's shape. (DrafterConfig, float32 params)."""
+    t = cfg["train"]
     if cfg["drafter"]["init"]:
         dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32", mesh=mesh)
         if cfg["drafter"]["target_layer_ids"]:  # fine-tune it on other taps
@@ -188,10 +167,38 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
             dcfg, init_params = retap(dcfg, init_params, cfg["drafter"]["target_layer_ids"])
             if dcfg.target_layer_ids != before:
                 log(f"taps {list(before)} -> {list(dcfg.target_layer_ids)}: kept taps keep their fc weights, new ones start at zero")
-        dcfg = dcfg.with_dtype(t["compute_dtype"])
-    else:
-        dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
-        init_params = init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
+        return dcfg.with_dtype(t["compute_dtype"]), init_params
+    dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
+    return dcfg, init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
+
+
+def train(cfg: dict, *, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    t, d = cfg["train"], cfg["data"]
+    out = Path(t["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = engine_mesh(t["mesh"])
+    pair = open_pair(cfg["target"], dtype=cfg["target_dtype"]).open_tokenizer()
+    tokenizer = pair.tokenizer
+    # Regenerated first: generation loads the target itself, so it is never held twice.
+    ensure_data(cfg, pair.target_dir)
+    if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("data ready")
+    # Every tensor read straight into its shard on the mesh: no device holds the whole target.
+    # train.fsdp: split over `data` as well, each device keeping a share of its model shard.
+    pair.load_weights(mesh, over_data=t["fsdp"])
+    tcfg, tparams = pair.target, pair.tparams
+
+    records = read_jsonl(d["conversations"])
+    holdout = min(d["eval_holdout"], len(records) - 1)
+    train_records, held = (records[:-holdout], records[-holdout:]) if holdout > 0 else (records, [])
+    if len(train_records) < t["global_batch"]:
+        raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
+
+    dcfg, init_params = initial_drafter(cfg, tcfg, tokenizer, mesh)
     for warning in check_pair(tcfg, dcfg):
         log(f"warning: {warning}")
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
