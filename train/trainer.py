@@ -127,6 +127,22 @@ def trim_metrics(path: Path, upto_step: int):
     path.write_text("".join(l + "\n" for l in keep))
 
 
+def resume(mngr, state: TrainState, data_iter, out: Path) -> tuple[int, TrainState]:
+    """(step, state) to start from: the latest checkpoint's, its data position restored into
+    data_iter (and metric lines of later steps dropped), else (0, state)."""
+    start = mngr.latest_step()
+    if start is None:
+        return 0, state
+    # Restored straight into the layout (and onto the devices) each array will live on.
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    state, data_state = restore(mngr, start, abstract)
+    data_iter.set_state(data_state)
+    if jax.process_index() == 0:
+        trim_metrics(out / METRICS, start)
+    log(f"resumed from step {start} ({out / CHECKPOINTS})")
+    return start, state
+
+
 # --------------------------------------------------------------------------- evaluation
 
 
@@ -224,16 +240,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     if mesh is not None:
         state = jax.device_put(state, state_shardings(state, mesh, fsdp=spec.fsdp))
     mngr = checkpoint_manager(out, cfg)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        # Restored straight into the layout (and onto the devices) each array will live on.
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-        state, data_state = restore(mngr, start, abstract)
-        data_iter.set_state(data_state)
-        if jax.process_index() == 0:
-            trim_metrics(out / METRICS, start)
-        log(f"resumed from step {start} ({out / CHECKPOINTS})")
+    start, state = resume(mngr, state, data_iter, out)
     if jax.process_index() == 0:
         (out / DRAFTER_CONFIG).write_text(json.dumps(
             {**dcfg.to_hf_dict(), "dtype": "float32"}, indent=2) + "\n")

@@ -73,7 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m infer.bench", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=HelpFormatter, add_help=False)
 
-    gen = p.add_argument_group("general options")
+    add_general_flags(p.add_argument_group("general options"))
+    add_suite_flags(p)
+    add_mode_flags(p)
+    return p
+
+
+def add_general_flags(gen):
+    """The flags every mode reads (the pair, the prompts, the engine's settings, where figures go)."""
     gen.add_argument("-h", "--help", action="help", help="show this help and exit")
     gen.add_argument("--target", metavar="DIR", help="HF or converted (default: the bundled demo pair)")
     gen.add_argument("--drafter", metavar="DIR", help="HF or converted, with --target")
@@ -104,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plot", default=None, metavar="PATH",
                      help="the suite's PNG (default: bench.png beside --json)")
 
+
+def add_suite_flags(p):
+    """The random pair's and the suite's (the default mode's) groups."""
     rnd = p.add_argument_group("random pair", "a tiny random Qwen3 target and drafter built in memory (tau near 1)")
     rnd.add_argument("--random", action="store_true", help="use it, not --target/--drafter")
     rnd.add_argument("--hidden", type=int, default=128, metavar="N", help="hidden size (default 128)")
@@ -137,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--torch-threads", type=int, default=None, metavar="N",
                        help="torch.set_num_threads (default: torch's)")
 
+
+def add_mode_flags(p):
+    """One group per mode besides the suite (its flag, then the flags only it reads)."""
     shapes = p.add_argument_group("published shapes", "for --cost, --aot, --published-shapes (--moe-cost: "
                                                       "--context, --paper-tau)")
     shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b", metavar="NAME",
@@ -211,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the server's --prefill-chunk (default 512)")
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
                        help="others' ITL while N-token prompts arrive (0: skip)")
-    return p
 
 
 def env_info() -> dict:
