@@ -22,6 +22,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from dflash_jax.chat import encode_chat
 from dflash_jax.errors import DFlashError
 
 
@@ -67,14 +68,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
-def _template(tokenizer, messages, *, generation_prompt: bool, thinking: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                        enable_thinking=thinking)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def conversation_tokens(record: dict, tokenizer=None, *, thinking: bool = False) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one conversation."""
     where = f"line {record.get('_line', '?')}"
@@ -85,14 +78,14 @@ def conversation_tokens(record: dict, tokenizer=None, *, thinking: bool = False)
         return ids, [int(bool(m)) for m in mask]
     if "messages" in record and tokenizer is not None:
         messages = record["messages"]
-        full = _template(tokenizer, messages, generation_prompt=False, thinking=thinking)
+        full = encode_chat(tokenizer, messages, generation_prompt=False, enable_thinking=thinking)
         mask = [0] * len(full)
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
             # The assistant's tokens are what its turn adds after the generation prompt.
-            before = _template(tokenizer, messages[:i], generation_prompt=True, thinking=thinking)
-            upto = _template(tokenizer, messages[:i + 1], generation_prompt=False, thinking=thinking)
+            before = encode_chat(tokenizer, messages[:i], generation_prompt=True, enable_thinking=thinking)
+            upto = encode_chat(tokenizer, messages[:i + 1], generation_prompt=False, enable_thinking=thinking)
             if full[:len(upto)] != upto or upto[:len(before)] != before:
                 raise DataError(f"{where}: the chat template does not render the conversation incrementally")
             for j in range(len(before), len(upto)):

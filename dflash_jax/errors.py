@@ -11,3 +11,8 @@ class ConfigError(DFlashError):
 
 class CheckpointError(DFlashError):
     """A checkpoint directory or tensor set that does not match its config."""
+
+
+class InputError(DFlashError):
+    """Bad flags, options or input rows, found before a weight is read; the message names the
+    flag (`--batch-size`) or the input line."""

@@ -20,21 +20,21 @@ CLI's (`infer.flags`, `infer.job_output`).
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_jax.errors import DFlashError
+from dflash_jax.chat import encode_chat, encode_text, has_chat_template
+from dflash_jax.engine.options import EngineOptions
+from dflash_jax.errors import InputError
+from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
+# infer/serve.py still imports these two from here; they live in dflash_jax.pair (drop this line
+# once the server loads through dflash_jax.pair.load_pair).
+from dflash_jax.pair import load_tokenizer, stop_token_ids  # noqa: F401
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DTYPES = ("bfloat16", "float32")
-
-
-class InputError(DFlashError):
-    pass
+_ENGINE = EngineOptions()  # the engine fields' defaults
 
 
 # --------------------------------------------------------------------------- the job
@@ -58,18 +58,18 @@ class GenerationJob:
     seed: int = 0  # seed of the sampling keys (per row and position)
     block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
-    batch_size: int = 8  # rows decoded together
+    batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
     compare_baseline: bool = False  # also time plain decoding and report the speedup
     enable_thinking: bool = False  # enable_thinking=True for the chat template (Qwen3)
     max_prompt_len: int | None = None  # sizes the KV cache (None: the longest prompt, rounded up)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
-    page_size: int = 128  # K/V positions per page
-    sync_every: int = 8  # decoding cycles per host sync
+    page_size: int = _ENGINE.page_size  # K/V positions per page
+    sync_every: int = _ENGINE.sync_every  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
     mesh: str | None = None  # "data=D,model=M" (None: every device on `data`; one device: no mesh)
-    stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
+    stall_timeout: float = _ENGINE.stall_timeout  # minutes without device progress before a stall error; 0 = never
     overwrite: bool = False  # start the output over instead of resuming it
     quiet: bool = False  # no progress bar or progress messages
 
@@ -79,18 +79,7 @@ class GenerationJob:
             raise InputError("--drafter needs --target, the model it drafts for" + trained_against(Path(self.drafter)))
         if self.target is not None and not self.input:
             raise InputError("--input is required when --target is given")
-        for flag, value in (("--max-new-tokens", self.max_new_tokens), ("--batch-size", self.batch_size),
-                            ("--sync-every", self.sync_every), ("--block-size", self.block_size),
-                            ("--draft-tokens", self.draft_tokens), ("--max-prompt-len", self.max_prompt_len),
-                            ("--kv-pages", self.kv_pages), ("--page-size", self.page_size)):
-            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
-                raise InputError(f"{flag} must be an integer, got {value!r}")
-            if value is not None and value < 1:
-                raise InputError(f"{flag} must be >= 1, got {value}")
-        if not self.stall_timeout >= 0:
-            raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.engine  # noqa: B018 (the engine fields, checked by EngineOptions)
         if self.draft_tokens is not None and (self.drafter_dir is None or self.block_size == 1):
             raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
         if self.temperature < 0:
@@ -105,19 +94,22 @@ class GenerationJob:
                              f"choose another --output")
 
     @property
+    def engine(self) -> EngineOptions:
+        """The job's engine fields (batch, block, cache and page sizes, syncs, mesh, dtype, watchdog)."""
+        return EngineOptions.of(self)
+
+    @property
     def demo(self) -> bool:
         """No target: the bundled demo pair."""
         return self.target is None
 
     @property
     def target_dir(self) -> Path:
-        return Path(self.target) if self.target else DEMO_DIR / "target"
+        return pair_dirs(self.target, self.drafter)[0]
 
     @property
     def drafter_dir(self) -> Path | None:
-        if self.drafter:
-            return Path(self.drafter)
-        return DEMO_DIR / "drafter" if self.demo else None
+        return pair_dirs(self.target, self.drafter)[1]
 
     @property
     def input_path(self) -> Path:
@@ -264,22 +256,6 @@ def read_rows(path: Path, warn=lambda message: None) -> list[InputRow]:
     return rows
 
 
-def load_tokenizer(target_dir: Path):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((target_dir / n).is_file() for n in names):
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Without torch (the default install) transformers advises at import that its models are
-    # unavailable: only its tokenizers are used here.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(target_dir))
-    except Exception as e:  # transformers raises many types for broken tokenizer files
-        raise InputError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from None
-
-
 def encode_prompt(row: InputRow, tokenizer, messages: list[dict] | None, thinking: bool) -> list[int]:
     """Token ids of a row's (current) prompt."""
     if row.kind == "input_ids":
@@ -287,14 +263,10 @@ def encode_prompt(row: InputRow, tokenizer, messages: list[dict] | None, thinkin
     if tokenizer is None:
         raise InputError(f"line {row.line}: '{row.kind}' needs a tokenizer, and the target has none")
     if row.kind == "prompt":
-        return tokenizer(row.value, add_special_tokens=True)["input_ids"]
-    if getattr(tokenizer, "chat_template", None) is None:
+        return encode_text(tokenizer, row.value)
+    if not has_chat_template(tokenizer):
         raise InputError(f"line {row.line}: '{row.kind}' needs a chat template, and the tokenizer has none")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        enable_thinking=thinking)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return encode_chat(tokenizer, messages, enable_thinking=thinking)
 
 
 def prompt_budget(row: InputRow, tokenizer, thinking: bool, max_new_tokens: int) -> int:
@@ -307,20 +279,6 @@ def prompt_budget(row: InputRow, tokenizer, thinking: bool, max_new_tokens: int)
         conv += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
     conv.append({"role": "user", "content": row.value[-1]})
     return len(encode_prompt(row, tokenizer, conv, thinking)) + (len(row.value) - 1) * (max_new_tokens + 8)
-
-
-def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:
-    ids: list = []
-    for name in ("generation_config.json", "config.json"):
-        path = target_dir / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids = eos if isinstance(eos, list) else [eos]
-                break
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids = [tokenizer.eos_token_id]
-    return [int(i) for i in ids]
 
 
 # --------------------------------------------------------------------------- output
@@ -449,40 +407,90 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
     conversation: the chat messages a `messages`/`turns` row's last prompt was made of, else None;
     `train.generate_data` writes conversations with it). writer(path) opens what the lines go
     through (an object with write(record, row) and close(); default: JsonlWriter), on process 0
-    only. Every line gets the row's "fingerprint" (`SETTING_FLAGS`)."""
-    from tqdm import tqdm
+    only. Every line gets the row's "fingerprint" (`SETTING_FLAGS`).
 
+    The steps: `plan_job` (rows, configs, resume: nothing loaded), the first turns encoded,
+    `JobRun.screen` (rows that cannot run), `JobRun.load_engine` (weights, Generator),
+    `JobRun.decode` (every turn of every row), `JobRun.summary` (and the baseline)."""
     import jax
 
-    from dflash_jax.checkpoint import load_drafter, load_target, read_model_config
-    from dflash_jax.compiling import CompileProgress
-    from dflash_jax.drafter import check_pair
-    from dflash_jax.sharding import make_mesh
-    from dflash_jax.engine import Generator, GenerationStats, Sampling, bucket, timed
-    from dflash_jax.engine.watchdog import Watchdog
+    from dflash_jax.engine import GenerationStats
 
     job = job.resolved()
-    demo, target_dir, drafter_dir, input_path = job.demo, job.target_dir, job.drafter_dir, job.input_path
     say = (lambda *a: None) if job.quiet else (lambda *a: print(*a, file=sys.stderr))
+    plan = plan_job(job, say)
+    if plan.demo_note:
+        say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
+    if plan.skipped and not plan.todo:
+        # Nothing left: say so even when quiet (a resumed job's log should show why it did nothing),
+        # and load no model.
+        if jax.process_index() == 0:
+            print(f"{plan.out_path}: all {plan.skipped} rows already done, nothing to generate", file=sys.stderr)
+        return GenerationResult(None, skipped=plan.skipped)
+    if plan.skipped:
+        say(f"{plan.out_path}: {plan.skipped} of {plan.skipped + len(plan.todo)} rows already done (same input "
+            f"lines and settings), skipping them")
+    if plan.out_path is not None and jax.process_index() == 0:
+        prepare_output(plan.out_path, job.overwrite)
 
+    # Every row's first prompt is encoded before a weight is read: a row that cannot be fails fast.
+    plan.pair.open_tokenizer(job.ignore_eos)
+    run = JobRun(job, plan, say, make_record)
+    run.encode_first_turns()
+    run.out = writer(plan.out_path) if jax.process_index() == 0 else _NoWriter()
+    try:
+        max_prompt = run.screen()
+        if not run.runnable:  # nothing to load or compile
+            return GenerationResult({"rows": len(plan.todo), "errors": run.errors,
+                                     **GenerationStats(plan.block_size).summary(),
+                                     "draft_tokens": plan.settings["draft_tokens"] or 0}, skipped=plan.skipped)
+        run.load_engine(max_prompt)
+        run.decode()
+    finally:
+        run.out.close()
+    return GenerationResult(run.summary(), skipped=plan.skipped,
+                            sample=run.sample[1:] if run.sample is not None else None)
+
+
+@dataclass
+class JobPlan:
+    """What a job will do, worked out from its input and the models' configs before a weight
+    is read: the rows to run (those already in the output skipped), the pair (configs only), the
+    block size, and the settings and input digests each output line records."""
+
+    input_path: Path
+    rows: list[InputRow]
+    todo: list[InputRow]
+    skipped: int
+    pair: ModelPair
+    block_size: int
+    settings: dict
+    keys: dict  # row id -> its input line's digest (and, sampled, its position)
+    out_path: Path | None
+    demo_note: bool  # no --target: say that the demo pair runs
+    per_row: bool  # some rows set their own sampling
+
+
+def plan_job(job: GenerationJob, say) -> JobPlan:
+    """Read and check the rows and the pair's configs (no weight), and what the output already
+    holds of this run (`Resume`). A resolved job; raises InputError."""
+    input_path = job.input_path
     rows = read_rows(input_path, warn=say)
     if not rows:
         raise InputError(f"{input_path} holds no rows (one JSON object per line, each with one of "
                          f"{', '.join(PROMPT_KEYS)})")
     # Checked from the configs alone, before a weight is read or a program compiled.
-    tcfg = read_model_config(target_dir, "target", dtype=job.dtype)
+    pair = open_pair(job.target, job.drafter, dtype=job.dtype, use_drafter=job.block_size != 1)
     for r in rows:
-        bad = [t for t in (r.value if r.kind == "input_ids" else ()) if not 0 <= t < tcfg.vocab_size]
+        bad = [t for t in (r.value if r.kind == "input_ids" else ()) if not 0 <= t < pair.target.vocab_size]
         if bad:
             raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
-                             f"(0..{tcfg.vocab_size - 1})")
-    drafting = drafter_dir is not None and job.block_size != 1
+                             f"(0..{pair.target.vocab_size - 1})")
     block_size = 1
-    if drafting:
-        dcfg = read_model_config(drafter_dir, "drafter", dtype=job.dtype)
-        for warning in check_pair(tcfg, dcfg):
+    if pair.drafting:
+        for warning in pair.warnings:
             say(f"warning: {warning}")
-        block_size = job.block_size or dcfg.block_size
+        block_size = job.block_size or pair.drafter.block_size
         if job.draft_tokens is not None and job.draft_tokens > block_size - 1:
             raise InputError(f"--draft-tokens {job.draft_tokens} is more than a block of {block_size} holds "
                              f"(1..{block_size - 1})")
@@ -492,10 +500,10 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
                          f"--max-new-tokens {job.max_new_tokens}, which sizes the cache")
 
     # Resume: the output's rows must be this run's (same input lines, same settings).
-    per_row = any(r.sampling for r in rows)
-    settings = {"target": model_digest(target_dir), "drafter": model_digest(drafter_dir) if drafting else None,
-                "dtype": tcfg.dtype, "block_size": block_size,
-                "draft_tokens": (job.draft_tokens or block_size - 1) if drafting else None,
+    settings = {"target": model_digest(pair.target_dir),
+                "drafter": model_digest(pair.drafter_dir) if pair.drafting else None,
+                "dtype": pair.target.dtype, "block_size": block_size,
+                "draft_tokens": (job.draft_tokens or block_size - 1) if pair.drafting else None,
                 "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
                 "top_k": job.top_k, "seed": job.seed, "ignore_eos": job.ignore_eos,
                 "enable_thinking": job.enable_thinking}
@@ -505,165 +513,186 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
     out_path = Path(job.output) if job.output else None
     skip = Resume(out_path, rows, keys, settings, input_path).done if out_path and not job.overwrite else set()
     todo = [r for r in rows if r.id not in skip]
-    skipped = len(rows) - len(todo)
-    if demo:
-        say(f"no --target given: running the bundled demo pair ({DEMO_DIR})")
-    if skip and not todo:
-        # Nothing left: say so even when quiet (a resumed job's log should show why it did nothing),
-        # and load no model.
-        if jax.process_index() == 0:
-            print(f"{out_path}: all {len(rows)} rows already done, nothing to generate", file=sys.stderr)
-        return GenerationResult(None, skipped=skipped)
-    if skip:
-        say(f"{out_path}: {skipped} of {len(rows)} rows already done (same input lines and settings), skipping them")
-    if out_path is not None and jax.process_index() == 0:
-        prepare_output(out_path, job.overwrite)
+    return JobPlan(input_path, rows, todo, len(rows) - len(todo), pair, block_size, settings, keys, out_path,
+                   demo_note=job.demo, per_row=any(r.sampling for r in rows))
 
-    # Every row's first prompt is encoded before a weight is read: a row that cannot be fails fast.
-    tokenizer = load_tokenizer(target_dir)
-    stops = [] if job.ignore_eos else stop_token_ids(target_dir, tokenizer)
 
-    # Turn 1 of every row (later turns of `turns` rows are encoded as earlier ones finish).
-    conversations = {}
-    for r in todo:
-        if r.kind == "turns":
-            conversations[r.id] = [{"role": "user", "content": r.value[0]}]
-        elif r.kind == "messages":
-            conversations[r.id] = list(r.value)
-        r.turn_ids.append(encode_prompt(r, tokenizer, conversations.get(r.id), job.enable_thinking))
+class JobRun:
+    """A planned job's rows through the engine: their prompts encoded, the rows that cannot run
+    written as errors, the weights loaded, every turn decoded, the lines written through `out`."""
 
-    out = writer(out_path) if jax.process_index() == 0 else _NoWriter()
-    errors = 0
+    def __init__(self, job: GenerationJob, plan: JobPlan, say, make_record: RecordMaker | None):
+        self.job, self.plan, self.say, self.make_record = job, plan, say, make_record
+        self.out = _NoWriter()
+        self.errors = 0
+        self.conversations: dict = {}
+        self.runnable: list[InputRow] = []
+        self.first: list[InputRow] = []  # the rows that ran (their first turn fit the engine)
+        self.sample = None  # the demo shows one completion as text: (position, prompt, text)
+        self.gen = self.stats = self.watchdog = None
 
-    def fail(r: InputRow, why: str):
-        nonlocal errors
-        out.write({"id": r.id, "error": f"line {r.line}: {why}", "fingerprint": {"input": keys[r.id], **settings}}, r)
-        say(f"warning: id {r.id!r} (line {r.line}): {why}")
-        errors += 1
+    def encode_first_turns(self):
+        """Turn 1 of every row (later turns of `turns` rows are encoded as earlier ones finish)."""
+        tokenizer, thinking = self.plan.pair.tokenizer, self.job.enable_thinking
+        for r in self.plan.todo:
+            if r.kind == "turns":
+                self.conversations[r.id] = [{"role": "user", "content": r.value[0]}]
+            elif r.kind == "messages":
+                self.conversations[r.id] = list(r.value)
+            r.turn_ids.append(encode_prompt(r, tokenizer, self.conversations.get(r.id), thinking))
 
-    try:
-        # Rows that cannot run, found before anything loads: they do not size the cache.
+    def fail(self, r: InputRow, why: str):
+        self.out.write({"id": r.id, "error": f"line {r.line}: {why}",
+                        "fingerprint": {"input": self.plan.keys[r.id], **self.plan.settings}}, r)
+        self.say(f"warning: id {r.id!r} (line {r.line}): {why}")
+        self.errors += 1
+
+    def limit(self, r: InputRow) -> int:
+        return r.max_new_tokens or self.job.max_new_tokens
+
+    def screen(self) -> int:
+        """Rows that cannot run, found before anything loads (they do not size the cache), are
+        written as errors; the others are `runnable`. Returns the cache's longest prompt."""
+        job, tcfg = self.job, self.plan.pair.target
         context = min(job.max_prompt_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
-        runnable = []
-        for r in todo:
+        for r in self.plan.todo:
             n = len(r.turn_ids[0])
             if n == 0 or n > context:
-                fail(r, "empty prompt" if n == 0 else f"prompt of {n} tokens is longer than the context "
-                                                       f"({context} tokens)")
+                self.fail(r, "empty prompt" if n == 0 else f"prompt of {n} tokens is longer than the context "
+                                                            f"({context} tokens)")
             else:
-                runnable.append(r)
-        budgets = [prompt_budget(r, tokenizer, job.enable_thinking, job.max_new_tokens) for r in runnable]
-        max_prompt = job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
-        if not runnable:  # nothing to load or compile
-            return GenerationResult({"rows": len(todo), "errors": errors, **GenerationStats(block_size).summary(),
-                                     "draft_tokens": settings["draft_tokens"] or 0}, skipped=skipped)
+                self.runnable.append(r)
+        budgets = [prompt_budget(r, self.plan.pair.tokenizer, job.enable_thinking, job.max_new_tokens)
+                   for r in self.runnable]
+        from dflash_jax.engine import bucket
 
+        return job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+
+    def load_engine(self, max_prompt: int):
+        """Read the weights onto the run's mesh and make the Generator."""
+        from dflash_jax.engine import GenerationStats
+
+        job, pair = self.job, self.plan.pair
         # The mesh comes first: every tensor is read straight into its shard on it, so no device ever
         # holds the whole model (one larger than a device loads on a mesh). The DFlash and baseline
         # engines share these arrays; their own shard_params is then a no-op.
-        mesh = make_mesh(job.mesh) if (job.mesh or jax.device_count() > 1) else None
-        tcfg, tparams = load_target(target_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
-        dcfg = dparams = None
-        if drafting:
-            dcfg, dparams = load_drafter(drafter_dir, dtype=job.dtype, progress=not job.quiet, mesh=mesh)
-            if job.block_size is not None and job.block_size > dcfg.block_size:
-                say(f"warning: --block-size {job.block_size} is larger than the drafter's trained block "
-                    f"({dcfg.block_size}); drafts past it are guesses it never learned")
+        pair.load_weights(engine_mesh(job.mesh), progress=not job.quiet)
+        if pair.drafting and job.block_size is not None and job.block_size > pair.drafter.block_size:
+            self.say(f"warning: --block-size {job.block_size} is larger than the drafter's trained block "
+                     f"({pair.drafter.block_size}); drafts past it are guesses it never learned")
+        self.max_prompt = max_prompt
+        self.watchdog = job.engine.watchdog()
+        self.gen = self.engine(job.block_size)
+        self.stats = GenerationStats(self.gen.spec.block_size)
 
-        watchdog = Watchdog(job.stall_timeout * 60) if job.stall_timeout > 0 else None
-        base = Sampling(job.temperature, job.top_k, job.top_p, per_row=per_row)
+    def engine(self, block_size: int | None):
+        from dflash_jax.engine import Sampling
 
-        def engine(block_size):
-            drafts = job.draft_tokens if block_size != 1 else None
-            return Generator(tcfg, tparams, dcfg, dparams, block_size=block_size, batch_size=job.batch_size,
-                             max_new_tokens=job.max_new_tokens, max_prompt_len=max_prompt, sampling=base,
-                             stop_token_ids=stops, sync_every=job.sync_every, mesh=mesh, draft_tokens=drafts,
-                             watchdog=watchdog, kv_pages=job.kv_pages, page_size=job.page_size,
-                             narrow_tail=job.narrow_tail)
+        job = self.job
+        return job.engine.generator(self.plan.pair, max_new_tokens=job.max_new_tokens,
+                                    max_prompt_len=self.max_prompt, block_size=block_size,
+                                    sampling=Sampling(job.temperature, job.top_k, job.top_p,
+                                                      per_row=self.plan.per_row),
+                                    watchdog=self.watchdog)
 
-        def limit(r: InputRow) -> int:
-            return r.max_new_tokens or job.max_new_tokens
+    def row_sampling(self, rs: list[InputRow]):
+        """Each row's own sampling (over the job's), where some row sets its own; else None."""
+        from dflash_jax.engine import Sampling
 
-        def row_sampling(rs: list[InputRow]):
-            if not per_row:
-                return None
-            return [Sampling(r.sampling.get("temperature", job.temperature), r.sampling.get("top_k", job.top_k),
-                             r.sampling.get("top_p", job.top_p), per_row=True) for r in rs]
+        job = self.job
+        if not self.plan.per_row:
+            return None
+        return [Sampling(r.sampling.get("temperature", job.temperature), r.sampling.get("top_k", job.top_k),
+                         r.sampling.get("top_p", job.top_p), per_row=True) for r in rs]
 
-        gen = engine(job.block_size)
-        block_size = gen.spec.block_size
-        stats = GenerationStats(block_size)
+    def decode(self):
+        """Every turn of every runnable row, its line written as it finishes."""
+        from tqdm import tqdm
+
+        from dflash_jax.compiling import CompileProgress
+
+        job, gen, todo = self.job, self.gen, self.plan.todo
         # The engine's own limits (a page pool's size): still before any compile.
-        first = []
-        for r in runnable:
-            why = gen.check_prompt(r.turn_ids[0], limit(r))
+        for r in self.runnable:
+            why = gen.check_prompt(r.turn_ids[0], self.limit(r))
             if why:
-                fail(r, why)
+                self.fail(r, why)
             else:
-                first.append(r)
-        sample = None  # the demo shows one completion as text
+                self.first.append(r)
         drafts = f", {gen.spec.num_drafts} drafts verified" if job.draft_tokens else ""
-        with CompileProgress(f"compiling (block size {block_size}{drafts}, batch {job.batch_size}, "
+        with CompileProgress(f"compiling (block size {gen.spec.block_size}{drafts}, batch {job.batch_size}, "
                              f"cache {gen.spec.cache_len})", quiet=job.quiet) as progress:
-            gen.warmup([len(r.turn_ids[0]) for r in first], exact=True, progress=progress.step)
+            gen.warmup([len(r.turn_ids[0]) for r in self.first], exact=True, progress=progress.step)
         # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
-        bar = tqdm(total=len(todo), initial=len(todo) - len(first), desc="rows", unit="row", disable=job.quiet,
-                   file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)
-        pending = first
-        turn = 0
+        bar = tqdm(total=len(todo), initial=len(todo) - len(self.first), desc="rows", unit="row",
+                   disable=job.quiet, file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        pending, turn = self.first, 0
         while pending:
-            runnable, next_pending = [], []
-            for r in pending:
-                why = gen.check_prompt(r.turn_ids[turn], limit(r)) if turn else None
-                if why:
-                    fail(r, why)
-                    bar.update(1)
-                else:
-                    runnable.append(r)
-            by_position = {r.position: r for r in runnable}
-            results = gen.generate([r.turn_ids[turn] for r in runnable], indices=[r.position for r in runnable],
-                                   seed=job.seed, max_new_tokens=[limit(r) for r in runnable],
-                                   sampling=row_sampling(runnable))
-            for res in timed(results, stats):
-                r = by_position[res.index]
-                record = result_record(res, tokenizer)
-                if r.kind == "turns" and turn + 1 < len(r.value):
-                    # Multi-turn (z-lab benchmark format): the answer joins the conversation,
-                    # the next user turn runs in the next round.
-                    r.turn_records.append(record)
-                    conversations[r.id] += [{"role": "assistant", "content": record.get("text", "")},
-                                            {"role": "user", "content": r.value[turn + 1]}]
-                    r.turn_ids.append(encode_prompt(r, tokenizer, conversations[r.id], job.enable_thinking))
-                    next_pending.append(r)
-                    continue
-                if demo and r.kind == "prompt" and "text" in record and (sample is None or r.position < sample[0]):
-                    sample = (r.position, r.value, record["text"])  # the first prompt's
-                if r.turn_records:
-                    record["turns"] = r.turn_records + [dict(record)]
-                line = make_record(r, record, conversations.get(r.id)) if make_record is not None else {
-                    "id": r.id, **record}
-                out.write({**line, "fingerprint": {"input": keys[r.id], **settings}}, r)
-                shown = dict(tau=f"{stats.tau:.2f}") if block_size > 1 else {}
-                bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
-                bar.update(1)  # redraws at most every mininterval
-            pending, turn = next_pending, turn + 1
+            pending, turn = self.decode_turn(pending, turn, bar), turn + 1
         bar.close()
-    finally:
-        out.close()
 
-    summary = {"rows": len(todo), "errors": errors, **stats.summary(),
-               "draft_tokens": gen.spec.num_drafts}
-    if job.compare_baseline:
-        say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
-        summary["baseline"] = baseline_summary(engine(1), first, job.seed, limit, row_sampling)
-        base_speed = summary["baseline"]["tokens_per_second"]
-        summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
-        if jax.default_backend() == "cpu" and block_size > 1:
-            summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
-    summary["prompts"] = "the demo's prompts" if demo and job.input is None else str(input_path)
-    if demo and block_size > 1:
-        summary["heldout"] = demo_figures()["heldout"]
-    return GenerationResult(summary, skipped=skipped, sample=sample[1:] if sample is not None else None)
+    def decode_turn(self, pending: list[InputRow], turn: int, bar) -> list[InputRow]:
+        """One turn of the pending rows: the rows with a next turn (`turns` rows) are returned."""
+        from dflash_jax.engine import timed
+
+        job, gen, stats, tokenizer = self.job, self.gen, self.stats, self.plan.pair.tokenizer
+        runnable, next_pending = [], []
+        for r in pending:
+            why = gen.check_prompt(r.turn_ids[turn], self.limit(r)) if turn else None
+            if why:
+                self.fail(r, why)
+                bar.update(1)
+            else:
+                runnable.append(r)
+        by_position = {r.position: r for r in runnable}
+        results = gen.generate([r.turn_ids[turn] for r in runnable], indices=[r.position for r in runnable],
+                               seed=job.seed, max_new_tokens=[self.limit(r) for r in runnable],
+                               sampling=self.row_sampling(runnable))
+        for res in timed(results, stats):
+            r = by_position[res.index]
+            record = result_record(res, tokenizer)
+            if r.kind == "turns" and turn + 1 < len(r.value):
+                # Multi-turn (z-lab benchmark format): the answer joins the conversation,
+                # the next user turn runs in the next round.
+                r.turn_records.append(record)
+                self.conversations[r.id] += [{"role": "assistant", "content": record.get("text", "")},
+                                             {"role": "user", "content": r.value[turn + 1]}]
+                r.turn_ids.append(encode_prompt(r, tokenizer, self.conversations[r.id], job.enable_thinking))
+                next_pending.append(r)
+                continue
+            if job.demo and r.kind == "prompt" and "text" in record and (
+                    self.sample is None or r.position < self.sample[0]):
+                self.sample = (r.position, r.value, record["text"])  # the first prompt's
+            if r.turn_records:
+                record["turns"] = r.turn_records + [dict(record)]
+            line = self.make_record(r, record, self.conversations.get(r.id)) if self.make_record is not None \
+                else {"id": r.id, **record}
+            self.out.write({**line, "fingerprint": {"input": self.plan.keys[r.id], **self.plan.settings}}, r)
+            shown = dict(tau=f"{stats.tau:.2f}") if gen.spec.block_size > 1 else {}
+            bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
+            bar.update(1)  # redraws at most every mininterval
+        return next_pending
+
+    def summary(self) -> dict:
+        """The run's figures (and, with compare_baseline, plain decoding's and the speedup)."""
+        import jax
+
+        job, gen, stats = self.job, self.gen, self.stats
+        block_size = gen.spec.block_size
+        summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
+                   "draft_tokens": gen.spec.num_drafts}
+        if job.compare_baseline:
+            self.say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
+            summary["baseline"] = baseline_summary(self.engine(1), self.first, job.seed, self.limit,
+                                                   self.row_sampling)
+            base_speed = summary["baseline"]["tokens_per_second"]
+            summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
+            if jax.default_backend() == "cpu" and block_size > 1:
+                summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
+        summary["prompts"] = "the demo's prompts" if job.demo and job.input is None else str(self.plan.input_path)
+        if job.demo and block_size > 1:
+            summary["heldout"] = demo_figures()["heldout"]
+        return summary
 
 
 def prepare_output(path: Path, overwrite: bool):

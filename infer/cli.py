@@ -13,7 +13,7 @@ import sys
 
 from dflash_jax.engine.watchdog import STALL_EXIT_CODE
 from dflash_jax.errors import DFlashError
-from dflash_jax.generation import DEMO_DIR
+from dflash_jax.pair import DEMO_DIR
 from infer.flags import HelpFormatter, add_distributed_flags, add_generation_flags, job_from_args
 
 __all__ = ["DEMO_DIR", "EXIT_BAD_INPUT", "EXIT_ROW_ERRORS", "EXIT_STALLED", "build_parser", "main", "run"]

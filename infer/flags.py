@@ -1,5 +1,9 @@
-"""The flags of `python -m infer` and `python -m train.generate_data`, and the job they describe.
+"""The flags of `python -m infer` and `python -m train.generate_data`, and the job they describe;
+the engine's flags, shared with `python -m infer.serve` and `python -m infer.bench`.
 
+`add_engine_flags` declares one flag per `EngineOptions` field a command offers, with the
+options' defaults (a command whose default differs says so in one `overrides` entry, with its
+reason); `EngineOptions.of(args)` makes the options from the parsed flags.
 `add_generation_flags` declares one flag per `GenerationJob` field (its defaults are the job's),
 plus --summary-json; `job_from_args` makes the job from the parsed flags.
 """
@@ -8,10 +12,80 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import Any
 
-from dflash_jax.generation import DTYPES, GenerationJob
+from dflash_jax.config import DTYPES
+from dflash_jax.engine.options import EngineOptions, flag
+from dflash_jax.generation import GenerationJob
 
 JOB = GenerationJob  # its class attributes are the fields' defaults
+
+# One flag per EngineOptions field: argparse's arguments, less the default (the field's).
+ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "max_new_tokens": dict(type=int, metavar="N",
+                           help="tokens to generate per row, and the most a row's own max_new_tokens may ask for "
+                                "(default 256; 128 for the demo pair)"),
+    "block_size": dict(type=int, metavar="B",
+                       help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)"),
+    "draft_tokens": dict(type=int, metavar="K",
+                         help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
+                              "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
+                              "where verify tokens cost compute (CPUs, large batches)"),
+    "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
+    "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
+    "max_prompt_len": dict(type=int, metavar="N",
+                           help="longest prompt in tokens, which sizes the KV cache (default: the longest in the "
+                                "input, rounded up); attention reads only what rows use, so a larger cache costs "
+                                "memory, not time"),
+    "kv_pages": dict(type=int, metavar="N",
+                     help="keep K/V in a pool of N pages (of --page-size positions) shared by the rows: each row "
+                          "holds the pages of its own prompt and max_new_tokens and returns them when it "
+                          "finishes, so the cache is sized by N, not batch x the longest row, and many short rows "
+                          "share what one long row would reserve; prompts wait for pages (default: per-row "
+                          "caches)"),
+    "page_size": dict(type=int, metavar="N", help="K/V positions per page"),
+    "sync_every": dict(type=int, metavar="N", help="decoding cycles per host sync"),
+    "narrow_tail": dict(action="store_true",
+                        help="once no prompt waits, move the running rows to narrower loops as they finish "
+                             "(6, 4, 3, 2, 1 slots for a batch of 8). Pays where a cycle costs per row (a CPU, "
+                             "large batches) and the tail is long against the compiles it adds (one loop per "
+                             "width): a run has one tail"),
+    "prefill_chunk": dict(type=int, metavar="N",
+                          help="prompts longer than N tokens (a power of two >= 16) are prefilled N at a time, one "
+                               "piece between rounds of cycles, so the running streams never wait for a whole "
+                               "long prompt"),
+    "mesh": dict(metavar="data=D,model=M",
+                 help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
+                      "(default: every device on `data`; one device: no mesh)"),
+    "stall_timeout": dict(type=float, metavar="MINUTES",
+                          help="end the run with an error (exit status 3) when the device makes no progress for "
+                               "this long (compiles excluded); rows finished are kept; 0 = wait forever"),
+}
+
+# The engine flags of `python -m infer` (and train.generate_data): every field but the server's
+# prefill chunk, in the order --help lists them.
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "batch_size", "dtype", "max_prompt_len",
+                      "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
+# The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
+SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens",
+                       "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
+
+
+def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None = None,
+                     helps: dict | None = None):
+    """Declare the engine flags `names` (fields of `EngineOptions`) on a parser or argument group,
+    each defaulting to the field's default. overrides: field -> this command's own default, one
+    visible entry per difference (the server: {"sync_every": SERVER_SYNC_EVERY}, for latency);
+    helps: field -> this command's help text, where the flag means more for it (the server's
+    --max-prompt-len defaults to the target's context). Parse, then `EngineOptions.of(args)`."""
+    defaults = {f.name: f.default for f in fields(EngineOptions)} | dict(overrides or {})
+    for name in names:
+        kwargs = dict(ENGINE_FLAGS[name])
+        if helps and name in helps:
+            kwargs["help"] = helps[name]
+        if kwargs.get("action") != "store_true":
+            kwargs["default"] = defaults[name]
+        parser.add_argument(flag(name), **kwargs)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -37,50 +111,17 @@ def add_generation_flags(p: argparse.ArgumentParser):
                         "input lines and settings, and refuses an output holding anything else (default: stdout)")
     p.add_argument("--overwrite", action="store_true",
                    help="start --output over (its lines are deleted) instead of resuming it")
-    p.add_argument("--max-new-tokens", type=int, default=JOB.max_new_tokens,
-                   help="tokens to generate per row, and the most a row's own max_new_tokens may ask for "
-                        "(default 256; 128 for the demo pair)")
     p.add_argument("--temperature", type=float, default=JOB.temperature, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=float, default=JOB.top_p, help="nucleus sampling: keep the smallest set of tokens "
                                                                 "whose probability reaches P (1 = off)")
     p.add_argument("--top-k", type=int, default=JOB.top_k, help="keep only the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=JOB.seed, help="seed of the sampling keys (per row and position)")
-    p.add_argument("--block-size", type=int, default=JOB.block_size,
-                   help="default: the drafter's; 1 = plain autoregressive decoding (the baseline)")
-    p.add_argument("--draft-tokens", type=int, default=JOB.draft_tokens, metavar="K",
-                   help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
-                        "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
-                        "where verify tokens cost compute (CPUs, large batches)")
-    p.add_argument("--batch-size", type=int, default=JOB.batch_size,
-                   help="rows decoded together (slots refilled as rows finish)")
-    p.add_argument("--dtype", choices=DTYPES, default=JOB.dtype,
-                   help="parameter dtype (default: the checkpoint's)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the stop tokens")
     p.add_argument("--compare-baseline", action="store_true",
                    help="also time plain decoding of the same prompts and report the speedup")
     p.add_argument("--enable-thinking", action="store_true",
                    help="pass enable_thinking=True to the chat template (Qwen3); off by default")
-    p.add_argument("--max-prompt-len", type=int, default=JOB.max_prompt_len,
-                   help="longest prompt in tokens, which sizes the KV cache (default: the longest in the input, "
-                        "rounded up); attention reads only what rows use, so a larger cache costs memory, not time")
-    p.add_argument("--kv-pages", type=int, default=JOB.kv_pages, metavar="N",
-                   help="keep K/V in a pool of N pages (of --page-size positions) shared by the rows: each row "
-                        "holds the pages of its own prompt and max_new_tokens and returns them when it finishes, "
-                        "so the cache is sized by N, not batch x the longest row, and many short rows share what "
-                        "one long row would reserve; prompts wait for pages (default: per-row caches)")
-    p.add_argument("--page-size", type=int, default=JOB.page_size, help="K/V positions per page (default 128)")
-    p.add_argument("--sync-every", type=int, default=JOB.sync_every, help="decoding cycles per host sync")
-    p.add_argument("--narrow-tail", action="store_true",
-                   help="once no prompt waits, move the running rows to narrower loops as they finish "
-                        "(6, 4, 3, 2, 1 slots for a batch of 8). Pays where a cycle costs per row (a CPU, "
-                        "large batches) and the tail is long against the compiles it adds (one loop per "
-                        "width): a run has one tail")
-    p.add_argument("--mesh", default=JOB.mesh, metavar="data=D,model=M",
-                   help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
-                        "(default: every device on `data`; one device: no mesh)")
-    p.add_argument("--stall-timeout", type=float, default=JOB.stall_timeout, metavar="MINUTES",
-                   help="end the run with an error (exit status 3) when the device makes no progress for this "
-                        "long (compiles excluded); rows finished are kept; 0 = wait forever")
+    add_engine_flags(p.add_argument_group("engine"), BATCH_ENGINE_FLAGS)
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
 

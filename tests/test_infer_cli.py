@@ -171,7 +171,8 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
 
 
 def test_a_job_with_a_bad_field_is_refused_naming_it():
-    from dflash_jax.generation import GenerationJob, InputError
+    from dflash_jax.errors import InputError
+    from dflash_jax.generation import GenerationJob
 
     target = dict(target=tiny() / "target", input=tiny() / "prompts.jsonl")
     for fields, message in ((dict(batch_size=0), "--batch-size must be >= 1, got 0"),

@@ -14,10 +14,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.checkpoint import load_drafter, load_target
+from dflash_jax.checkpoint import load_drafter
 from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
-from dflash_jax.drafter import DrafterConfig, check_pair, init_drafter_params, retap
-from dflash_jax.sharding import global_batch, make_mesh, shard_params
+from dflash_jax.drafter import (DrafterConfig, check_pair, retap,
+                                init_drafter_params)
+from dflash_jax.pair import engine_mesh, open_pair
+from dflash_jax.sharding import global_batch, shard_params
 from dflash_jax.engine import GenerationStats, Generator
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
@@ -107,6 +109,22 @@ def trim_metrics(path: Path, upto_step: int):
     path.write_text("".join(l + "\n" for l in keep))
 
 
+def resume(mngr, state: TrainState, data_iter, out: Path) -> tuple[int, TrainState]:
+    """(step, state) to start from: the latest checkpoint's, its data position restored into
+    data_iter (and metric lines of later steps dropped), else (0, state)."""
+    start = mngr.latest_step()
+    if start is None:
+        return 0, state
+    # Restored straight into the layout (and onto the devices) each array will live on.
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    state, data_state = restore(mngr, start, abstract)
+    data_iter.set_state(data_state)
+    if jax.process_index() == 0:
+        trim_metrics(out / METRICS, start)
+    log(f"resumed from step {start} ({out / CHECKPOINTS})")
+    return start, state
+
+
 # --------------------------------------------------------------------------- evaluation
 
 
@@ -136,32 +154,10 @@ class TauEvaluator:
 # --------------------------------------------------------------------------- main loop
 
 
-def train(cfg: dict, *, progress: bool = True) -> dict:
-    from dflash_jax.generation import load_tokenizer
-    from tqdm import tqdm
-
-    t, d = cfg["train"], cfg["data"]
-    out = Path(t["output_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    target_dir = Path(cfg["target"])
-    mesh = make_mesh(t["mesh"]) if (t["mesh"] or jax.device_count() > 1) else None
-    tokenizer = load_tokenizer(target_dir)
-    # Regenerated first: generation loads the target itself, so it is never held twice.
-    ensure_data(cfg, target_dir)
-    if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("data ready")
-    # Every tensor read straight into its shard on the mesh: no device holds the whole target.
-    # train.fsdp: split over `data` as well, each device keeping a share of its model shard.
-    tcfg, tparams = load_target(target_dir, dtype=cfg["target_dtype"], mesh=mesh, over_data=t["fsdp"])
-
-    records = read_jsonl(d["conversations"])
-    holdout = min(d["eval_holdout"], len(records) - 1)
-    train_records, held = (records[:-holdout], records[-holdout:]) if holdout > 0 else (records, [])
-    if len(train_records) < t["global_batch"]:
-        raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
-
+def initial_drafter(cfg: dict, tcfg, tokenizer, mesh):
+    """The drafter training starts from: drafter.init's checkpoint (retapped where the config
+    names other taps), else a new one of the config's shape. (DrafterConfig, float32 params)."""
+    t = cfg["train"]
     if cfg["drafter"]["init"]:
         dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32", mesh=mesh)
         if cfg["drafter"]["target_layer_ids"]:  # fine-tune it on other taps
@@ -169,10 +165,38 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
             dcfg, init_params = retap(dcfg, init_params, cfg["drafter"]["target_layer_ids"])
             if dcfg.target_layer_ids != before:
                 log(f"taps {list(before)} -> {list(dcfg.target_layer_ids)}: kept taps keep their fc weights, new ones start at zero")
-        dcfg = dcfg.with_dtype(t["compute_dtype"])
-    else:
-        dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
-        init_params = init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
+        return dcfg.with_dtype(t["compute_dtype"]), init_params
+    dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
+    return dcfg, init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
+
+
+def train(cfg: dict, *, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    t, d = cfg["train"], cfg["data"]
+    out = Path(t["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = engine_mesh(t["mesh"])
+    pair = open_pair(cfg["target"], dtype=cfg["target_dtype"]).open_tokenizer()
+    tokenizer = pair.tokenizer
+    # Regenerated first: generation loads the target itself, so it is never held twice.
+    ensure_data(cfg, pair.target_dir)
+    if jax.process_count() > 1:  # process 0 wrote the data; everyone reads it after this
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("data ready")
+    # Every tensor read straight into its shard on the mesh: no device holds the whole target.
+    # train.fsdp: split over `data` as well, each device keeping a share of its model shard.
+    pair.load_weights(mesh, over_data=t["fsdp"])
+    tcfg, tparams = pair.target, pair.tparams
+
+    records = read_jsonl(d["conversations"])
+    holdout = min(d["eval_holdout"], len(records) - 1)
+    train_records, held = (records[:-holdout], records[-holdout:]) if holdout > 0 else (records, [])
+    if len(train_records) < t["global_batch"]:
+        raise TrainConfigError(f"{len(train_records)} training conversations < global batch {t['global_batch']}")
+
+    dcfg, init_params = initial_drafter(cfg, tcfg, tokenizer, mesh)
     for warning in check_pair(tcfg, dcfg):
         log(f"warning: {warning}")
     gamma = t["gamma"] or default_gamma(dcfg.block_size)
@@ -198,16 +222,7 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     if mesh is not None:
         state = jax.device_put(state, state_shardings(state, mesh, fsdp=spec.fsdp))
     mngr = checkpoint_manager(out, cfg)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        # Restored straight into the layout (and onto the devices) each array will live on.
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-        state, data_state = restore(mngr, start, abstract)
-        data_iter.set_state(data_state)
-        if jax.process_index() == 0:
-            trim_metrics(out / METRICS, start)
-        log(f"resumed from step {start} ({out / CHECKPOINTS})")
+    start, state = resume(mngr, state, data_iter, out)
     if jax.process_index() == 0:
         (out / DRAFTER_CONFIG).write_text(json.dumps(
             {**dcfg.to_hf_dict(), "dtype": "float32"}, indent=2) + "\n")

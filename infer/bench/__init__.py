@@ -69,7 +69,7 @@ from infer.bench.cost import (
 )
 from infer.bench.hf import bench_transformers
 from infer.bench.pairs import (
-    Pair, load_pair, param_bytes, param_count, random_configs, random_pair, random_params,
+    Pair, directory_pair, param_bytes, param_count, random_configs, random_pair, random_params,
 )
 from infer.bench.prompts import (
     DEF_LINE, SKIP_DIRS, heldout_snippets, package_files, package_root, package_version, prompt_ids,

@@ -10,10 +10,12 @@ import textwrap
 import warnings
 from pathlib import Path
 
+from dflash_jax.engine.options import SERVER_SYNC_EVERY, EngineOptions
+from dflash_jax.errors import InputError
 from dflash_jax.shapes import SHAPES
-
 from infer.bench.published import PAPER_TAU
 from infer.bench.report import write_outputs
+from infer.flags import add_engine_flags
 
 BENCH_DIR = Path("runs/bench")
 
@@ -71,13 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m infer.bench", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=HelpFormatter, add_help=False)
 
-    gen = p.add_argument_group("general options")
+    add_general_flags(p.add_argument_group("general options"))
+    add_suite_flags(p)
+    add_mode_flags(p)
+    return p
+
+
+def add_general_flags(gen):
+    """The flags every mode reads (the pair, the prompts, the engine's settings, where figures go)."""
     gen.add_argument("-h", "--help", action="help", help="show this help and exit")
     gen.add_argument("--target", metavar="DIR", help="HF or converted (default: the bundled demo pair)")
     gen.add_argument("--drafter", metavar="DIR", help="HF or converted, with --target")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16"),
-                     help="default: the checkpoint's (float32: --random, --cost, workloads; bfloat16: "
-                          "--published-shapes)")
+    add_engine_flags(gen, ("dtype",), helps={"dtype": "default: the checkpoint's (float32: --random, --cost, "
+                                                      "workloads; bfloat16: --published-shapes)"})
     gen.add_argument("--heldout-package", default="numpy", metavar="PKG",
                      help="installed package giving prompts (default numpy)")
     gen.add_argument("--num-prompts", type=int, default=16, metavar="N", help="held-out prompts (default 16)")
@@ -92,17 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="timed runs of each, median (default 3; workloads 2)")
     gen.add_argument("--seed", type=int, default=0, metavar="N",
                      help="prompts, random weights, sampling (default 0)")
-    gen.add_argument("--sync-every", type=int, default=8, metavar="N",
-                     help="cycles per host sync (Generator; default 8)")
+    # python -m infer's engine defaults (sync every 8 cycles: throughput).
+    add_engine_flags(gen, ("sync_every",), helps={"sync_every": "cycles per host sync (Generator; default %(default)s)"})
+    # Not python -m infer's --narrow-tail (off unless given): unset, the platform's default.
     gen.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
                      help="the batch's tail on narrower loops (default: CPU)")
-    gen.add_argument("--page-size", type=int, default=128, metavar="N",
-                     help="cache positions per page (default 128)")
+    add_engine_flags(gen, ("page_size",), helps={"page_size": "cache positions per page (default %(default)s)"})
     gen.add_argument("--json", default=None, metavar="PATH",
                      help=f"figures (default: {BENCH_DIR}/<mode, settings>.json)")
     gen.add_argument("--plot", default=None, metavar="PATH",
                      help="the suite's PNG (default: bench.png beside --json)")
 
+
+def add_suite_flags(p):
+    """The random pair's and the suite's (the default mode's) groups."""
     rnd = p.add_argument_group("random pair", "a tiny random Qwen3 target and drafter built in memory (tau near 1)")
     rnd.add_argument("--random", action="store_true", help="use it, not --target/--drafter")
     rnd.add_argument("--hidden", type=int, default=128, metavar="N", help="hidden size (default 128)")
@@ -136,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--torch-threads", type=int, default=None, metavar="N",
                        help="torch.set_num_threads (default: torch's)")
 
+
+def add_mode_flags(p):
+    """One group per mode besides the suite (its flag, then the flags only it reads)."""
     shapes = p.add_argument_group("published shapes", "for --cost, --aot, --published-shapes (--moe-cost: "
                                                       "--context, --paper-tau)")
     shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b", metavar="NAME",
@@ -204,13 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
     serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
                        help="streams (default 1, batch, 32); prompts >= largest")
-    serve.add_argument("--serve-sync-every", type=int, default=2, metavar="N",
-                       help="the server's --sync-every (default 2)")
+    serve.add_argument("--serve-sync-every", type=int, default=SERVER_SYNC_EVERY, metavar="N",
+                       help="the server's --sync-every (default %(default)s)")
     serve.add_argument("--serve-prefill-chunk", type=int, default=512, metavar="N",
                        help="the server's --prefill-chunk (default 512)")
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
                        help="others' ITL while N-token prompts arrive (0: skip)")
-    return p
 
 
 def env_info() -> dict:
@@ -238,13 +251,18 @@ def main(argv=None) -> int:
         args.max_new_tokens = 64 if args.cache_scaling else 128
     if args.repeats is None:
         args.repeats = 2 if workload else 3
-    for flag in ("num_prompts", "max_new_tokens", "repeats", "prompt_lines", "max_prompt_tokens", "split_rounds",
-                 "page_size", "mixed_prompts"):
+    for flag in ("num_prompts", "repeats", "prompt_lines", "max_prompt_tokens", "split_rounds", "mixed_prompts"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
-    for flag in ("batch_size", "pool_slots", "kv_pages"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
+    if args.pool_slots is not None and args.pool_slots < 1:
+        raise SystemExit("error: --pool-slots must be >= 1")
+    try:  # the engine flags, checked as every command checks them
+        # (its --draft-tokens is a list, checked by the suite; --batch-size unset is each mode's own)
+        EngineOptions(**{name: getattr(args, name) for name in ("batch_size", "max_new_tokens", "kv_pages",
+                                                                 "page_size", "sync_every", "dtype", "mesh")
+                         if getattr(args, name) is not None})
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Dd]onat.*")  # backends that cannot donate still work
         return run(args, modes[0] if modes else "suite")

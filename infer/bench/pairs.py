@@ -26,25 +26,18 @@ class Pair:
     load_seconds: float = 0.0
 
 
-def load_pair(target_dir: Path | None, drafter_dir: Path | None, dtype: str | None) -> Pair:
+def directory_pair(target_dir: Path | None, drafter_dir: Path | None, dtype: str | None) -> Pair:
     """The pair in these directories (HF or converted), with the target's tokenizer when it has
-    one; both None: the bundled demo pair. Raises DFlashError."""
-    from dflash_jax.checkpoint import load_drafter, load_target
-
-    from dflash_jax.generation import DEMO_DIR, load_tokenizer
+    one, on one device (`dflash_jax.pair.load_pair`); both None: the bundled demo pair. Raises
+    DFlashError."""
+    from dflash_jax.pair import load_pair
 
     if (target_dir is None) != (drafter_dir is None):
         raise SystemExit("error: --target and --drafter go together")
-    demo = target_dir is None
-    target_dir = Path(target_dir) if target_dir else DEMO_DIR / "target"
-    drafter_dir = Path(drafter_dir) if drafter_dir else DEMO_DIR / "drafter"
-    t = time.perf_counter()
-    tcfg, tparams = load_target(target_dir, dtype=dtype)
-    dcfg, dparams = load_drafter(drafter_dir, dtype=dtype)
-    seconds = time.perf_counter() - t
-    name = "bundled demo pair" if demo else f"{target_dir.name} + {drafter_dir.name}"
-    return Pair(name, tcfg, tparams, dcfg, dparams, load_tokenizer(target_dir), target_dir, drafter_dir, demo,
-                load_seconds=seconds)
+    pair = load_pair(target_dir, drafter_dir, dtype=dtype)
+    name = "bundled demo pair" if pair.demo else f"{pair.target_dir.name} + {pair.drafter_dir.name}"
+    return Pair(name, pair.target, pair.tparams, pair.drafter, pair.dparams, pair.tokenizer, pair.target_dir,
+                pair.drafter_dir, pair.demo, load_seconds=pair.load_seconds)
 
 
 def random_configs(hidden: int = 128, layers: int = 6, heads: int = 4, vocab: int = 1024, drafter_layers: int = 2,

@@ -144,7 +144,8 @@ def metrics_running(url: str) -> dict:
 def run_serve_bench(args) -> dict:
     from dflash_jax.engine import Generator
     from dflash_jax.engine.scheduler import bucket
-    from dflash_jax.generation import stop_token_ids
+    from dflash_jax.engine.options import SYNC_EVERY
+    from dflash_jax.pair import stop_token_ids
     from infer.bench.timing import time_generate
 
     if args.target and not args.drafter:
@@ -168,7 +169,7 @@ def run_serve_bench(args) -> dict:
     # The offline engine: python -m infer's (greedy, the CLI's sync_every and batch, no narrowing).
     stops = stop_token_ids(pair.target_dir, pair.tokenizer) if pair.target_dir else []
     gen = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=args.batch_size,
-                    max_new_tokens=n, max_prompt_len=max_prompt, stop_token_ids=stops, sync_every=8)
+                    max_new_tokens=n, max_prompt_len=max_prompt, stop_token_ids=stops, sync_every=SYNC_EVERY)
     t = time.perf_counter()
     gen.warmup([len(p) for p in prompts])
     time_generate(gen, prompts, 1, 0)

@@ -38,13 +38,13 @@ def int_list(text: str, flag: str) -> list[int]:
 
 def get_pair(args):
     """The pair the flags name: --random, --target/--drafter, or the bundled demo pair."""
-    from infer.bench.pairs import load_pair, random_pair
+    from infer.bench.pairs import directory_pair, random_pair
 
     if args.random:
         if args.target or args.drafter:
             raise SystemExit("error: --random builds its own pair; drop --target/--drafter")
         return random_pair(args)
-    return load_pair(args.target, args.drafter, args.dtype)
+    return directory_pair(args.target, args.drafter, args.dtype)
 
 
 def describe_pair(pair) -> str:

@@ -146,7 +146,7 @@ def run_vllm_peer(args) -> dict:
     if missing:
         raise SystemExit(f"error: {missing}")
     from dflash_jax.engine import Generator, Sampling
-    from infer.bench.pairs import load_pair
+    from infer.bench.pairs import directory_pair
     from infer.bench.prompts import describe_prompts, package_version
     from infer.bench.suite import describe_pair, heldout_prompts, pair_record
     from infer.bench.timing import narrow_tail_default
@@ -160,7 +160,7 @@ def run_vllm_peer(args) -> dict:
                                     "fixed in this process (--vllm-fix-knorm)" if fixed else
                                     "run as installed (--vllm-fix-knorm fixes it here)")
                                 if knorm_broken else "norms a grouped weight per row: nothing to fix"), flush=True)
-    pair = load_pair(args.target, args.drafter, "float32")
+    pair = directory_pair(args.target, args.drafter, "float32")
     if args.target and not (pair.target_dir / "config.json").is_file():
         raise SystemExit("error: --vllm needs Hugging Face directories (vLLM cannot read converted ones)")
     print(describe_pair(pair))

@@ -35,7 +35,7 @@ import sys
 
 import numpy as np
 
-from infer.bench.pairs import load_pair
+from infer.bench.pairs import directory_pair
 from infer.bench.prompts import describe_prompts
 from infer.bench.suite import describe_pair, heldout_prompts, int_list, pair_record
 from infer.bench.timing import compile_counts, counted_generate, delta, narrow_tail_default, time_generate
@@ -45,7 +45,7 @@ def _load(args):
     from dflash_jax.errors import DFlashError
 
     try:
-        return load_pair(args.target, args.drafter, args.dtype or "float32")
+        return directory_pair(args.target, args.drafter, args.dtype or "float32")
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

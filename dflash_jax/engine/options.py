@@ -1,0 +1,103 @@
+"""Engine options: how a `Generator` runs (batch, block, cache and page sizes, syncs, mesh,
+dtype, watchdog), one frozen type checked once, shared by `python -m infer` (through
+`GenerationJob`), `python -m infer.serve` and the bench.
+
+    options = EngineOptions(batch_size=16, sync_every=SERVER_SYNC_EVERY)
+    gen = options.generator(pair, max_new_tokens=256, max_prompt_len=2048)
+
+A field out of range is an `InputError` naming it by its flag (`--batch-size must be >= 1`).
+The flags themselves (one per field, these defaults) are `infer.flags.add_engine_flags`.
+Limits each command resolves its own way (max_new_tokens: 256, 128 for the demo pair;
+max_prompt_len: the input's longest prompt for a batch job, the target's context for the
+server) are passed to `generator`, not kept here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+
+from dflash_jax.config import DTYPES
+from dflash_jax.errors import InputError
+from dflash_jax.kv.layout import PAGE_SIZE
+
+# Decoding cycles per host sync. A batch run (`python -m infer`, the bench) syncs every 8 cycles:
+# fewer syncs cost the host less, which is throughput. The server syncs every 2: tokens reach
+# its clients at each sync, so the inter-token latency stays near a cycle. Each command's flag
+# default is one of these (`infer.flags.add_engine_flags(parser, overrides=...)`).
+SYNC_EVERY = 8
+SERVER_SYNC_EVERY = 2
+
+# Fields that must be integers >= 1 when set.
+_POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
+             "kv_pages", "page_size", "prefill_chunk")
+
+
+def flag(name: str) -> str:
+    """A field's command-line flag: `batch_size` -> `--batch-size`."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs, checked when made (an InputError names the flag). None: the default
+    the engine or the command works out (the drafter's block, B-1 drafts, per-row caches, the
+    checkpoint's dtype, every device on `data`)."""
+
+    batch_size: int = 8  # rows decoded together (slots)
+    block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
+    draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
+    max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
+    max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
+    kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    page_size: int = PAGE_SIZE  # K/V positions per page
+    sync_every: int = SYNC_EVERY  # decoding cycles per host sync
+    narrow_tail: bool = False  # run the batch's tail on narrower loops
+    prefill_chunk: int = 512  # longer prompts are prefilled this many tokens at a time (the server)
+    mesh: str | None = None  # "data=D,model=M" (None: every device on `data`; one device: no mesh)
+    dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
+    stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
+
+    def __post_init__(self):
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise InputError(f"{flag(name)} must be an integer, got {value!r}")
+            if value is not None and value < 1:
+                raise InputError(f"{flag(name)} must be >= 1, got {value}")
+        if not self.stall_timeout >= 0:
+            raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, source) -> EngineOptions:
+        """The options among an object's attributes (parsed flags, a `GenerationJob`): each field
+        it has, the default for the others."""
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
+
+    def watchdog(self):
+        """The stall watchdog of --stall-timeout (None: 0, wait forever)."""
+        from dflash_jax.engine.watchdog import Watchdog
+
+        return Watchdog(self.stall_timeout * 60) if self.stall_timeout > 0 else None
+
+    def generator(self, pair, *, max_new_tokens: int, max_prompt_len: int, block_size: int | None = ...,
+                  sampling=None, stop_token_ids=None, watchdog=..., admission_widths=None):
+        """A `Generator` for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
+        tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
+        limits. block_size: default these options' (1: plain decoding, no drafter; draft_tokens
+        then unused). stop_token_ids: default the pair's. watchdog: default `self.watchdog()`."""
+        from dflash_jax.engine import Generator, Sampling
+
+        block_size = self.block_size if block_size is ... else block_size
+        drafting = pair.drafter is not None and block_size != 1
+        return Generator(
+            pair.target, pair.tparams, pair.drafter, pair.dparams,
+            block_size=block_size, batch_size=self.batch_size, max_new_tokens=max_new_tokens,
+            max_prompt_len=max_prompt_len, sampling=sampling if sampling is not None else Sampling(),
+            stop_token_ids=pair.stop_tokens if stop_token_ids is None else stop_token_ids,
+            sync_every=self.sync_every, mesh=pair.mesh, draft_tokens=self.draft_tokens if drafting else None,
+            watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
+            page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
+            admission_widths=admission_widths)
