@@ -30,9 +30,6 @@ from dflash_jax.chat import encode_chat, encode_text, has_chat_template
 from dflash_jax.engine.options import EngineOptions
 from dflash_jax.errors import InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
-# infer/serve.py still imports these two from here; they live in dflash_jax.pair (drop this line
-# once the server loads through dflash_jax.pair.load_pair).
-from dflash_jax.pair import load_tokenizer, stop_token_ids  # noqa: F401
 
 _ENGINE = EngineOptions()  # the engine fields' defaults
 

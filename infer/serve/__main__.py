@@ -19,8 +19,20 @@ from dflash_jax.errors import DFlashError
 # --------------------------------------------------------------------------- flags
 
 
+# The engine flags whose meaning is the server's own.
+SERVER_HELPS = {
+    "batch_size": "requests decoded together (slots)",
+    "max_new_tokens": "the most tokens a request may ask for, which sizes the cache (default 256; 128 for the demo)",
+    "max_prompt_len": "longest prompt in tokens, which sizes the cache (default: the target's context, at most 2048)",
+    "sync_every": "decoding cycles per host sync: tokens reach clients at each; fewer syncs cost the host less, "
+                  "more keep the inter-token latency near one cycle",
+    "stall_timeout": "end the server when the device makes no progress for this long (0: never)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from infer.flags import HelpFormatter
+    from dflash_jax.engine.options import SERVER_SYNC_EVERY
+    from infer.flags import SERVER_ENGINE_FLAGS, HelpFormatter, add_engine_flags
 
     p = argparse.ArgumentParser(
         prog="python -m infer.serve", formatter_class=HelpFormatter,
@@ -34,35 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
-    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together (slots)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="the most tokens a request may ask for, which sizes the cache (default 256; 128 for the demo)")
-    p.add_argument("--max-prompt-len", type=int, default=None,
-                   help="longest prompt in tokens, which sizes the cache (default: the target's context, at most 2048)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for a slot; more are answered 429")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's; 1 = plain decoding")
-    p.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="drafts verified per cycle (default B-1)")
-    p.add_argument("--sync-every", type=int, default=2,
-                   help="decoding cycles per host sync: tokens reach clients at each; fewer syncs cost the host "
-                        "less, more keep the inter-token latency near one cycle")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="prompts longer than N tokens (a power of two >= 16) are prefilled N at a time, one piece "
-                        "between rounds of cycles, so the running streams never wait for a whole long prompt")
     p.add_argument("--all-admission-widths", action="store_true",
                    help="prefill requests that arrive together at every power-of-two width up to the batch (one "
                         "compiled program each per prompt bucket); by default only 1 and the batch: half the "
                         "programs to compile at start-up, a few requests arriving together are prefilled one by one")
-    p.add_argument("--kv-pages", type=int, default=None, metavar="N", help="K/V in a pool of N pages shared by rows")
-    p.add_argument("--page-size", type=int, default=128, help="K/V positions per page")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="parameter dtype")
-    p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="device mesh (as python -m infer)")
+    # The engine's flags, shared with python -m infer and the bench; the server syncs more often
+    # (SERVER_SYNC_EVERY: tokens reach clients at each sync).
+    add_engine_flags(p.add_argument_group("engine"), SERVER_ENGINE_FLAGS,
+                     overrides={"sync_every": SERVER_SYNC_EVERY}, helps=SERVER_HELPS)
     p.add_argument("--enable-thinking", action="store_true",
                    help="chat template default for enable_thinking (a request's chat_template_kwargs overrides it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may run on before they are cancelled")
-    p.add_argument("--stall-timeout", type=float, default=10.0, metavar="MINUTES",
-                   help="end the server when the device makes no progress for this long (0: never)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
