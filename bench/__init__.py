@@ -1,4 +1,4 @@
-"""`python -m infer.bench`: the benchmark suite of DFlash speculative decoding.
+"""`python -m bench`: the benchmark suite of DFlash speculative decoding.
 
 Prints figures, writes them to JSON (and a PNG plot when matplotlib is importable); it never
 asserts a timing. On one device (no mesh), stop tokens ignored so every row generates exactly
@@ -43,42 +43,42 @@ Other modes:
                     against a page pool (Generator kv_pages); the tokens must be the same.
 --vllm              this engine and vLLM (installed beside it: README) on the same pair, held-out
                     prompts and settings, plain and DFlash in alternating runs: token equality,
-                    both engines' tau, tokens/s (infer.bench.vllm_peer). --vllm-fix-knorm: vLLM's
+                    both engines' tau, tokens/s (bench.vllm_peer). --vllm-fix-knorm: vLLM's
                     CPU build norms every drafter layer's context keys with layer 0's k_norm; fix
                     that in this process.
 --serve             the OpenAI-compatible server (python -m infer.serve) under 1, batch and 32
                     concurrent streams: tokens/s, TTFT and inter-token latency p50/p99, streams
                     equal to offline; against the offline engine on the same prompts
-                    (infer.bench.serve_bench).
+                    (bench.serve_bench).
 
-    python -m infer.bench                                   # bundled demo pair
-    python -m infer.bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
+    python -m bench                                   # bundled demo pair
+    python -m bench --target DIR --drafter DIR [--dtype bfloat16] [--block-sizes 4,8,16]
         [--batch-sizes 1,8] [--num-prompts 16] [--max-new-tokens 128] [--repeats 3]
         [--heldout-package numpy] [--no-transformers] [--json runs/bench/suite.json] [--plot FILE]
-    python -m infer.bench --random --quick [--temperature 0.7]   # quick table on a random pair
-    python -m infer.bench --cost [--scale 0.25] [--context 1024] [--cache-len N] [--batch-size 8]
-    python -m infer.bench --published-shapes [--scale 0.05] [--context 1024]
-    python -m infer.bench --cache-scaling | --mixed-workload
-    python -m infer.bench --page-pool [--batch-size 8] [--pool-slots 32] [--page-size 16]
-    python -m infer.bench --vllm [--vllm-fix-knorm] [--target DIR --drafter DIR] [--batch-size 8] [--max-new-tokens 128]
+    python -m bench --random --quick [--temperature 0.7]   # quick table on a random pair
+    python -m bench --cost [--scale 0.25] [--context 1024] [--cache-len N] [--batch-size 8]
+    python -m bench --published-shapes [--scale 0.05] [--context 1024]
+    python -m bench --cache-scaling | --mixed-workload
+    python -m bench --page-pool [--batch-size 8] [--pool-slots 32] [--page-size 16]
+    python -m bench --vllm [--vllm-fix-knorm] [--target DIR --drafter DIR] [--batch-size 8] [--max-new-tokens 128]
 """
 
-from infer.bench.cost import (
+from bench.cost import (
     HARDWARE, cycle_cost, gather_counts_table, ideal_bytes, lookup_correction, loop_correction, piece_costs, run_cost,
     xla_cost,
 )
-from infer.bench.hf import bench_transformers
-from infer.bench.pairs import (
+from bench.hf import bench_transformers
+from bench.pairs import (
     Pair, directory_pair, param_bytes, param_count, random_configs, random_pair, random_params,
 )
-from infer.bench.prompts import (
+from bench.prompts import (
     DEF_LINE, SKIP_DIRS, heldout_snippets, package_files, package_root, package_version, prompt_ids,
 )
-from infer.bench.published import PAPER_TAU, run_published_shapes
-from infer.bench.report import acceptance_figures, config_label, print_tables, write_outputs, write_plot
-from infer.bench.timing import (
+from bench.published import PAPER_TAU, run_published_shapes
+from bench.report import acceptance_figures, config_label, print_tables, write_outputs, write_plot
+from bench.timing import (
     bench_generator, compile_counts, counted_generate, delta, first_state, piece_calls, pieces, split_figures,
     synthetic_state, time_calls, time_pieces, time_prefill,
 )
-from infer.bench.workloads import run_cache_scaling, run_mixed_workload, run_page_pool
-from infer.bench.cli import build_parser, main  # noqa: E402
+from bench.workloads import run_cache_scaling, run_mixed_workload, run_page_pool
+from bench.cli import build_parser, main  # noqa: E402

@@ -1,5 +1,5 @@
 import sys
 
-from infer.bench.cli import main
+from bench.cli import main
 
 sys.exit(main())

@@ -95,7 +95,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
     from dflash_jax.engine import EngineSpec, Sampling, decode_state_shardings, init_state, prefill, run_cycles
     from dflash_jax.sharding import param_shardings
 
-    from infer.bench.cost import abstract_inputs, ideal_bytes
+    from bench.cost import abstract_inputs, ideal_bytes
 
     specs = dict(
         ar=EngineSpec(target=target_cfg, drafter=None, block_size=1, sampling=Sampling(), max_new_tokens=64,
@@ -144,7 +144,7 @@ def run_aot(args) -> dict:
 
     from dflash_jax.shapes import published_configs
 
-    from infer.bench.pairs import describe_published, param_bytes
+    from bench.pairs import describe_published, param_bytes
 
     try:
         target = topology(args.aot)

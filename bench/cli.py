@@ -1,4 +1,4 @@
-"""The command line of `python -m infer.bench` (see the package docstring)."""
+"""The command line of `python -m bench` (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from dflash_jax.engine.options import SERVER_SYNC_EVERY, EngineOptions
 from dflash_jax.errors import InputError
 from dflash_jax.shapes import SHAPES
-from infer.bench.published import PAPER_TAU
-from infer.bench.report import write_outputs
+from bench.published import PAPER_TAU
+from bench.report import write_outputs
 from infer.flags import add_engine_flags
 
 BENCH_DIR = Path("runs/bench")
@@ -48,9 +48,9 @@ no timing asserted; one device, stop tokens ignored (max_new_tokens per row)."""
 
 EPILOG = """\
 examples (more, what each figure means, results: docs/benchmarks.md):
-  python -m infer.bench                    # the suite, bundled demo pair
-  python -m infer.bench --random --quick   # a quick table on a random pair
-  python -m infer.bench --cost --scale 1   # what a cycle costs, nothing run"""
+  python -m bench                    # the suite, bundled demo pair
+  python -m bench --random --quick   # a quick table on a random pair
+  python -m bench --cost --scale 1   # what a cycle costs, nothing run"""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -70,7 +70,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m infer.bench", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+    p = ArgumentParser(prog="python -m bench", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=HelpFormatter, add_help=False)
 
     add_general_flags(p.add_argument_group("general options"))
@@ -231,7 +231,7 @@ def env_info() -> dict:
 
     info = dict(jax_version=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
                 device_kind=jax.devices()[0].device_kind, python=platform.python_version(), cpus=os.cpu_count(),
-                argv=["python -m infer.bench", *sys.argv[1:]])  # no path of this machine
+                argv=["python -m bench", *sys.argv[1:]])  # no path of this machine
     print(f"jax {info['jax_version']}, backend {info['backend']}, devices {jax.devices()}, "
           f"{info['cpus']} CPUs, python {info['python']}")
     return info
@@ -279,46 +279,46 @@ def run(args, mode: str) -> int:
         args.json = str(default_json(args, mode))
     result = dict(env=env_info(), mode=mode)
     if mode == "suite":
-        from infer.bench.suite import run_suite
+        from bench.suite import run_suite
 
         rc = run_suite(args, result)
         if rc == 0:
             write_outputs(result, args.json, args.plot, plot=True)
         return rc
     if mode == "aot":
-        from infer.bench.aot import run_aot
+        from bench.aot import run_aot
 
         result["aot"] = run_aot(args)
     elif mode == "cost":
-        from infer.bench.cost import run_cost
+        from bench.cost import run_cost
 
         result["cost"] = run_cost(args)
     elif mode == "moe_cost":
-        from infer.bench.moe_cost import run_moe_cost
+        from bench.moe_cost import run_moe_cost
 
         result["moe_cost"] = run_moe_cost(args)
     elif mode == "published_shapes":
-        from infer.bench.published import run_published_shapes
+        from bench.published import run_published_shapes
 
         result["published_shapes"] = run_published_shapes(args)
     elif mode == "cache_scaling":
-        from infer.bench.workloads import run_cache_scaling
+        from bench.workloads import run_cache_scaling
 
         result["cache_scaling"] = run_cache_scaling(args)
     elif mode == "mixed_workload":
-        from infer.bench.workloads import run_mixed_workload
+        from bench.workloads import run_mixed_workload
 
         result["mixed_workload"] = run_mixed_workload(args)
     elif mode == "serve":
-        from infer.bench.serve_bench import run_serve_bench
+        from bench.serve_bench import run_serve_bench
 
         result["serve"] = run_serve_bench(args)
     elif mode == "vllm":
-        from infer.bench.vllm_peer import run_vllm_peer
+        from bench.vllm_peer import run_vllm_peer
 
         result["vllm"] = run_vllm_peer(args)
     else:
-        from infer.bench.workloads import run_page_pool
+        from bench.workloads import run_page_pool
 
         result["page_pool"] = run_page_pool(args)
     write_outputs(result, args.json)

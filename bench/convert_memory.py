@@ -5,7 +5,7 @@ runs the conversion (and, separately, a plain load) in child processes and print
 one's peak RSS against the checkpoint size and against the RSS of a bare `import jax`.
 Prints figures; asserts nothing.
 
-    python benchmarks/convert_memory.py [--layers 16] [--workdir /tmp/dflash-mem]
+    python bench/convert_memory.py [--layers 16] [--workdir /tmp/dflash-mem]
 """
 
 from __future__ import annotations

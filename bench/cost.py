@@ -38,8 +38,8 @@ import time
 
 from dflash_jax.shapes import published_configs
 
-from infer.bench.pairs import describe_published, param_bytes
-from infer.bench.report import fmt_gb
+from bench.pairs import describe_published, param_bytes
+from bench.report import fmt_gb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ def abstract_inputs(spec, batch: int, context: int):
     from dflash_jax.drafter import abstract_drafter_params
     from dflash_jax.model import abstract_params
 
-    from infer.bench.timing import synthetic_state
+    from bench.timing import synthetic_state
 
     tparams = abstract_params(spec.target)
     dparams = abstract_drafter_params(spec.drafter) if spec.uses_drafter else None

@@ -1,7 +1,7 @@
 """The chunked gated delta rule as the TPU compiler sees it, on a CPU-only machine.
 
     pip install "jax[tpu]==<this jax version>"      # libtpu: compiles for a TPU topology here
-    python benchmarks/delta_rule_tpu.py [--topology v5p:1x1x1] [--batch 8]
+    python bench/delta_rule_tpu.py [--topology v5p:1x1x1] [--batch 8]
 
 Compiles `delta_rule.chunked` ahead of time for one TPU chip at a Qwen3.5-27B linear layer's
 shapes (16 q/k heads x 128, 48 value heads x 128), for a verify (one chunk of 16 positions per
@@ -31,7 +31,7 @@ def solve_inverse(lower):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/delta_rule_tpu.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python bench/delta_rule_tpu.py", description=__doc__.splitlines()[0])
     p.add_argument("--topology", default="v5p:1x1x1", help="a one-chip TPU topology (v5e:1x1, v5p:1x1x1, v6e:1x1)")
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)

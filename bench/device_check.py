@@ -1,4 +1,4 @@
-"""Pieces of benchmarks/device_check.sh that are not a `python -m infer.bench` mode.
+"""Pieces of bench/device_check.sh that are not a `python -m bench` mode.
 
   exactness  the backend's attention path (on a GPU: cuDNN through `attention.attend_fused`)
              against the portable page walk, bfloat16, at decode / verify / prefill-chunk shapes
@@ -50,7 +50,7 @@ def exactness(tiny: bool) -> int:
 def roofline(path: str, bandwidth: float | None) -> int:
     import jax
 
-    from infer.bench.cost import abstract_inputs, ideal_bytes
+    from bench.cost import abstract_inputs, ideal_bytes
     from dflash_jax.engine import EngineSpec, Sampling
     from dflash_jax.shapes import published_configs
 
@@ -74,10 +74,10 @@ def roofline(path: str, bandwidth: float | None) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/device_check.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python bench/device_check.py", description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("exactness", "roofline"))
     p.add_argument("--tiny", action="store_true", help="exactness: small shapes (a CPU run of the script)")
-    p.add_argument("--json", help="roofline: the JSON of python -m infer.bench --published-shapes")
+    p.add_argument("--json", help="roofline: the JSON of python -m bench --published-shapes")
     p.add_argument("--bandwidth", type=float, help="roofline: HBM bytes/s (default by device kind; H200 4.8e12)")
     a = p.parse_args(argv)
     if a.part == "exactness":

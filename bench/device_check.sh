@@ -2,10 +2,10 @@
 # The GPU check, ready for the day a GPU is lent: at most 8 minutes on one GPU.
 #   1. the GPU attention path (cuDNN, attention.attend_fused) against the portable page walk
 #   2. AR step and DFlash cycle milliseconds at the published shapes (Qwen3-8B + 5-layer block-16
-#      drafter, random bfloat16 weights, batch 8, context 1024): python -m infer.bench --published-shapes
+#      drafter, random bfloat16 weights, batch 8, context 1024): python -m bench --published-shapes
 #   3. those against the HBM roofline of the ideal bytes (weights once, K/V in use once)
 #   4. cache-size scaling: tokens/s with a cache for 128- and 8192-token prompts (the demo pair)
-# bash benchmarks/device_check.sh --tiny runs the same end to end on a CPU with tiny shapes.
+# bash bench/device_check.sh --tiny runs the same end to end on a CPU with tiny shapes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/device_check}
@@ -27,11 +27,11 @@ else
 fi
 python -c "import jax; print('jax', jax.__version__, jax.devices())"
 step "1. attention path against the page walk"
-timeout $(limit 120) python benchmarks/device_check.py exactness "${tiny_flag[@]}"
+timeout $(limit 120) python bench/device_check.py exactness "${tiny_flag[@]}"
 step "2. published shapes: AR step and DFlash cycle"
-timeout $(limit 240) python -m infer.bench --published-shapes "${shape_args[@]}" --json "$OUT/published.json"
+timeout $(limit 240) python -m bench --published-shapes "${shape_args[@]}" --json "$OUT/published.json"
 step "3. against the HBM roofline"
-timeout $(limit 60) python benchmarks/device_check.py roofline --json "$OUT/published.json"
+timeout $(limit 60) python bench/device_check.py roofline --json "$OUT/published.json"
 step "4. cache-size scaling"
-timeout $(limit 150) python -m infer.bench --cache-scaling "${cache_args[@]}" --json "$OUT/cache-scaling.json"
+timeout $(limit 150) python -m bench --cache-scaling "${cache_args[@]}" --json "$OUT/cache-scaling.json"
 step "done: figures in $OUT"

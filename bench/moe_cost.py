@@ -21,9 +21,9 @@ experts are dequantized to bfloat16 at load). Rooflines: max(flops / peak, bytes
 
 from __future__ import annotations
 
-from infer.bench.cost import HARDWARE
+from bench.cost import HARDWARE
 from dflash_jax.shapes import PUBLISHED_MOE
-from infer.bench.report import fmt_gb
+from bench.report import fmt_gb
 
 DRAFTER_LAYERS = 5  # the z-lab recipe's drafter depth (as the Qwen3-8B drafter); dense Qwen3 layers
 DRAFTER_MLP = 3  # drafter MLP width as a multiple of hidden (an assumption: the drafters' own widths vary)

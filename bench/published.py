@@ -8,8 +8,8 @@ import time
 
 from dflash_jax.shapes import published_configs
 
-from infer.bench.pairs import describe_published, param_count, random_params
-from infer.bench.timing import split_figures, synthetic_state, time_pieces
+from bench.pairs import describe_published, param_count, random_params
+from bench.timing import split_figures, synthetic_state, time_pieces
 
 PAPER_TAU = 6.49  # Qwen3-8B + DFlash (B=16), T=0, average over the paper's benchmarks (DFlash, arXiv 2602.06036)
 

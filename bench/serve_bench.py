@@ -1,4 +1,4 @@
-"""`python -m infer.bench --serve`: the OpenAI-compatible server (`python -m infer.serve`) under load,
+"""`python -m bench --serve`: the OpenAI-compatible server (`python -m infer.serve`) under load,
 against the offline engine on the same rows (figures only; nothing is asserted).
 
 The server runs in a subprocess, as it is deployed; this process is its clients (asyncio, HTTP
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from infer.bench.prompts import describe_prompts
-from infer.bench.suite import describe_pair, get_pair, heldout_prompts, int_list, pair_record
+from bench.prompts import describe_prompts
+from bench.suite import describe_pair, get_pair, heldout_prompts, int_list, pair_record
 
 
 def free_port() -> int:
@@ -146,7 +146,7 @@ def run_serve_bench(args) -> dict:
     from dflash_jax.engine.scheduler import bucket
     from dflash_jax.engine.options import SYNC_EVERY
     from dflash_jax.pair import stop_token_ids
-    from infer.bench.timing import time_generate
+    from bench.timing import time_generate
 
     if args.target and not args.drafter:
         raise SystemExit("error: --serve needs --drafter with --target")

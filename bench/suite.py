@@ -8,9 +8,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from infer.bench.prompts import describe_prompts, heldout_snippets, package_version, prompt_ids
-from infer.bench.report import acceptance_figures, config_label, print_tables
-from infer.bench.timing import (
+from bench.prompts import describe_prompts, heldout_snippets, package_version, prompt_ids
+from bench.report import acceptance_figures, config_label, print_tables
+from bench.timing import (
     bench_generator, first_state, host_peak_rss, device_peak_bytes, narrow_tail_default, split_figures, time_pieces,
     time_prefill,
 )
@@ -38,7 +38,7 @@ def int_list(text: str, flag: str) -> list[int]:
 
 def get_pair(args):
     """The pair the flags name: --random, --target/--drafter, or the bundled demo pair."""
-    from infer.bench.pairs import directory_pair, random_pair
+    from bench.pairs import directory_pair, random_pair
 
     if args.random:
         if args.target or args.drafter:
@@ -204,7 +204,7 @@ def run_suite(args, result: dict) -> int:
     elif not sampling.greedy:
         result["transformers"] = dict(skipped="sampled runs: the reference is greedy")
     else:
-        from infer.bench.hf import bench_transformers
+        from bench.hf import bench_transformers
 
         ref = result["baseline"][0]["outputs"]
         result["transformers"] = bench_transformers(pair.target_dir, tcfg.dtype, prompts, hf_batches,

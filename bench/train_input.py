@@ -14,7 +14,7 @@ text), once per simulated host (`--hosts`), and prints:
 
 Prints figures; asserts nothing but the shard check (exit 1 if it fails).
 
-    python benchmarks/train_input.py --aot-json docs/results/train-aot-v5p-1x1x1-qwen3-8b.json
+    python bench/train_input.py --aot-json docs/results/train-aot-v5p-1x1x1-qwen3-8b.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m infer.bench --vllm`: this engine and vLLM side by side on the same pair, prompts and
+"""`python -m bench --vllm`: this engine and vLLM side by side on the same pair, prompts and
 settings, in one process and in alternating runs.
 
 vLLM is not a dependency of this project (its CPU build is large and pins its own torch): install it
@@ -133,7 +133,7 @@ def peer_draft_tokens(text: str | None, block: int) -> int:
     """--draft-tokens for --vllm: one K, the drafts both engines verify per cycle (default B - 1).
     This engine still denoises the drafter's whole block and verifies its first K; vLLM's drafter
     runs a block of K + 1 (num_speculative_tokens K)."""
-    from infer.bench.suite import int_list
+    from bench.suite import int_list
 
     ks = int_list(text, "--draft-tokens") if text else [block - 1]
     if len(ks) != 1 or not 1 <= ks[0] <= block - 1:
@@ -146,10 +146,10 @@ def run_vllm_peer(args) -> dict:
     if missing:
         raise SystemExit(f"error: {missing}")
     from dflash_jax.engine import Generator, Sampling
-    from infer.bench.pairs import directory_pair
-    from infer.bench.prompts import describe_prompts, package_version
-    from infer.bench.suite import describe_pair, heldout_prompts, pair_record
-    from infer.bench.timing import narrow_tail_default
+    from bench.pairs import directory_pair
+    from bench.prompts import describe_prompts, package_version
+    from bench.suite import describe_pair, heldout_prompts, pair_record
+    from bench.timing import narrow_tail_default
 
     knorm_broken = context_knorm_broken()
     fixed = bool(args.vllm_fix_knorm and knorm_broken)

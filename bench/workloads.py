@@ -35,10 +35,10 @@ import sys
 
 import numpy as np
 
-from infer.bench.pairs import directory_pair
-from infer.bench.prompts import describe_prompts
-from infer.bench.suite import describe_pair, heldout_prompts, int_list, pair_record
-from infer.bench.timing import compile_counts, counted_generate, delta, narrow_tail_default, time_generate
+from bench.pairs import directory_pair
+from bench.prompts import describe_prompts
+from bench.suite import describe_pair, heldout_prompts, int_list, pair_record
+from bench.timing import compile_counts, counted_generate, delta, narrow_tail_default, time_generate
 
 
 def _load(args):

@@ -11,7 +11,7 @@ executable tells what the chip would do with the program.
   (`collectives_of`, `custom_calls_of`, `prefetched_bytes`); a program that does not fit is a
   result (RESOURCE_EXHAUSTED, with the HBM the compiler asked for), not an error.
 
-`python -m infer.bench --aot` compiles the engine's programs with these, `python -m train --aot`
+`python -m bench --aot` compiles the engine's programs with these, `python -m train --aot`
 the training step.
 """
 

@@ -1,5 +1,5 @@
 """The platform a program is traced for: the default backend, or the target of an ahead-of-time
-compile (`python -m infer.bench --aot` compiles for a TPU on a CPU machine). Code that takes a
+compile (`python -m bench --aot` compiles for a TPU on a CPU machine). Code that takes a
 different path per platform (the attention implementation, `layers.unfused`) asks here, so an
 ahead-of-time compile traces what the chip itself would run."""
 

@@ -2,7 +2,7 @@
 the z-lab Qwen3-8B-DFlash-b16 drafter, and the config.json fields of other published targets
 (Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B) with the drafter the z-lab recipe gives them.
 `published_configs(scale, dtype, shape)` scales them down for tests and small machines.
-(`python -m infer.bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
+(`python -m bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The flags of `python -m infer` and `python -m train.generate_data`, and the job they describe;
-the engine's flags, shared with `python -m infer.serve` and `python -m infer.bench`.
+the engine's flags, shared with `python -m infer.serve` and `python -m bench`.
 
 `add_engine_flags` declares one flag per `EngineOptions` field a command offers, with the
 options' defaults (a command whose default differs says so in one `overrides` entry, with its

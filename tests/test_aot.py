@@ -1,4 +1,4 @@
-"""The engine compiled for TPUs on this CPU (`python -m infer.bench --aot`): it compiles, fits,
+"""The engine compiled for TPUs on this CPU (`python -m bench --aot`): it compiles, fits,
 partitions over several chips without gathering a weight, attends through the Pallas kernel, and
 the TPU program streams the q/k/v weights as stored (no transposed copy of a kernel per call).
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 def aot(tmp_path, *flags, check=True):
     out = tmp_path / "aot.json"
-    p = subprocess.run([sys.executable, "-m", "infer.bench", "--aot", *flags, "--json", str(out)],
+    p = subprocess.run([sys.executable, "-m", "bench", "--aot", *flags, "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`python -m infer.bench`: the figures it writes are consistent (no timing is asserted)."""
+"""`python -m bench`: the figures it writes are consistent (no timing is asserted)."""
 
 import importlib.util
 import json
@@ -345,7 +345,7 @@ def test_an_unknown_flag_value_is_one_line_and_modes_write_their_own_files(capsy
         bench.main(["--cost", "--shape", "nope"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'nope'" in err and "usage" not in err
-    from infer.bench.cli import default_json
+    from bench.cli import default_json
 
     files = {default_json(bench.build_parser().parse_args(argv + ["--scale", "0.25"]), mode) for argv, mode in (
         (["--cost"], "cost"), (["--cost", "--shape", "gemma4-31b"], "cost"), (["--random", "--quick"], "suite"),
@@ -451,14 +451,14 @@ def test_cache_scaling_mode(tmp_path):
 
 @pytest.mark.heavy
 def test_device_check_runs_end_to_end_on_a_cpu(tmp_path):
-    """benchmarks/device_check.sh --tiny: the GPU check's four parts run through on this CPU with
+    """bench/device_check.sh --tiny: the GPU check's four parts run through on this CPU with
     tiny shapes (attention path against the walk, published-shape timings, their roofline, cache
     scaling), so the script is ready the day a GPU is lent."""
     import os
     import subprocess
 
     repo = Path(__file__).resolve().parent.parent
-    p = subprocess.run(["bash", str(repo / "benchmarks" / "device_check.sh"), "--tiny"], capture_output=True,
+    p = subprocess.run(["bash", str(repo / "bench" / "device_check.sh"), "--tiny"], capture_output=True,
                        text=True, timeout=1800, env={**os.environ, "OUT": str(tmp_path)}, cwd=repo)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "exactness: worst" in p.stdout and "(ok," in p.stdout
@@ -520,7 +520,7 @@ def test_help_puts_each_mode_in_its_own_group_and_is_short(monkeypatch):
 def test_the_prompts_label_says_what_the_prompts_are():
     """Without a tokenizer (--random, the tiny pair) the prompts are random token ids, not the
     package's snippets: the line says so; with one, the snippets."""
-    from infer.bench.prompts import describe_prompts
+    from bench.prompts import describe_prompts
 
     snippets = [dict(file="numpy/x.py", line=3, text="def f(x):\n    return x\n"),
                 dict(file="numpy/y.py", line=9, text="class A:\n    pass\n")]

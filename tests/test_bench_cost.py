@@ -1,4 +1,4 @@
-"""`python -m infer.bench --cost`: the cost report's correction of XLA's loop counting, checked
+"""`python -m bench --cost`: the cost report's correction of XLA's loop counting, checked
 against XLA itself; figures consistent with what it prints (tiny published shapes, abstract
 weights: nothing is allocated or run)."""
 
@@ -191,7 +191,7 @@ def test_xla_counts_a_lookup_as_its_whole_table():
 
 
 def test_expected_experts_touched_matches_simulated_routing():
-    from infer.bench.moe_cost import expected_experts
+    from bench.moe_cost import expected_experts
 
     rng = np.random.default_rng(0)
     for experts, k, tokens in ((32, 4, 1), (32, 4, 16), (128, 8, 16), (128, 8, 128)):
@@ -201,7 +201,7 @@ def test_expected_experts_touched_matches_simulated_routing():
 
 
 def test_moe_cost_report_adds_up_on_the_published_configs():
-    from infer.bench.moe_cost import PUBLISHED_MOE, kv_bytes, moe_report
+    from bench.moe_cost import PUBLISHED_MOE, kv_bytes, moe_report
 
     r = moe_report("gpt-oss-20b", PUBLISHED_MOE["gpt-oss-20b"], batch=1, context=1024, block=16, tau=6.49)
     # One gpt-oss-20b expert: gate_up 2880 x 5760 and down 2880 x 2880 with their biases, bfloat16.
@@ -230,7 +230,7 @@ def test_hybrid_cost_report_counts_attention_pages_and_recurrent_states(tmp_path
     import io
 
     from dflash_jax.engine import EngineSpec, Sampling
-    from infer.bench.cost import recurrent_state_bytes
+    from bench.cost import recurrent_state_bytes
 
     out = tmp_path / "cost.json"
     with contextlib.redirect_stdout(io.StringIO()):

@@ -81,7 +81,7 @@ def test_demo_runs_the_trained_pair_on_its_prompts(demo_run):
     assert s["heldout"]["block_size"] == 16 and 1 < s["heldout"]["tau"] < s["tau"]
     if jax.default_backend() == "cpu":
         # the command the note names prints the figure it quotes; the verify is the block's
-        assert "memory-bound" in s["note"] and "`python -m infer.bench --cost --scale 1`" in s["note"]
+        assert "memory-bound" in s["note"] and "`python -m bench --cost --scale 1`" in s["note"]
         assert "a 16-token verify" in s["note"]
     assert s["prompts"] == "the demo's prompts"
 

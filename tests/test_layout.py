@@ -125,7 +125,7 @@ def test_no_import_circle():
 def test_the_library_imports_no_tooling():
     bad = [(mod, dep) for mod, deps in _graph().items() for dep in deps
            if (mod.startswith("dflash_jax") and dep.split(".")[0] in ("infer", "train", "bench", "tests"))
-           or (mod.startswith("train") and (dep.split(".")[0] == "bench" or dep.startswith("infer.bench")))]
+           or (mod.startswith("train") and dep.split(".")[0] == "bench")]
     assert not bad, bad
 
 

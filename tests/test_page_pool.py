@@ -27,7 +27,7 @@ from dflash_jax import DFlashError, attention
 from dflash_jax.kv import write_kv
 from dflash_jax.attention_tpu import attend_pallas
 from dflash_jax.engine import Generator, Sampling
-from infer.bench.timing import counted_generate
+from bench.timing import counted_generate
 from test_spec_decode import CHUNK, LIMITS, MAX_NEW, MAX_PROMPT, PAGE, by_index, engine, heavy, prompts, setup
 
 LAYERS, P, PER_ROW, POOL = 2, 8, 6, 30

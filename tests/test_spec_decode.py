@@ -40,7 +40,7 @@ from dflash_jax.model import init_params
 from dflash_jax.engine import (
     EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits,
 )
-from infer.bench.timing import compile_counts
+from bench.timing import compile_counts
 
 NEG = float(jnp.finfo(jnp.float32).min)
 

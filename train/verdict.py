@@ -24,7 +24,7 @@ DEMO_STEPS = 12_750
 DEMO_EVAL_TAU = 3.27
 DEMO_HELDOUT_TAU = 3.67
 # The paper's Qwen3-8B drafter, block 16, greedy, averaged over its benchmarks (DFlash, arXiv
-# 2602.06036; the same figure as infer/bench/published.py's PAPER_TAU), trained on 800k regenerated
+# 2602.06036; the same figure as bench/published.py's PAPER_TAU), trained on 800k regenerated
 # conversations for 6 epochs (configs/train/qwen3-8b.yaml is that recipe).
 PAPER_TAU = 6.49
 # A DFlash cycle's cost in plain decoding steps, which tau must clearly exceed for any speedup
