@@ -126,7 +126,7 @@ def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     for name in list(state):
         t = state.pop(name)
         if t.dtype == torch.bfloat16:
-            arr = t.view(torch.int16).numpy().view(safetensors_io.DTYPES["BF16"])
+            arr = t.view(torch.int16).numpy().view(safetensors_io.SAFETENSORS_DTYPES["BF16"])
         else:
             arr = t.numpy()
         yield name, safetensors_io.ArrayTensor(arr)

@@ -19,12 +19,12 @@ import numpy as np
 
 from dflash_jax.errors import CheckpointError
 
-DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def read_header(path: str | Path) -> tuple[dict, int]:
@@ -92,10 +92,10 @@ def iter_lazy_tensors(path: str | Path) -> Iterator[tuple[str, LazyTensor]]:
     """(name, LazyTensor) for every tensor in the file; nothing is read yet."""
     header, start = read_header(path)
     for name, info in header.items():
-        if info["dtype"] not in DTYPES:
+        if info["dtype"] not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, _ = info["data_offsets"]
-        yield name, LazyTensor(Path(path), name, start + begin, info["shape"], DTYPES[info["dtype"]])
+        yield name, LazyTensor(Path(path), name, start + begin, info["shape"], SAFETENSORS_DTYPES[info["dtype"]])
 
 
 def iter_tensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:

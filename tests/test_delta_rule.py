@@ -95,7 +95,7 @@ def test_settle_advances_state_and_tail_by_each_rows_accepted_prefix_alone():
     conv_in = np.random.RandomState(3).randn(B, 8, 5).astype(np.float32)
     tail = np.random.RandomState(4).randn(B, 3, 5).astype(np.float32)
     pending = delta_rule.Pending(*map(jnp.asarray, (conv_in, k, v, g, beta)))
-    new_tail, settled = delta_rule.settle(jnp.asarray(tail), jnp.asarray(state), pending, jnp.array([3, 0]))
+    new_tail, settled = delta_rule.settle_state(jnp.asarray(tail), jnp.asarray(state), pending, jnp.array([3, 0]))
     _, alone = delta_rule.recurrent(*(jnp.asarray(a[:1, :3]) for a in (q, k, v, g, beta)), jnp.asarray(state[:1]))
     np.testing.assert_allclose(np.asarray(settled[0]), np.asarray(alone[0]), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(settled[1]), state[1], atol=1e-6)
@@ -184,7 +184,7 @@ def test_gated_delta_net_layer_equals_transformers_and_decodes_in_pieces():
     pieces = [out[:, :7]]
     verify, same_tail, same_state, pending = apply(jnp.asarray(x[:, 7:12]), tail, state, defer=True)
     assert same_tail is tail and same_state is state
-    tail, state = delta_rule.settle(tail, state, pending, jnp.array([2, 2]))
+    tail, state = delta_rule.settle_state(tail, state, pending, jnp.array([2, 2]))
     pieces.append(verify[:, :2])
     for i in range(9, 20):
         out, tail, state, _ = apply(jnp.asarray(x[:, i:i + 1]), tail, state)

@@ -1,7 +1,7 @@
 """`python -m infer.serve`: the OpenAI-compatible server over the streaming engine.
 
 Everyday (no model, well under a second each): a request's checks and defaults (`prepare_request`), the
-release of a row's text as it grows with stop strings held back (`Decoded`), /metrics'
+release of a row's text as it grows with stop strings held back (`StreamedText`), /metrics'
 Prometheus text (`render_metrics`), and the app over a scripted fake engine (the response and
 event-stream schema, stop strings cancelling the row, 400/401/429/503/500).
 
@@ -34,7 +34,7 @@ import pytest
 from infer.serve.metrics import render_metrics
 from infer.serve.prepare import prepare_request
 from infer.serve.protocol import APIError
-from infer.serve.streaming import Decoded
+from infer.serve.streaming import StreamedText
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "dflash-demo"  # the demo pair's served name
@@ -46,7 +46,7 @@ TIMEOUT = 60  # seconds for one HTTP operation
 
 
 def fake_served(check=lambda ids, n: None, max_new=16):
-    """What prepare_request and Decoded use of a ServedModel, without a model: a character-per-token "tokenizer"."""
+    """What prepare_request and StreamedText use of a ServedModel, without a model: a character-per-token "tokenizer"."""
     chats = []
 
     def chat(messages, kwargs):
@@ -163,7 +163,7 @@ def test_job_reports_the_engines_refusal():
     assert (e.value.status, e.value.code) == (400, None) and "outside the vocabulary" in e.value.message
 
 
-# ----------------------------------------------------------------------------- everyday: Decoded
+# ----------------------------------------------------------------------------- everyday: StreamedText
 
 
 def decode(ids):
@@ -182,7 +182,7 @@ def decode(ids):
 
 
 def decoded(stop=(), stop_ids=()):
-    return Decoded(fake_served(), SimpleNamespace(stop=list(stop), stop_ids=set(stop_ids)))
+    return StreamedText(fake_served(), SimpleNamespace(stop=list(stop), stop_ids=set(stop_ids)))
 
 
 def test_decoded_holds_back_a_possible_stop_string_and_cuts_at_it():
@@ -550,10 +550,10 @@ def test_the_server_prefills_at_two_widths_and_splits_small_groups():
 def test_a_stop_string_ends_a_request_as_stop_in_the_metrics():
     """A request its caller stopped (a stop string) is counted under finish_reason "stop", one a
     client abandoned under "cancelled"."""
-    from dflash_jax.engine.streaming import Request, _cancel_reason
+    from dflash_jax.engine.streaming import StreamRequest, _cancel_reason
 
-    assert _cancel_reason(Request([1], 1, lambda *a: None, stopped=True, cancelled=True)) == "stop"
-    assert _cancel_reason(Request([1], 1, lambda *a: None, cancelled=True)) == "cancelled"
+    assert _cancel_reason(StreamRequest([1], 1, lambda *a: None, stopped=True, cancelled=True)) == "stop"
+    assert _cancel_reason(StreamRequest([1], 1, lambda *a: None, cancelled=True)) == "cancelled"
 
 
 def test_a_failing_engine_answers_its_open_requests_and_says_so():
@@ -561,7 +561,7 @@ def test_a_failing_engine_answers_its_open_requests_and_says_so():
     "error", on_error hears of it (the server then shuts down, exit status 3), and new requests are
     refused naming the failure."""
     from dflash_jax.engine import Sampling
-    from dflash_jax.engine.streaming import Request, StreamingEngine
+    from dflash_jax.engine.streaming import StreamRequest, StreamingEngine
     from dflash_jax.errors import DFlashError
 
     spec = SimpleNamespace(sampling=Sampling(per_row=True), max_new_tokens=8, block_size=4, kv_pages=None,
@@ -576,13 +576,13 @@ def test_a_failing_engine_answers_its_open_requests_and_says_so():
                           check_prompt=lambda prompt, n: None)
     errors, results = [], []
     engine = StreamingEngine(gen, on_error=errors.append).start()
-    engine.submit(Request([1, 2], 4, lambda tokens, result: results.append(result), row_id=1))
+    engine.submit(StreamRequest([1, 2], 4, lambda tokens, result: results.append(result), row_id=1))
     release.set()
     engine._thread.join(10)
     assert not engine.alive and [r.finish_reason for r in results] == ["error"]
     assert len(errors) == 1 and str(errors[0]) == "device lost"
     with pytest.raises(DFlashError, match="the engine failed: device lost"):
-        engine.submit(Request([1], 4, lambda tokens, result: None))
+        engine.submit(StreamRequest([1], 4, lambda tokens, result: None))
 
 
 # ----------------------------------------------------------------------------- heavy: the server

@@ -19,7 +19,7 @@ import pytest
 
 from dflash_jax.engine import Generator, Sampling
 from dflash_jax.engine.step import prefill, prefill_part, run_cycles
-from dflash_jax.engine.streaming import QueueFull, Request, StreamingEngine
+from dflash_jax.engine.streaming import QueueFull, StreamRequest, StreamingEngine
 from dflash_jax.errors import DFlashError
 from test_spec_decode import setup
 
@@ -51,7 +51,7 @@ def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
         return emit
 
     for i, (p, n, s, r) in enumerate(zip(prompts, limits, samplings, row_ids)):
-        engine.submit(Request(list(p), n, emitter(i), s, row_id=r))
+        engine.submit(StreamRequest(list(p), n, emitter(i), s, row_id=r))
         time.sleep(gap)
     assert all_done.wait(300), f"only {len(results)} of {len(prompts)} requests ended"
     return streamed, results
@@ -117,13 +117,13 @@ def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
                 ended[i] = result.finish_reason
         return emit
 
-    reqs = {i: Request(prompts[i], 24, emitter(i, cancel_after=1 if i < 2 else None), row_id=i) for i in range(5)}
+    reqs = {i: StreamRequest(prompts[i], 24, emitter(i, cancel_after=1 if i < 2 else None), row_id=i) for i in range(5)}
     for i in range(3):
         engine.submit(reqs[i])
     with pytest.raises(QueueFull):
         engine.submit(reqs[3])
     with pytest.raises(DFlashError, match="longer than the context"):
-        engine.submit(Request([1] * 40, 4, emitter(9), row_id=9))
+        engine.submit(StreamRequest([1] * 40, 4, emitter(9), row_id=9))
     engine.start()
     try:
         for i in (3, 4):
@@ -147,4 +147,4 @@ def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
     finally:
         assert engine.close(timeout=60)
     with pytest.raises(DFlashError, match="shutting down"):
-        engine.submit(Request(prompts[0], 4, emitter(8), row_id=8))
+        engine.submit(StreamRequest(prompts[0], 4, emitter(8), row_id=8))

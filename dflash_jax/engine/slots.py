@@ -31,7 +31,7 @@ class Result:
 
 class SlotLedger:
     """Host bookkeeping of `width` slots. A row is anything the caller names its rows by (a
-    prompt's index, a Request); `pages_of(row)` is the pool pages it needs (only asked with a
+    prompt's index, a StreamRequest); `pages_of(row)` is the pool pages it needs (only asked with a
     pool of kv_pages pages). stop_set: the stop tokens.
 
     occupant[s]: the row decoding in slot s, None: none. filling[s]: [row, prompt tokens in] of a

@@ -101,7 +101,7 @@ class DecodeState:
     done:           [batch] the row needs no more cycles (also true for a free slot).
     max_new_tokens: [batch] this row's own limit (<= the spec's).
     temperature, top_k, top_p: [batch] this row's sampling (a per-row engine's; else unused).
-    held:           [batch] the slot's prompt is being prefilled piece by piece (`prefill_part`):
+    filling:        [batch] the slot's prompt is being prefilled piece by piece (`prefill_part`):
                     done (cycles pass over it), but cycles keep its caches and pages.
     """
 
@@ -119,7 +119,7 @@ class DecodeState:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    held: jax.Array
+    filling: jax.Array
 
 
 def _map_cache(cache: KVCache | None, f) -> KVCache | None:
@@ -180,7 +180,7 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
         row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
         temperature=jnp.zeros((batch,), jnp.float32), top_k=zeros(batch), top_p=jnp.ones((batch,), jnp.float32),
-        held=jnp.zeros((batch,), bool),
+        filling=jnp.zeros((batch,), bool),
     ), spec.mesh)
 
 
@@ -226,7 +226,7 @@ def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_key
         num_cycles=put(state.num_cycles, jnp.zeros((n,), jnp.int32)),
         done=put(state.done, stopped), stopped=put(state.stopped, stopped),
         row_keys=put(state.row_keys, row_keys), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
-        held=put(state.held, jnp.zeros((n,), bool)),
+        filling=put(state.filling, jnp.zeros((n,), bool)),
     )
 
 
@@ -282,7 +282,7 @@ def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens,
     """One piece of long prompts, so that their prefill interleaves with the other rows' cycles:
     tokens [n, piece] (num_tokens [n] real) run into the rows `slots` [n] after what they hold.
     begin: the prompts' first piece (the rows are emptied and given their page tables, pages).
-    The rows stay done, so cycles pass over them, and held, so cycles keep their caches; their
+    The rows stay done, so cycles pass over them, and filling, so cycles keep their caches; their
     last piece goes through `prefill(..., resume=True)`, which samples their first token."""
     target_cache, context_cache = state.target_cache, state.context_cache
     if begin:
@@ -291,9 +291,9 @@ def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens,
     target_cache, context_cache, _ = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
                                                     num_tokens, slots)
     done = state.done.at[slots].set(True, mode="drop")
-    held = state.held.at[slots].set(True, mode="drop")
+    filling = state.filling.at[slots].set(True, mode="drop")
     return constrain_state(state.replace(target_cache=target_cache, context_cache=context_cache, done=done,
-                                         held=held), spec.mesh)
+                                         filling=filling), spec.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "resume"), donate_argnames=("state",))
@@ -328,8 +328,8 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
                    row_keys, max_new_tokens, rows)
     # A row whose first token stops it is done before any cycle runs: its pages go back now
-    # (a held row, whose prompt is still going in piece by piece, keeps its own).
-    ended = state.done & ~state.held
+    # (a filling row, whose prompt is still going in piece by piece, keeps its own).
+    ended = state.done & ~state.filling
     state = state.replace(target_cache=state.target_cache.release_pages(ended),
                           context_cache=(state.context_cache.release_pages(ended)
                                          if spec.uses_drafter else None))
@@ -401,9 +401,9 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     # length 0 keeps it from stretching the other rows' page walks until its slot is refilled.
     # With a page pool a finished row also gives up its page table: the host hands its pages to
     # the next rows, and the row, riding along until then, writes nothing.
-    # A held row (its prompt prefilled piece by piece) keeps its caches: it is done only so that
+    # A filling row (its prompt prefilled piece by piece) keeps its caches: it is done only so that
     # cycles pass over it.
-    ended = done & ~state.held
+    ended = done & ~state.filling
     lengths = jnp.where(ended, 0, start + n_new)
     if context_cache is not None:
         context_cache = context_cache.replace(lengths=jnp.where(ended, 0, context_cache.lengths))
@@ -470,4 +470,4 @@ def cancel(spec: EngineSpec, state: DecodeState, rows) -> DecodeState:
         return cache.replace(lengths=jnp.where(rows, 0, cache.lengths)).release_pages(rows)
 
     return constrain_state(state.replace(target_cache=end(state.target_cache), context_cache=end(state.context_cache),
-                                         done=state.done | rows, held=state.held & ~rows), spec.mesh)
+                                         done=state.done | rows, filling=state.filling & ~rows), spec.mesh)

@@ -1,7 +1,7 @@
 """Serving: the scheduler's admission fed by a queue, and every row's tokens streamed at each sync.
 
 `StreamingEngine(generator)` runs a Generator built with `Sampling(per_row=True)` on a thread of
-its own. `submit(request)` queues a `Request` (a bounded queue: `QueueFull` when it is full);
+its own. `submit(request)` queues a `StreamRequest` (a bounded queue: `QueueFull` when it is full);
 the engine admits requests into free slots as they come (in arrival order, each with its own
 max_new_tokens, sampling and random stream), runs `sync_every` cycles per call and, while the
 device runs the next call, hands each request the tokens it gained in the last one through
@@ -45,7 +45,7 @@ class Closed(DFlashError):
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class StreamRequest:
     """One prompt to generate from. emit(tokens, result) is called from the engine's thread with
     the tokens the row gained since the last call (stop tokens included, cut at the first), and
     with its Result once it ends (finish_reason "stop", "length" or "cancelled"); it must not
@@ -64,7 +64,7 @@ class Request:
     finished: bool = False
 
 
-def _cancel_reason(req: Request) -> str:
+def _cancel_reason(req: StreamRequest) -> str:
     """The finish reason of a cancelled request: "stop" where its caller found its end."""
     return "stop" if req.stopped else "cancelled"
 
@@ -145,7 +145,7 @@ class StreamingEngine:
         self._closing = threading.Event()
         self._cancel_all = False
         self._thread: threading.Thread | None = None
-        self._open: set[Request] = set()  # submitted and not yet ended (guarded by _lock)
+        self._open: set[StreamRequest] = set()  # submitted and not yet ended (guarded by _lock)
         self._last_read = 0.0  # when the engine's thread last read a call's figures
         self.error: BaseException | None = None  # what ended the engine's thread, if anything did
 
@@ -165,7 +165,7 @@ class StreamingEngine:
             def pieces():
                 piece = gen.spec.prefill_chunk
                 # A first, a middle (where prompts can have one) and a last piece.
-                req = Request([0] * min(gen.max_prompt_len, 2 * piece + 1), 1, lambda *a: None, gen.spec.sampling)
+                req = StreamRequest([0] * min(gen.max_prompt_len, 2 * piece + 1), 1, lambda *a: None, gen.spec.sampling)
                 state = gen.new_state()
                 for offset in range(0, len(req.prompt), piece):
                     state = self._piece(state, 0, req, offset, [])
@@ -184,7 +184,7 @@ class StreamingEngine:
             return f"max_tokens must be in 1..{top} (the server's --max-new-tokens), got {max_new_tokens}"
         return self.gen.check_prompt(prompt, max_new_tokens)
 
-    def submit(self, request: Request):
+    def submit(self, request: StreamRequest):
         """Queue a request (from any thread). Raises DFlashError for a request that cannot run,
         QueueFull when max_waiting requests wait, Closed once the engine is closing."""
         why = self.check(request.prompt, request.max_new_tokens)
@@ -240,7 +240,7 @@ class StreamingEngine:
             if self.on_error is not None:
                 self.on_error(e)
 
-    def _ended(self, req: Request, result: Result):
+    def _ended(self, req: StreamRequest, result: Result):
         req.finished = True
         with self._lock:
             self._open.discard(req)
@@ -352,7 +352,7 @@ class StreamingEngine:
         return self.gen.max_prompt_len > spec.prefill_chunk and not (spec.target.num_linear_layers
                                                                       and not spec.uses_drafter)
 
-    def _piece(self, state, slot: int, req: Request, offset: int, pages):
+    def _piece(self, state, slot: int, req: StreamRequest, offset: int, pages):
         """The piece of req's prompt from offset into slot: `prefill_part`, or for the last piece
         `prefill(resume=True)`, which samples the row's first token and starts it."""
         gen, spec = self.gen, self.gen.spec

@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash_jax.families.hf import moe_config
 from dflash_jax.families.registry import Family, register
-from dflash_jax.families.table import Row, target_table
+from dflash_jax.families.table import Row, decoder_rows
 
 # The 16 values of an FP4 (E2M1) code: sign bit, two exponent bits, one mantissa bit.
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -76,4 +76,4 @@ def parse(cfg: dict, layers: int) -> dict:
 
 register(Family("gpt_oss", dict(qkv_bias="attention_bias", o_bias="attention_bias", attention_sinks=True,
                                 norm_weight_in_float32=True),
-                target_table(moe_rows), parse=parse, combine=combine, quantizations=("mxfp4",)))
+                decoder_rows(moe_rows), parse=parse, combine=combine, quantizations=("mxfp4",)))

@@ -10,7 +10,7 @@ width `intermediate_size`. Checkpoints store each expert's projections separatel
 from dflash_jax.errors import ConfigError
 from dflash_jax.families.hf import moe_config
 from dflash_jax.families.registry import Family, register
-from dflash_jax.families.table import Row, target_table
+from dflash_jax.families.table import Row, decoder_rows
 
 
 def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
@@ -36,4 +36,4 @@ def parse(cfg: dict, layers: int) -> dict:
 
 
 register(Family("qwen3_moe", dict(qk_norm=True, qkv_bias="attention_bias", o_bias="attention_bias"),
-                target_table(moe_rows), parse=parse))
+                decoder_rows(moe_rows), parse=parse))

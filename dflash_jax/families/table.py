@@ -56,7 +56,7 @@ def layer_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
     return attention_rows(hf_prefix, flax_prefix) + dense_mlp_rows(hf_prefix, flax_prefix)
 
 
-def target_table(*moe_rows) -> tuple[Row, ...]:
+def decoder_rows(*moe_rows) -> tuple[Row, ...]:
     """The table of a `*ForCausalLM`: embeddings, layers (dense rows plus a family's MoE
     rows), final norm, head."""
     prefix, flax_prefix = "model.layers.{i}.", "model/layers_{i}/"

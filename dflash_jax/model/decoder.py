@@ -36,7 +36,7 @@ from dflash_jax.kv import KVCache, init_cache, row_lengths
 from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.model.layers import ACTIVATIONS, MLP, Attention, norm, rope_angles
 from dflash_jax.model.delta_rule import GatedDeltaNet, Pending
-from dflash_jax.model.delta_rule import settle as delta_settle
+from dflash_jax.model.delta_rule import settle_state
 from dflash_jax.model.moe import MoE
 
 
@@ -303,4 +303,4 @@ def settle(cache: KVCache, pending: tuple[Pending, ...] | None, keep) -> KVCache
 
 @jax.jit
 def _settle_layers(tails, states, pending, keep):
-    return [delta_settle(t, s, p, keep) for t, s, p in zip(tails, states, pending)]
+    return [settle_state(t, s, p, keep) for t, s, p in zip(tails, states, pending)]

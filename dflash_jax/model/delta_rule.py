@@ -27,7 +27,7 @@ last K - 1 inputs) rolls back the same way. `GatedDeltaNet` is the whole layer
 In the decoder a verify pass cannot know how much of its block will be accepted, so the
 layer can `defer` its state: it computes the block's outputs from the state it was given,
 leaves the state and tail as they were, and returns what the block would write (`Pending`:
-its convolution inputs, keys, values, decays and write strengths). `settle` then advances
+its convolution inputs, keys, values, decays and write strengths). `settle_state` then advances
 state and tail by each row's accepted prefix alone: the chunked rule with the rejected
 suffix's decay and write strength zeroed (a masked position neither decays nor writes), and
 the tail sliced at the prefix's end. No per-position copy of the state is ever kept.
@@ -212,7 +212,7 @@ class Pending(NamedTuple):
     beta: jax.Array
 
 
-def settle(tail, state, pending: Pending, keep):
+def settle_state(tail, state, pending: Pending, keep):
     """The tail and state after the first keep[b] (0..T) positions of a deferred block: the
     chunked rule over the block with the later positions masked out (g = 0: no decay,
     beta = 0: no write), and the convolution tail ending at the keep[b]-th input."""
@@ -236,7 +236,7 @@ class GatedDeltaNet(nn.Module):
     (as transformers decodes), more the chunked one (chunks of `chunk`). valid [b]: only the
     first valid[b] positions are real (a right-padded prefill): the state and tail stop
     there. defer: leave tail and state as given and return the block's `Pending` for
-    `settle` (a verify pass); otherwise pending is None."""
+    `settle_state` (a verify pass); otherwise pending is None."""
 
     hidden_size: int
     k_heads: int

@@ -18,7 +18,7 @@ engine's tokens back into text and OpenAI's response schema. Its modules:
 - `prepare`: a validated request turned into what the engine runs (`PreparedRequest`).
 - `model`: `ServedModel`, the model served: flags checked, weights loaded, programs compiled,
   the engine started; text to token ids and back.
-- `streaming`: a row's text released as it grows (`Decoded`: stop strings, UTF-8 hold-back), the
+- `streaming`: a row's text released as it grows (`StreamedText`: stop strings, UTF-8 hold-back), the
   whole answer (`collect`, `response`) and the server-sent events (`event_stream`).
 - `metrics`: /metrics in Prometheus's text format.
 """

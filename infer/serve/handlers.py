@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from dflash_jax.engine.streaming import Closed, QueueFull
-from dflash_jax.engine.streaming import Request as EngineRequest
+from dflash_jax.engine.streaming import StreamRequest
 from dflash_jax.errors import DFlashError
 from infer.serve.metrics import metrics_text
 from infer.serve.prepare import PreparedRequest, prepare_request
 from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
-from infer.serve.streaming import Decoded, collect, event_stream, response
+from infer.serve.streaming import StreamedText, collect, event_stream, response
 
 # --------------------------------------------------------------------------- dependencies
 
@@ -83,13 +83,13 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
 # --------------------------------------------------------------------------- the engine
 
 
-def submit(model, request: PreparedRequest) -> tuple[EngineRequest, asyncio.Queue]:
+def submit(model, request: PreparedRequest) -> tuple[StreamRequest, asyncio.Queue]:
     """Queue the request on the engine; returns its engine request and the asyncio queue its
     (tokens, result) deliveries arrive on."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     emit = lambda tokens, result: loop.call_soon_threadsafe(events.put_nowait, (tokens, result))
-    engine_request = EngineRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, request.row_id)
+    engine_request = StreamRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, request.row_id)
     try:
         model.engine.submit(engine_request)
     except QueueFull as e:
@@ -106,7 +106,7 @@ async def _complete(http_request: HTTPRequest, body, chat: bool):
     model = http_request.app.state.model
     request = prepare_request(model, body, chat)
     engine_request, events = submit(model, request)
-    decoded = Decoded(model, request)
+    decoded = StreamedText(model, request)
     ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if request.stream:
         return StreamingResponse(event_stream(request, engine_request, events, decoded, ident, model.name),

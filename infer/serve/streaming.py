@@ -1,5 +1,5 @@
 """A request's answer as it comes from the engine: its tokens turned into text and released as
-they grow (`Decoded`: stop strings and stop token ids end it, text that may begin a stop string
+they grow (`StreamedText`: stop strings and stop token ids end it, text that may begin a stop string
 or is half a UTF-8 character is held back), and the two ways it reaches the client: gathered
 into one response (`collect`) or sent as server-sent events (`event_stream`, ending in
 `data: [DONE]`).
@@ -17,7 +17,7 @@ import time
 from infer.serve.protocol import APIError, AssistantMessage, Choice, Completion, Usage, dump
 
 
-class Decoded:
+class StreamedText:
     """A row's tokens as text, released as it grows: stop strings cut it (the row ends there)
     and text that may be the start of a stop string, or half a character, is held back.
     `model`: what decodes ids (`ServedModel.decode`); `request`: its `stop` and `stop_ids`."""
@@ -68,11 +68,11 @@ class Decoded:
         return out
 
 
-def finish_reason(decoded: Decoded, result) -> str:
+def finish_reason(decoded: StreamedText, result) -> str:
     return "stop" if decoded.stopped or result.finish_reason == "stop" else "length"
 
 
-def usage(request, decoded: Decoded) -> Usage:
+def usage(request, decoded: StreamedText) -> Usage:
     n, prompt = len(decoded.ids), len(request.prompt_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n)
 
@@ -80,7 +80,7 @@ def usage(request, decoded: Decoded) -> Usage:
 ENGINE_FAILED = "the engine failed; see the server's log"
 
 
-async def collect(http_request, engine_request, events: asyncio.Queue, decoded: Decoded):
+async def collect(http_request, engine_request, events: asyncio.Queue, decoded: StreamedText):
     """Wait for the row to end, adding its tokens to `decoded`; the engine's Result, or None when
     the client went away (its row is then cancelled)."""
     result = None
@@ -104,7 +104,7 @@ async def collect(http_request, engine_request, events: asyncio.Queue, decoded: 
     return result
 
 
-def response(request, decoded: Decoded, result, ident: str, model_name: str) -> dict:
+def response(request, decoded: StreamedText, result, ident: str, model_name: str) -> dict:
     """The whole answer of a request not streamed."""
     choice = Choice(index=0, finish_reason=finish_reason(decoded, result), logprobs=None)
     if request.chat:
@@ -146,15 +146,15 @@ class _Chunks:
             body.usage = None
         return self._line(body)
 
-    def usage(self, decoded: Decoded) -> str:
+    def usage(self, decoded: StreamedText) -> str:
         return self._line(Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
                                      choices=[], usage=usage(self.request, decoded)))
 
 
-async def event_stream(request, engine_request, events: asyncio.Queue, decoded: Decoded, ident: str,
+async def event_stream(request, engine_request, events: asyncio.Queue, decoded: StreamedText, ident: str,
                        model_name: str):
     """The server-sent events of a streamed request: a chunk at each delivery of tokens (text
-    held back as `Decoded` says), the finish reason on the last, usage if asked for, then
+    held back as `StreamedText` says), the finish reason on the last, usage if asked for, then
     `data: [DONE]`; an engine failure ends it with an error event instead."""
     chunks = _Chunks(request, ident, model_name)
     result = None
