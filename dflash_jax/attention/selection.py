@@ -27,8 +27,8 @@ _override: contextvars.ContextVar[tuple[str, dict] | None] = contextvars.Context
 
 
 @contextlib.contextmanager
-def override(implementation: str, **options):
-    """Inside the block, attention calls traced prefer `implementation` to the platform's, and call it
+def override(name: str, /, **options):
+    """Inside the block, attention calls traced prefer implementation `name` to the platform's, and call it
     with `options` (its keyword arguments) when it serves. The fallback rules still apply: an
     implementation is never given a call it cannot serve. For benchmarks and tests:
 
@@ -37,9 +37,12 @@ def override(implementation: str, **options):
                                                                         # charges `context` positions
         with attention.override("cudnn", implementation="xla"): ...     # the GPU path on a CPU
         with attention.override("pallas", interpret=...): ...           # the kernel in interpret mode
+
+    The choice is made when a call is traced: a jitted function already traced outside the block
+    keeps its earlier choice from jax's cache (trace a fresh function, or `jax.clear_caches()`).
     """
-    assert implementation in IMPLEMENTATIONS, implementation
-    token = _override.set((implementation, options))
+    assert name in IMPLEMENTATIONS, name
+    token = _override.set((name, options))
     try:
         yield
     finally:
