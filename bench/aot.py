@@ -30,14 +30,12 @@ compile with RESOURCE_EXHAUSTED; the report says so with the HBM the compiler as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from pathlib import Path
 
 from dflash_jax.aot import (COLLECTIVES, GIB, AotError, abstract_replicated, abstract_sharded, compile_for_tpu,
                             cost_of, mesh_for, topology)
-from dflash_jax.attention_tpu import expected_live
 
 
 @functools.cache
@@ -69,22 +67,13 @@ def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cac
     inputs; per program its `compile_for_tpu` figures and the ideal bytes. attention: the Pallas
     kernel (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or
     the portable walk. kv_pages: the caches as a page pool of that many pages."""
-    with _tpu_attention(attention), expected_live(context):
+    from dflash_jax import attention as attention_
+
+    # The walk, or the kernel charged `context` positions a row in its cost estimate.
+    choice = attention_.override("walk") if attention == "walk" else attention_.override("pallas", expected_live=context)
+    with choice:
         return _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir,
                                 programs, tag, kv_pages)
-
-
-@contextlib.contextmanager
-def _tpu_attention(name: str):
-    from dflash_jax import attention
-
-    saved = attention.IMPLEMENTATIONS["tpu"]
-    if name == "walk":
-        attention.IMPLEMENTATIONS["tpu"] = attention.attend_pages_xla
-    try:
-        yield
-    finally:
-        attention.IMPLEMENTATIONS["tpu"] = saved
 
 
 def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir, programs, tag,

@@ -1,6 +1,6 @@
 """Pieces of bench/device_check.sh that are not a `python -m bench` mode.
 
-  exactness  the backend's attention path (on a GPU: cuDNN through `attention.attend_fused`)
+  exactness  the backend's attention path (on a GPU: cuDNN, `dflash_jax.attention.cudnn`)
              against the portable page walk, bfloat16, at decode / verify / prefill-chunk shapes
              of the published heads (GQA 32/8 x 128, 64/8 x 64, 32/16 x 256) and a sliding window
   roofline   an AR step's and a DFlash cycle's measured milliseconds (a --published-shapes JSON)
@@ -20,13 +20,14 @@ def exactness(tiny: bool) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.attention import attend_pages_xla, implementation
+    from dflash_jax.attention import AttentionMetadata, LayerKV, attend, override, select
 
-    fn = implementation()
-    print(f"backend {jax.default_backend()}: attention path {fn.__name__}")
+    def call(q, q_pos, k, v, window):
+        return attend(q, None, None, LayerKV(k, v, 0), AttentionMetadata.causal(q_pos, window=window))[0]
+
     shapes = [(8, 4, 128), (8, 8, 64), (16, 2, 256)] if not tiny else [(2, 2, 64)]  # kv heads, groups, head_dim
     length = 2048 if not tiny else 256
-    worst = 0.0
+    worst, printed = 0.0, False
     for kv, groups, d in shapes:
         for t, window in ((1, None), (16, None), (16, 128), (64, None)):
             rs = np.random.RandomState(t + d)
@@ -36,9 +37,14 @@ def exactness(tiny: bool) -> int:
             k = jnp.asarray(rs.randn(1, n, length, kv, d), jnp.bfloat16)
             v = jnp.asarray(rs.randn(1, n, length, kv, d), jnp.bfloat16)
             q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.bfloat16)
-            got = jax.jit(functools.partial(fn, window=window), static_argnums=4)(q, q_pos, k, v, 0, q_pos + 1)
-            ref = jax.jit(functools.partial(attend_pages_xla, window=window), static_argnums=4)(q, q_pos, k, v, 0,
-                                                                                                q_pos + 1)
+            name, reason = select(AttentionMetadata.causal(q_pos, window=window), q, LayerKV(k, v, 0),
+                                  jax.default_backend())
+            if not printed:  # the path of the first shape (the rest take the same unless a rule says otherwise)
+                print(f"backend {jax.default_backend()}: attention path {name} ({reason})")
+                printed = True
+            got = jax.jit(functools.partial(call, window=window))(q, q_pos, k, v)
+            with override("walk"):
+                ref = jax.jit(functools.partial(call, window=window))(q, q_pos, k, v)
             err = float(jnp.max(jnp.abs(got - ref)))
             worst = max(worst, err)
             print(f"  kv {kv} x groups {groups} x head_dim {d}, {t} queries, window {window}: max |diff| {err:.2e}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, ready for the day a GPU is lent: at most 8 minutes on one GPU.
-#   1. the GPU attention path (cuDNN, attention.attend_fused) against the portable page walk
+#   1. the GPU attention path (cuDNN, dflash_jax/attention/cudnn.py) against the portable page walk
 #   2. AR step and DFlash cycle milliseconds at the published shapes (Qwen3-8B + 5-layer block-16
 #      drafter, random bfloat16 weights, batch 8, context 1024): python -m bench --published-shapes
 #   3. those against the HBM roofline of the ideal bytes (weights once, K/V in use once)

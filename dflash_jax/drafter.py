@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
-from dflash_jax.attention import attend, block_attention
+from dflash_jax.attention import AttentionMetadata, LayerKV, attend, block_attention
 from dflash_jax.config import jnp_dtype
 from dflash_jax.kv import KVCache, row_lengths, write_kv
 from dflash_jax.model import MLP, RMSNorm, apply_rope, rope_angles, unfused
@@ -220,12 +220,11 @@ class DraftAttention(nn.Module):
     def __call__(self, x, cos, sin, positions, context: KVCache, layer: int):
         """Decoding: x [batch, block, hidden] at positions [batch, block]; the context K/V are
         layer `layer` of the drafter's context cache, read over the pages the rows have used."""
-        b, t, _ = x.shape
         k, v = self.kv(x, cos, sin)
-        block = (k, v, jnp.ones((b, t, t), bool))  # the block is non-causal and never cached
-        kv_limit = jnp.broadcast_to(context.lengths[:, None], (b, t))
-        out = attend(self.queries(x, cos, sin), positions, context.k, context.v, layer, kv_limit,
-                     window=self.window, chunk=block, page_size=context.page_size, pages=context.pages)
+        # the block is non-causal and never cached
+        meta = AttentionMetadata.block(positions, context.lengths, window=self.window, page_size=context.page_size,
+                                       pages=context.pages)
+        out, _ = attend(self.queries(x, cos, sin), k, v, LayerKV(context.k, context.v, layer), meta)
         return self.o_proj(out.astype(x.dtype))
 
     def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size: int):

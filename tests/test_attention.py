@@ -8,8 +8,8 @@ loop updates the caches in place.
 - Writes land at each row's own offset, drop padding rows, and leave everything else alone.
 - The compiled `run_cycles` holds no copy or concatenate of a cache-sized array, and its XLA
   bytes do not grow with the allocated cache.
-- The GPU path (`attend_fused`: one fused attention over the layer's cache, cuDNN on a GPU) is
-  selected on GPU and equals the walk, run here through the same call with jax's reference
+- The GPU path (`dflash_jax.attention.cudnn`: one fused attention over the layer's cache, cuDNN on
+  a GPU) is selected on GPU and equals the walk, run here through the same call with jax's reference
   implementation; where cuDNN has no equivalent it is the walk itself.
 """
 
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.attention import IMPLEMENTATIONS, attend, attend_fused, attend_pages_xla, implementation
+from dflash_jax import attention
+from dflash_jax.attention import AttentionMetadata, LayerKV, attend, cudnn, override, select, walk
 from dflash_jax.kv import cache_length, write_kv
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import Generator, run_cycles
@@ -30,6 +31,22 @@ from dflash_jax.model import init_params
 from test_spec_decode import drafter_config, model_config
 
 LAYERS, BATCH, KV, GROUPS, D, PAGE = 2, 3, 2, 2, 8, 8
+
+
+def metadata(q_pos, kv_limit, chunk=None, **layout):
+    """The metadata of a call over the cache below kv_limit, with a chunk (k, v, mask) of block keys
+    when given (already set, as `attend` sets them for the implementations)."""
+    if chunk is None:
+        return AttentionMetadata(q_pos=q_pos, kv_limit=kv_limit, **layout)
+    ck, cv, cmask = chunk
+    return AttentionMetadata(q_pos=q_pos, kv_limit=kv_limit, block_mask=cmask, block_k=ck, block_v=cv, mask="block",
+                             **layout)
+
+
+def call(implementation, q, q_pos, k, v, layer, kv_limit, *, options=None, chunk=None, **layout):
+    """One implementation (a module of dflash_jax.attention, say `walk`) on a layer of buffers k, v."""
+    return implementation.attend(q, LayerKV(k, v, layer), metadata(q_pos, kv_limit, chunk, **layout),
+                                 **(options or {}))
 
 
 def dense_reference(q, k, v, mask):
@@ -76,8 +93,8 @@ def test_causal_page_walk_equals_dense_attention_and_skips_dead_pages(window):
         k[:, :, :first] = np.nan
         v[:, :, :first] = np.nan
     q = np.random.RandomState(1).randn(BATCH, t, KV, GROUPS, D).astype(np.float32)
-    out = attend(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(q_pos + 1),
-                 window=window, page_size=PAGE)
+    out, _ = attend(jnp.asarray(q), None, None, LayerKV(jnp.asarray(k), jnp.asarray(v), 1),
+                    AttentionMetadata.causal(jnp.asarray(q_pos), window=window, page_size=PAGE))
     key_pos = np.arange(length)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
     if window is not None:
@@ -98,8 +115,9 @@ def test_context_pages_plus_block_chunk_equal_dense_attention():
     bk, bv = rs.randn(BATCH, b, KV, D).astype(np.float32), rs.randn(BATCH, b, KV, D).astype(np.float32)
     positions = lengths[:, None] + np.arange(b)[None, :]
     limit = np.broadcast_to(lengths[:, None], (BATCH, b))
-    out = attend(jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(limit),
-                 chunk=(jnp.asarray(bk), jnp.asarray(bv), jnp.ones((BATCH, b, b), bool)), page_size=PAGE)
+    out, _ = attend(jnp.asarray(q), jnp.asarray(bk), jnp.asarray(bv), LayerKV(jnp.asarray(k), jnp.asarray(v), 0),
+                    AttentionMetadata.block(jnp.asarray(positions), jnp.asarray(lengths), jnp.ones((BATCH, b, b), bool),
+                                            page_size=PAGE))
     keys = np.concatenate([np.nan_to_num(k[0]), bk], 1)
     values = np.concatenate([np.nan_to_num(v[0]), bv], 1)
     mask = np.concatenate([np.arange(4 * PAGE)[None, None, :] < limit[:, :, None], np.ones((BATCH, b, b), bool)], -1)
@@ -203,14 +221,20 @@ def test_fused_path_equals_the_page_walk(kv, groups, d, window, scale):
     v = jnp.asarray(rs.randn(LAYERS, n, length, kv, d), jnp.float32)
     q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
     args = (q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(q_pos + 1))
-    walk = attend_pages_xla(*args, window=window, page_size=PAGE, scale=scale)
-    fused = attend_fused(*args, window=window, page_size=PAGE, scale=scale, implementation="xla")
-    np.testing.assert_allclose(np.asarray(fused), np.asarray(walk), atol=2e-5, rtol=1e-5)
+    walked = call(walk, *args, window=window, page_size=PAGE, scale=scale)
+    fused = call(cudnn, *args, window=window, page_size=PAGE, scale=scale, options=dict(implementation="xla"))
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(walked), atol=2e-5, rtol=1e-5)
 
 
 def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
-    assert implementation("gpu") is attend_fused and IMPLEMENTATIONS["gpu"] is attend_fused
-    assert implementation("cpu") is attend_pages_xla
+    def selected(platform, dtype=jnp.bfloat16, **extra):
+        q = jnp.zeros((BATCH, 2, KV, GROUPS, D), dtype)
+        return select(metadata(jnp.zeros((BATCH, 2), jnp.int32), jnp.ones((BATCH, 2), jnp.int32), **extra), q,
+                      LayerKV(jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV, D)), jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV, D)), 0),
+                      platform)[0]
+
+    assert selected("gpu") == "cudnn" and attention.IMPLEMENTATIONS["cudnn"] == cudnn.__name__
+    assert selected("cpu") == "walk"
     rs = np.random.RandomState(7)
     k, v = (jnp.asarray(rs.randn(LAYERS, BATCH, 2 * PAGE, KV, D), jnp.float32) for _ in range(2))
     q = jnp.asarray(rs.randn(BATCH, 2, KV, GROUPS, D), jnp.float32)
@@ -218,30 +242,39 @@ def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
     sinks = jnp.asarray(rs.randn(KV, GROUPS), jnp.float32)
     chunk = (jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32), jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32),
              jnp.ones((BATCH, 2, 2), bool))
+    def selected_call(**extra):  # through `attend`, as the engine calls it, with the GPU path chosen
+        return attention.selection.run(q, LayerKV(k, v, 0), metadata(q_pos, q_pos + 1, page_size=PAGE, **extra),
+                                       "gpu")
+
     for extra in (dict(sinks=sinks), dict(chunk=chunk), dict(rows=jnp.asarray([2, 0, 1]))):
-        walk = attend_pages_xla(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE, **extra)
-        fused = attend_fused(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE, implementation="xla", **extra)
-        np.testing.assert_array_equal(np.asarray(fused), np.asarray(walk))  # the walk itself
+        assert selected("gpu", **extra) == "walk"
+        walked = call(walk, q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE, **extra)
+        with override("cudnn", implementation="xla"):
+            fused = selected_call(**extra)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(walked))  # the walk itself
     # float32 on cuDNN: the walk (cuDNN's fused kernels are bfloat16 / float16)
-    walk = attend_pages_xla(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE)
-    np.testing.assert_array_equal(np.asarray(attend_fused(q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE)),
-                                  np.asarray(walk))
+    assert selected("gpu", jnp.float32) == "walk"
+    walked = call(walk, q, q_pos, k, v, 0, q_pos + 1, page_size=PAGE)
+    np.testing.assert_array_equal(np.asarray(selected_call()), np.asarray(walked))
 
 
 def test_engine_on_the_fused_path_decodes_as_on_the_walk(monkeypatch):
     """The engine with the GPU path selected (through jax's reference implementation here): the
     target's decode and verify attend through it, the drafter falls back to the walk; the tokens
     and acceptance lengths are the walk's."""
-    import dflash_jax.attention as attention
+    from dflash_jax.attention import selection
 
-    walk = small_engine_tokens()
+    walked = small_engine_tokens()
     calls = []
+    select_ = selection.select
 
-    def fused(*args, **kwargs):
-        calls.append(kwargs.get("chunk") is None and kwargs.get("rows") is None)
-        return attention.attend_fused(*args, implementation="xla", **kwargs)
+    def recorded(*args):  # which calls the fused path served
+        name, reason = select_(*args)
+        calls.append(name == "cudnn")
+        return name, reason
 
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), fused)
+    monkeypatch.setattr(selection, "select", recorded)
     jax.clear_caches()
-    assert small_engine_tokens() == walk
+    with override("cudnn", implementation="xla"):
+        assert small_engine_tokens() == walked
     assert any(calls) and not all(calls)  # the target's decode/verify took it; the drafter and prefill fell back

@@ -1,4 +1,4 @@
-"""The TPU attention kernel (dflash_jax.attention_tpu), run here in Pallas's TPU interpret mode,
+"""The TPU attention kernel (dflash_jax.attention.pallas_tpu), run here in Pallas's TPU interpret mode,
 held to the portable walk's exactness tests, and compiled through Mosaic for a TPU chip.
 
 - It equals the walk (and dense float64 attention) for every mask kind the engine uses: the
@@ -13,7 +13,7 @@ held to the portable walk's exactness tests, and compiled through Mosaic for a T
 - The engine with the kernel selected decodes the walk's tokens and acceptance lengths (heavy:
   interpret mode takes half a minute).
 - Compiled for a v5e chip (libtpu), the kernel is a Mosaic custom call whose cost estimate
-  charges the blocks a row holds (`expected_live`), not the cache's size.
+  charges the blocks a row holds (the `expected_live` override), not the cache's size.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import attention, attention_tpu
-from dflash_jax.attention_tpu import attend_pallas
-from test_attention import dense_reference, small_engine_tokens
+from dflash_jax import attention
+from dflash_jax.attention import AttentionMetadata, LayerKV, override, pallas_tpu, walk
+from test_attention import call, dense_reference, metadata, small_engine_tokens
 
 LAYERS, PAGE = 2, 8
 # everyday: verify, a tree's mask over the drafter's block, sinks, admission rows (windows: the
@@ -41,17 +41,22 @@ def buffers(rs, batch, length, kv, d):
 
 
 def both(q, q_pos, k, v, layer, kv_limit, **kw):
-    walk = attention.attend_pages_xla(q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
-    kernel = attend_pallas(q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
-    return np.asarray(walk), np.asarray(kernel)
+    walked = call(walk, q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
+    kernel = call(pallas_tpu, q, q_pos, k, v, layer, kv_limit, page_size=PAGE, **kw)
+    return np.asarray(walked), np.asarray(kernel)
+
+
+def entry(q, pos, k, v, lim, **layout):
+    """`attention.attend` on layer 1 of k, v (nothing written), as the engine calls it."""
+    return attention.attend(q, None, None, LayerKV(k, v, 1), AttentionMetadata(q_pos=pos, kv_limit=lim, **layout))[0]
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Key blocks of two pages and query tiles of 16 rows, so small caches span several blocks
     and several tiles."""
-    monkeypatch.setattr(attention_tpu, "BLOCK", 2 * PAGE)
-    monkeypatch.setattr(attention_tpu, "Q_ROWS", 16)
+    monkeypatch.setattr(pallas_tpu, "BLOCK", 2 * PAGE)
+    monkeypatch.setattr(pallas_tpu, "Q_ROWS", 16)
 
 
 @pytest.mark.parametrize("kv,groups,d", [pytest.param(2, 1, 64, marks=pytest.mark.heavy), (2, 4, 128),
@@ -82,10 +87,10 @@ def test_kernel_equals_the_walk(small_blocks, kv, groups, d, kind):
         kw["scale"] = 0.3
     elif kind == "rows":  # prefill into rows 3 and 0; the last query row is padding (row == batch)
         kw["rows"] = jnp.asarray([3, 0, batch])
-    walk, kernel = both(q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(kv_limit), **kw)
+    walked, kernel = both(q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(kv_limit), **kw)
     rows = slice(0, 2) if kind == "rows" else slice(None)
     assert np.isfinite(kernel[rows]).all()
-    np.testing.assert_allclose(kernel[rows], walk[rows], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(kernel[rows], walked[rows], atol=2e-5, rtol=1e-5)
     if kind == "verify":  # and both are attention: dense float64 over the causal mask
         mask = np.arange(length)[None, None, :] <= q_pos[:, :, None]
         np.testing.assert_allclose(kernel, dense_reference(q, np.asarray(k[1]), np.asarray(v[1]), mask), atol=2e-5)
@@ -111,8 +116,8 @@ def test_each_row_reads_only_its_own_blocks(small_blocks, window):
             k[:, b, :start] = np.nan
             v[:, b, :start] = np.nan
     q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
-    out = np.asarray(attend_pallas(q, jnp.asarray(q_pos), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(q_pos + 1),
-                                   window=window, page_size=PAGE))
+    out = np.asarray(call(pallas_tpu, q, jnp.asarray(q_pos), jnp.asarray(k), jnp.asarray(v), 0,
+                          jnp.asarray(q_pos + 1), window=window, page_size=PAGE))
     assert np.isfinite(out).all()
     key_pos = np.arange(length)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
@@ -130,8 +135,8 @@ def test_many_query_tiles_with_a_ragged_last_one(small_blocks):
     q_pos = np.array([0, 9])[:, None] + np.arange(t)[None, :]
     k, v = buffers(rs, n, 4 * PAGE, kv, d)
     q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32)
-    walk, kernel = both(q, jnp.asarray(q_pos), k, v, 0, jnp.asarray(q_pos + 1), window=9)
-    np.testing.assert_allclose(kernel, walk, atol=2e-5, rtol=1e-5)
+    walked, kernel = both(q, jnp.asarray(q_pos), k, v, 0, jnp.asarray(q_pos + 1), window=9)
+    np.testing.assert_allclose(kernel, walked, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.heavy
@@ -139,27 +144,33 @@ def test_engine_on_the_kernel_decodes_as_on_the_walk(monkeypatch):
     """The engine with the kernel selected (interpret mode): prefill, the target's decode and
     verify and the drafter all attend through it, and the tokens and acceptance lengths are the
     walk's."""
-    walk = small_engine_tokens()
+    walked = small_engine_tokens()
     calls = []
+    attend_ = pallas_tpu.attend
 
-    def kernel(*args, **kwargs):
-        calls.append(("chunk" if kwargs.get("chunk") is not None else "rows" if kwargs.get("rows") is not None
-                      else "target"))
-        return attend_pallas(*args, **kwargs)
+    def kernel(q, cache, meta, **options):
+        calls.append("chunk" if meta.has_block else "rows" if meta.rows is not None else "target")
+        return attend_(q, cache, meta, **options)
 
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, jax.default_backend(), kernel)
+    monkeypatch.setattr(pallas_tpu, "attend", kernel)
     jax.clear_caches()
-    assert small_engine_tokens() == walk
+    with override("pallas"):
+        assert small_engine_tokens() == walked
     assert {"chunk", "rows", "target"} <= set(calls), set(calls)
 
 
 def test_the_kernel_is_the_tpus():
     from dflash_jax.platform import compiling_for
 
-    assert attention.IMPLEMENTATIONS["tpu"] is attention.attend_tpu
+    from dflash_jax.platform import target_platform
+
+    q = jnp.zeros((2, 1, 2, 2, 8))
+    cache = LayerKV(jnp.zeros((1, 2, 16, 2, 8)), jnp.zeros((1, 2, 16, 2, 8)))
+    meta = metadata(jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.int32))
+    assert attention.IMPLEMENTATIONS["pallas"] == pallas_tpu.__name__
     with compiling_for("tpu"):
-        assert attention.implementation() is attention.attend_tpu
-    assert attention.implementation("cpu") is attention.attend_pages_xla
+        assert attention.select(meta, q, cache, target_platform())[0] == "pallas"
+    assert attention.select(meta, q, cache, "cpu")[0] == "walk"
 
 
 @pytest.fixture
@@ -189,8 +200,8 @@ def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache)
         args = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32),
                 sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
                 sds((n, t), jnp.int32))
-        with compiling_for("tpu"), attention_tpu.expected_live(live):
-            hlo = jax.jit(lambda *a: attention.attend(*a[:4], 1, a[4])).trace(*args).lower().compile().as_text()
+        with compiling_for("tpu"), override("pallas", expected_live=live):
+            hlo = jax.jit(lambda *a: entry(*a)).trace(*args).lower().compile().as_text()
         calls = re.findall(r'custom_call_target="tpu_custom_call"', hlo)
         assert len(calls) == 1, len(calls)
         return int(re.search(r'"bytes_accessed":"(\d+)"', hlo).group(1))
@@ -222,7 +233,7 @@ def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
             sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
             sds((n, t), jnp.int32))
     with compiling_for("tpu"):
-        hlo = jax.jit(lambda *a: attention.attend(*a[:4], 1, a[4])).trace(*args).lower().compile().as_text()
+        hlo = jax.jit(lambda *a: entry(*a)).trace(*args).lower().compile().as_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo
 
 
@@ -247,14 +258,14 @@ def test_a_pool_and_a_ring_compile_for_a_tpu(no_compile_cache, layout):
     q = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32))
     if layout == "pool":
         cache = (sds((2, 40, page, kv, d), jnp.bfloat16),) * 2
-        call = lambda q, pos, k, v, lim, pages: attention.attend(q, pos, k, v, 1, lim, pages=pages)  # noqa: E731
+        run = lambda q, pos, k, v, lim, pages: entry(q, pos, k, v, lim, pages=pages)  # noqa: E731
         extra = (sds((n, 16), jnp.int32),)
     else:
         cache = (sds((2, n, 1024, kv, d), jnp.bfloat16),) * 2
-        call = lambda q, pos, k, v, lim: attention.attend(q, pos, k, v, 1, lim, window=512, ring=True)  # noqa: E731
+        run = lambda q, pos, k, v, lim: entry(q, pos, k, v, lim, window=512, ring=True)  # noqa: E731
         extra = ()
-    with compiling_for("tpu"), attention_tpu.expected_live(8192):
-        hlo = jax.jit(call).trace(*q, *cache, sds((n, t), jnp.int32), *extra).lower().compile().as_text()
+    with compiling_for("tpu"), override("pallas", expected_live=8192):
+        hlo = jax.jit(run).trace(*q, *cache, sds((n, t), jnp.int32), *extra).lower().compile().as_text()
     assert len(re.findall(r'custom_call_target="tpu_custom_call"', hlo)) == 1
     declared = int(re.search(r'"bytes_accessed":"(\d+)"', hlo).group(1))
     keys = 16 * page if layout == "pool" else 1024  # the pool: a row's 16 pages; the ring: all of it
@@ -264,8 +275,7 @@ def test_a_pool_and_a_ring_compile_for_a_tpu(no_compile_cache, layout):
 MESH_CHECK = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from dflash_jax import attention
-from dflash_jax.attention_tpu import attend_pallas
+from dflash_jax.attention import AttentionMetadata, LayerKV, override, selection, walk
 from jax.sharding import AxisType
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)  # as the engine's mesh
 rs = np.random.RandomState(0)
@@ -280,13 +290,19 @@ args = (put(q, P("data", None, "model")), put(q_pos, P("data")), put(k, P(None, 
         put(v, P(None, "data", None, "model")), put(q_pos + 1, P("data")))
 for kw in (dict(), dict(window=5, sinks=jnp.asarray(sinks)), dict(chunk=tuple(jnp.asarray(c) for c in chunk)),
            dict(rows=jnp.asarray([1, 0, 3, 2]))):
+    def meta(pos, lim, kw=kw):
+        kw = dict(kw)
+        if "chunk" in kw:
+            ck, cv, cm = kw.pop("chunk")
+            kw.update(block_k=ck, block_v=cv, block_mask=cm, mask="block")
+        return AttentionMetadata(q_pos=pos, kv_limit=lim, page_size=8, **kw)
     @jax.jit
-    def run(*a):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return attend_pallas(*a[:4], 1, a[4], page_size=8, **kw)
+    def run(*a):  # as the engine traces: the TPU's selection (admission rows over `data`: the walk)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), override("pallas"):
+            return selection.run(a[0], LayerKV(a[2], a[3], 1), meta(a[1], a[4]), "tpu")
     got = np.asarray(run(*args))
-    want = np.asarray(attention.attend_pages_xla(*(jnp.asarray(x) for x in (q, q_pos, k, v)), 1, jnp.asarray(q_pos + 1),
-                                                 page_size=8, **kw))
+    want = np.asarray(walk.attend(jnp.asarray(q), LayerKV(jnp.asarray(k), jnp.asarray(v), 1),
+                                  meta(jnp.asarray(q_pos), jnp.asarray(q_pos + 1))))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print("ok", sorted(kw))
 """

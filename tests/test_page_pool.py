@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import DFlashError, attention
+from dflash_jax import DFlashError
 from dflash_jax.kv import write_kv
-from dflash_jax.attention_tpu import attend_pallas
+from dflash_jax.attention import pallas_tpu, walk
+from test_attention import call
 from dflash_jax.engine import Generator, Sampling
 from bench.timing import counted_generate
 from test_spec_decode import CHUNK, LIMITS, MAX_NEW, MAX_PROMPT, PAGE, by_index, engine, heavy, prompts, setup
@@ -78,12 +79,11 @@ def test_attention_over_a_pool_equals_per_slot_caches(kind):
     lengths = [int(kv_limit.max()) + 1] * batch  # each row holds the pages its queries can see
     k_pool, v_pool, table = pool_of(k_slots, v_slots, lengths, rs)
     args = (jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.float32), jnp.asarray(q_pos))
-    per_slot = attention.attend_pages_xla(*args, jnp.asarray(k_slots), jnp.asarray(v_slots), 1, jnp.asarray(kv_limit),
-                                          page_size=P, **kw)
-    walk = attention.attend_pages_xla(*args, k_pool, v_pool, 1, jnp.asarray(kv_limit), page_size=P, pages=table, **kw)
-    kernel = attend_pallas(*args, k_pool, v_pool, 1, jnp.asarray(kv_limit), page_size=P, pages=table, **kw)
+    per_slot = call(walk, *args, jnp.asarray(k_slots), jnp.asarray(v_slots), 1, jnp.asarray(kv_limit), page_size=P, **kw)
+    walked = call(walk, *args, k_pool, v_pool, 1, jnp.asarray(kv_limit), page_size=P, pages=table, **kw)
+    kernel = call(pallas_tpu, *args, k_pool, v_pool, 1, jnp.asarray(kv_limit), page_size=P, pages=table, **kw)
     rows = slice(0, 2) if kind == "rows" else slice(None)
-    np.testing.assert_allclose(np.asarray(walk)[rows], np.asarray(per_slot)[rows], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(walked)[rows], np.asarray(per_slot)[rows], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(kernel)[rows], np.asarray(per_slot)[rows], atol=2e-5, rtol=1e-5)
 
 
@@ -127,11 +127,10 @@ def test_a_ring_holds_what_a_window_sees(rows):
                                  for buf, x in zip((k, v), new))
         q = jnp.asarray(rs.randn(batch, t, kv, groups, d), jnp.float32)
         q_pos = offsets[:, None] + jnp.arange(t)[None, :]  # query row i is cache row rows[i], written at offsets[i]
-        want = attention.attend_pages_xla(q, q_pos, *caches["full"], 1, q_pos + 1, window=window, page_size=P, **kw)
-        walk = attention.attend_pages_xla(q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P,
-                                          ring=True, **kw)
-        kernel = attend_pallas(q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P, ring=True, **kw)
-        np.testing.assert_allclose(np.asarray(walk), np.asarray(want), atol=2e-5, rtol=1e-5)
+        want = call(walk, q, q_pos, *caches["full"], 1, q_pos + 1, window=window, page_size=P, **kw)
+        walked = call(walk, q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P, ring=True, **kw)
+        kernel = call(pallas_tpu, q, q_pos, *caches["ring"], 1, q_pos + 1, window=window, page_size=P, ring=True, **kw)
+        np.testing.assert_allclose(np.asarray(walked), np.asarray(want), atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(kernel), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 

@@ -10,8 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import attend
-from dflash_jax.kv import write_kv
+from dflash_jax.attention import AttentionMetadata, LayerKV, attend
 from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.model.rope import rope_inv_freq
 from dflash_jax.platform import target_platform
@@ -131,7 +130,7 @@ class Attention(nn.Module):
 
         keys, values = ("k_global", "v_global") if c.is_global(i) else ("k", "v")
         pages, ring = cache.layout(c.is_global(i))
-        slot = c.cache_slot(i)
+        k = v = None
         if c.kv_producer(i) == i:
             k = unfused(dense(kv_heads * head_dim, "k_proj", c.qkv_bias)(x)).reshape(b, t, kv_heads, head_dim)
             if c.attention_k_eq_v and window is None:
@@ -143,12 +142,11 @@ class Attention(nn.Module):
             if c.value_norm:
                 v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
             k = apply_rope(k, cos, sin)
-            offsets = query_pos[:, 0]
-            cache = cache.replace(**{keys: write_kv(getattr(cache, keys), slot, k, offsets, rows, pages, ring),
-                                     values: write_kv(getattr(cache, values), slot, v, offsets, rows, pages, ring)})
         q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
-        out = attend(q, query_pos, getattr(cache, keys), getattr(cache, values), slot, query_pos + 1, window=window,
-                     rows=rows, page_size=cache.page_size, sinks=sinks, scale=c.attention_scale, pages=pages, ring=ring)
+        meta = AttentionMetadata.causal(query_pos, rows=rows, pages=pages, sinks=sinks, window=window, ring=ring,
+                                        page_size=cache.page_size, scale=c.attention_scale)
+        out, kv = attend(q, k, v, LayerKV(getattr(cache, keys), getattr(cache, values), c.cache_slot(i)), meta)
+        cache = cache.replace(**{keys: kv.k, values: kv.v})
         out = out.astype(dtype)
         if gated == 2:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)

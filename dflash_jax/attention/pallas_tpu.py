@@ -1,5 +1,5 @@
-"""The TPU attention kernel: a Pallas (Mosaic) kernel with the signature and the results of the
-portable walk (`attention.attend_pages_xla`), registered as `attention.IMPLEMENTATIONS["tpu"]`.
+"""The TPU implementation: a Pallas (Mosaic) kernel with the results of the portable walk
+(`dflash_jax.attention.walk`), the one `dflash_jax.attention.select` picks on a TPU.
 
 Grid: (query row, query tile, key block). Each step copies one block of `block` cache
 positions of the row's own batch row (all K/V heads, as the cache stores them) into VMEM and
@@ -21,15 +21,15 @@ attention sinks join the kernel's softmax statistics afterwards, outside the ker
 a few keys, and merging two online-softmax states is exact.
 
 The compiler cannot see into the kernel, so its `pl.CostEstimate` declares the bytes and flops
-of the blocks a row reads: `expected_live(n)` (the bench sets it to the context it models)
-says how many cache positions a row holds; without it the kernel is charged the whole cache.
+of the blocks a row reads: the `expected_live` option (a benchmark sets it to the context it models,
+through `dflash_jax.attention.override("pallas", expected_live=n)`) says how many cache positions a
+row holds; without it the kernel is charged the whole cache.
 
 Off a TPU the kernel runs in Pallas's TPU interpret mode (the tests, on the CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax import attention
-from dflash_jax.kv import PAGE_SIZE, page_size_of
+from dflash_jax.attention.metadata import AttentionMetadata, LayerKV
+from dflash_jax.attention.softmax import NEG
+from dflash_jax.kv import page_size_of
 from dflash_jax.platform import target_platform
 
 Q_ROWS = 256  # at most this many query rows (queries x heads per K/V head) per tile
@@ -47,21 +48,6 @@ BLOCK = 512  # at most this many cache positions per grid step (a divisor of the
 # blocks double-buffered, and a query tile's queries and output (double-buffered) and float32 sums.
 KV_VMEM = 8 << 20
 Q_VMEM = 4 << 20
-
-_expected_live: list[int] = []
-
-
-@contextlib.contextmanager
-def expected_live(positions: int):
-    """Declare, for the kernels traced inside, how many cache positions a row holds: their cost
-    estimates charge the blocks that many positions fill (the compiler's estimate of a step
-    then reflects the K/V the kernel reads, not the cache's size)."""
-    _expected_live.append(int(positions))
-    try:
-        yield
-    finally:
-        _expected_live.pop()
-
 
 def _block_len(max_len: int, page: int, position_bytes: int) -> int:
     """The largest multiple of the page, at most BLOCK, that divides the cache length and whose
@@ -77,7 +63,7 @@ def _block_len(max_len: int, page: int, position_bytes: int) -> int:
 
 def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float):
     """One online-softmax step per K/V head over a [keys, kv_heads, d] block: the walk's
-    `attention._update`, with masked scores at -inf and the running max from the finite NEG."""
+    `softmax.online_update`, with masked scores at -inf and the running max from the finite NEG."""
     for h in range(kv_heads):
         q = q_ref[h]  # [rows, d]
         k = k_ref[:, h, :].astype(q.dtype)  # [keys, d]
@@ -112,7 +98,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
             m_scr[...] = sink_ref[...]
             l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
         else:
-            m_scr[...] = jnp.full(m_scr.shape, attention.NEG, jnp.float32)
+            m_scr[...] = jnp.full(m_scr.shape, NEG, jnp.float32)
             l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
         if has_chunk:
@@ -131,50 +117,50 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
         out_ref[...] = acc_scr[...] / jnp.maximum(l_scr[...], jnp.finfo(jnp.float32).tiny)
 
 
-def attend_pallas(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-                  page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
-    """`attention.attend` by the TPU kernel (see the module's docstring); interpret=None runs
-    the kernel compiled on a TPU and in TPU interpret mode elsewhere.
+def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_live: int | None = None):
+    """q [n, T, kv_heads, groups, head_dim] over one layer of the cache by the kernel (see the
+    module's docstring) -> [n, T, kv_heads * groups * head_dim] float32. interpret=None runs the
+    kernel compiled on a TPU and in TPU interpret mode elsewhere; expected_live: the positions a
+    row holds, for the cost estimate (default: the whole cache).
 
     Under a mesh (the engine traces under its own, `jax.sharding.use_abstract_mesh`) the kernel
     runs per device in a shard_map: K/V heads over `model`, rows over `data`, as the sharding
-    rules store the cache (XLA cannot partition a Mosaic kernel itself). Admission into chosen
-    rows with rows split over `data` (a row's cache may be on another device) takes the walk,
-    as does a page pool with rows split over `data` (the pool is not split)."""
-    kw = dict(window=window, page_size=page_size, scale=scale, ring=ring, interpret=interpret)
+    rules store the cache (XLA cannot partition a Mosaic kernel itself). What it cannot split
+    (chosen rows or a page pool with rows over `data`) `select` sends to the walk."""
+    layer, k_buf, v_buf = cache.layer, cache.k, cache.v
+    chunk = (meta.block_k, meta.block_v, meta.block_mask) if meta.has_block else None
+    kw = dict(window=meta.window, page_size=meta.page_size, scale=meta.scale, ring=meta.ring, interpret=interpret,
+              expected_live=expected_live)
+    extra = {k: v for k, v in dict(chunk=chunk, sinks=meta.sinks, rows=meta.rows, pages=meta.pages).items()
+             if v is not None}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
-        return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows, sinks=sinks, pages=pages,
-                       **kw)
+        return _attend(q, meta.q_pos, k_buf, v_buf, layer, meta.kv_limit, **extra, **kw)
     from jax.sharding import PartitionSpec as P
 
-    n, t, kv_heads, groups, d = q.shape
+    n, kv_heads = q.shape[0], q.shape[2]
     split = lambda axis, size: axis if axis in mesh.axis_names and size % mesh.shape[axis] == 0 else None  # noqa: E731
-    heads, data = split("model", kv_heads), split("data", n if pages is not None else k_buf.shape[1])
-    if data is not None and (rows is not None or pages is not None or n != k_buf.shape[1]):
-        if mesh.shape["data"] > 1:
-            return attention.attend_pages_xla(q, q_pos, k_buf, v_buf, layer, kv_limit, chunk=chunk, rows=rows,
-                                              sinks=sinks, window=window, page_size=page_size, scale=scale,
-                                              pages=pages, ring=ring)
+    heads, data = split("model", kv_heads), split("data", n if meta.pages is not None else k_buf.shape[1])
+    if data is not None and (meta.rows is not None or meta.pages is not None or n != k_buf.shape[1]):
+        assert mesh.shape["data"] == 1, "select sends rows over several data shards to the walk"
         data = None
     row_heads = P(data, None, heads, None)
-    extra = {k: v for k, v in dict(chunk=chunk, sinks=sinks, rows=rows, pages=pages).items() if v is not None}
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
                                                sinks=P(heads, None), rows=P(), pages=P()).items() if k in extra}
-    cache = P(None, data, None, heads, None)
+    cache_spec = P(None, data, None, heads, None)
 
     def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
         return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, **extra, **kw)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, None, None), P(data, None), cache, cache,
-                                                     P(data, None), extra_specs),
-                         out_specs=P(data, None, heads), check_vma=False)(q, q_pos, k_buf, v_buf, kv_limit, extra)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, None, None), P(data, None), cache_spec,
+                                                     cache_spec, P(data, None), extra_specs),
+                         out_specs=P(data, None, heads), check_vma=False)(q, meta.q_pos, k_buf, v_buf, meta.kv_limit,
+                                                                          extra)
 
 
-def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None,
-            page_size=PAGE_SIZE, sinks=None, scale=None, pages=None, ring=False, interpret=None):
-    """The kernel on one device's arrays."""
-    n, t, kv_heads, groups, d = q.shape
+def _geometry(q, k_buf, page_size, pages):
+    """(batch, max_len, block, the row table flattened or None) of one device's cache."""
+    kv_heads, d = q.shape[2], q.shape[4]
     itemsize = jnp.dtype(k_buf.dtype).itemsize
     if pages is None:
         _, batch, max_len, _, _ = k_buf.shape
@@ -182,23 +168,55 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
         # rows of bfloat16, 8 of float32).
         sublanes = 8 * max(1, 4 // itemsize)
-        block = _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize)
-    else:  # a pool: a block is a page, found through the row's page table
-        num_pages, block = k_buf.shape[1], k_buf.shape[2]
-        batch, per_row = pages.shape
-        max_len = per_row * block
-        table = jnp.clip(pages.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+        return batch, max_len, _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize), None
+    # a pool: a block is a page, found through the row's page table
+    num_pages, block = k_buf.shape[1], k_buf.shape[2]
+    batch, per_row = pages.shape
+    return batch, per_row * block, block, jnp.clip(pages.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+
+
+def _query_tile(q) -> int:
+    """Queries per tile: whole queries, a multiple of 8 rows (the TPU's sublanes) unless one tile.
+    Each query row holds d values per K/V head: queries in, the float32 output (both
+    double-buffered) and the float32 sums."""
+    _, t, kv_heads, groups, d = q.shape
+    most_rows = max(8, min(Q_ROWS, Q_VMEM // (kv_heads * d * (2 * q.dtype.itemsize + 12)) // 8 * 8))
+    return t if t * groups <= most_rows else 8 * max(1, most_rows // (8 * groups))
+
+
+def _block_bounds(q_pos, kv_limit, n_tiles, tq, block, max_len, window, ring):
+    """Per (row, tile), flattened: the first and one past the last key block that can hold a
+    visible key."""
+    n = q_pos.shape[0]
+    lim_t = kv_limit.reshape(n, n_tiles, tq).max(-1)
+    if not ring:
+        lim_t = jnp.minimum(lim_t, max_len)
+    hi = (lim_t + block - 1) // block
+    lo = jnp.zeros_like(hi)
+    if window is not None:
+        lo = jnp.clip((q_pos.reshape(n, n_tiles, tq).min(-1) - window + 1) // block, 0, hi)
+    return lo.reshape(-1), hi.reshape(-1)
+
+
+def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_itemsize):
+    """The kernel's declared cost: each query tile reads the K/V blocks of `keys` positions once;
+    scores and values for its own rows."""
+    rows_total = n * t_pad * kv_heads * groups
+    return pl.CostEstimate(
+        flops=4 * rows_total * d * (keys + n_chunk),
+        transcendentals=rows_total * (keys + n_chunk),
+        bytes_accessed=(2 * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
+                        + rows_total * d * (q_itemsize + 4)))
+
+
+def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None, page_size, sinks=None,
+            scale=None, pages=None, ring=False, interpret=None, expected_live=None):
+    """The kernel on one device's arrays."""
+    n, t, kv_heads, groups, d = q.shape
+    batch, max_len, block, table = _geometry(q, k_buf, page_size, pages)
     n_blocks = ring_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
-
-    # Query tiles: whole queries, a multiple of 8 rows (the TPU's sublanes) unless one tile.
-    # Each query row holds d values per K/V head: queries in, the float32 output (both
-    # double-buffered) and the float32 sums.
-    most_rows = max(8, min(Q_ROWS, Q_VMEM // (kv_heads * d * (2 * q.dtype.itemsize + 12)) // 8 * 8))
-    if t * groups <= most_rows:
-        tq = t
-    else:
-        tq = 8 * max(1, most_rows // (8 * groups))
+    tq = _query_tile(q)
     n_tiles = -(-t // tq)
     t_pad = n_tiles * tq
     pad = t_pad - t
@@ -208,18 +226,9 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
         q_pos = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge")
         kv_limit = jnp.pad(kv_limit, ((0, 0), (0, pad)))  # sees nothing: no bound moves
-
     if ring:  # logical block b is block b % ring_blocks; a tile sees window + its queries' keys
         n_blocks = -(-(window + tq - 1) // block) + 1
-
-    # Per (row, tile): the key blocks that can hold a visible key.
-    lim_t = kv_limit.reshape(n, n_tiles, tq).max(-1)
-    if not ring:
-        lim_t = jnp.minimum(lim_t, max_len)
-    hi = (lim_t + block - 1) // block
-    lo = jnp.zeros_like(hi)
-    if window is not None:
-        lo = jnp.clip((q_pos.reshape(n, n_tiles, tq).min(-1) - window + 1) // block, 0, hi)
+    lo, hi = _block_bounds(q_pos, kv_limit, n_tiles, tq, block, max_len, window, ring)
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 0, batch - 1)
 
     # Queries as [n, kv, T*groups, d] (head-major: a K/V head's queries are one matrix), the
@@ -227,6 +236,7 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
     qk = q.transpose(0, 2, 1, 3, 4).reshape(n, kv_heads, t_pad * groups, d)
     col = lambda x: jnp.repeat(x, groups, axis=1)[..., None]  # noqa: E731
     rows_per_tile = tq * groups
+    per_row = None if pages is None else pages.shape[1]
 
     def kv_index(b, t_, j, rows_ref, lo_ref, hi_ref, *table_ref):
         tile = b * n_tiles + t_
@@ -254,18 +264,13 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
     in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
     inputs += [k_buf, v_buf]
 
-    # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans),
-    # once per tile; scores and values for its own rows.
-    live = min(_expected_live[-1], max_len) if _expected_live else max_len
+    # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans).
+    live = min(expected_live, max_len) if expected_live is not None else max_len
     if window is not None:
         live = min(live, window + t_pad + block)
     keys = min(n_blocks, -(-live // block)) * block
-    rows_total = n * t_pad * kv_heads * groups
-    cost = pl.CostEstimate(
-        flops=4 * rows_total * d * (keys + n_chunk),
-        transcendentals=rows_total * (keys + n_chunk),
-        bytes_accessed=(2 * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
-                        + rows_total * d * (qk.dtype.itemsize + 4)))
+    cost = _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, jnp.dtype(k_buf.dtype).itemsize,
+                 qk.dtype.itemsize)
 
     if interpret is None:
         interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()
@@ -286,6 +291,6 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         cost_estimate=cost,
         interpret=interpret,
         name=f"dflash_attention_l{layer}",
-    )(rows, lo.reshape(-1), hi.reshape(-1), *([] if pages is None else [table]), *inputs)
+    )(rows, lo, hi, *([] if pages is None else [table]), *inputs)
     out = out.reshape(n, kv_heads, t_pad, groups, d)[:, :, :t]  # [n, kv, T, g, d]
     return out.transpose(0, 2, 1, 3, 4).reshape(n, t, kv_heads * groups * d)

@@ -1,0 +1,29 @@
+"""`attend`, the one entry the target and the drafter attend through: the call's new keys/values
+written into the cache (the target) or attended as the block's uncached keys (the drafter), then
+the implementation `selection.select` picks for the platform traced for."""
+
+from __future__ import annotations
+
+from dflash_jax.attention.metadata import AttentionMetadata, LayerKV
+from dflash_jax.attention.selection import run
+from dflash_jax.kv import write_kv
+from dflash_jax.platform import target_platform
+
+
+def attend(q, k_new, v_new, cache: LayerKV, meta: AttentionMetadata) -> tuple:
+    """Grouped-query attention of queries over one layer of a cache -> (out, cache).
+
+    q: [n, T, kv_heads, groups, head_dim] (rotated); k_new, v_new: [n, T, kv_heads, head_dim] or
+    None (a layer sharing another's K/V). "causal" metadata writes them into `cache` at the
+    queries' positions (rows `meta.rows`, through the page table or the ring) before attending;
+    "block" metadata attends them as the block's keys through `meta.block_mask`, uncached.
+    out: [n, T, kv_heads * groups * head_dim] float32; cache: with the new K/V written.
+    """
+    if meta.mask == "causal":
+        if k_new is not None:
+            offsets = meta.q_pos[:, 0]
+            cache = cache.replace(k=write_kv(cache.k, cache.layer, k_new, offsets, meta.rows, meta.pages, meta.ring),
+                                  v=write_kv(cache.v, cache.layer, v_new, offsets, meta.rows, meta.pages, meta.ring))
+    else:
+        meta = meta.replace(block_k=k_new, block_v=v_new)
+    return run(q, cache, meta, target_platform()), cache
