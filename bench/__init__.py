@@ -18,7 +18,7 @@ The suite (default mode):
    --temperature the rows share per-position keys, so sampled rows match too), the loop cycles
    the engine ran (counted in an untimed run: continuous batching admits rows as slots free),
    the compilations seen during the timed runs (programs the engine's jitted entry points gained; should be 0) and peak
-   memory. Each engine is warmed up (Generator.warmup + the untimed counting run) and
+   memory. Each engine is warmed up (BatchEngine.warmup + the untimed counting run) and
    `generate` is timed --repeats times (median). --quick: the drafter's block size only.
 4. Time split of one cycle: the engine's own pieces (dflash_jax.engine draft, verify,
    accept + commit, cycle, and drafter.extend_context) on the state after the engine's prefill,
@@ -37,10 +37,10 @@ Other modes:
                     bytes of an AR step and a DFlash cycle, corrected for loops XLA counts once,
                     against the ideal bytes; H200 and TPU v5p rooflines; projected speedup.
 --published-shapes  the same shapes with random weights, the engine's pieces timed.
---cache-scaling     tokens/s with a Generator max_prompt_len of 128 and of 8192 (demo pair).
+--cache-scaling     tokens/s with a BatchEngine max_prompt_len of 128 and of 8192 (demo pair).
 --mixed-workload    tokens/s with per-row max_new_tokens spread over 8..256 vs all at the mean.
 --page-pool         concurrent rows of mixed-length rows in the same K/V memory: per-slot caches
-                    against a page pool (Generator kv_pages); the tokens must be the same.
+                    against a page pool (BatchEngine kv_pages); the tokens must be the same.
 --vllm              this engine and vLLM (installed beside it: README) on the same pair, held-out
                     prompts and settings, plain and DFlash in alternating runs: token equality,
                     both engines' tau, tokens/s (bench.vllm_peer). --vllm-fix-knorm: vLLM's

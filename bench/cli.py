@@ -101,7 +101,7 @@ def add_general_flags(gen):
     gen.add_argument("--seed", type=int, default=0, metavar="N",
                      help="prompts, random weights, sampling (default 0)")
     # python -m infer's engine defaults (sync every 8 cycles: throughput).
-    add_engine_flags(gen, ("sync_every",), helps={"sync_every": "cycles per host sync (Generator; default %(default)s)"})
+    add_engine_flags(gen, ("sync_every",), helps={"sync_every": "cycles per host sync (BatchEngine; default %(default)s)"})
     # Not python -m infer's --narrow-tail (off unless given): unset, the platform's default.
     gen.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
                      help="the batch's tail on narrower loops (default: CPU)")
@@ -190,7 +190,7 @@ def add_mode_flags(p):
     pub.add_argument("--published-shapes", action="store_true",
                      help="AR step, verify, draft, cycle; takes --split-*")
 
-    cache = p.add_argument_group("--cache-scaling", "tokens/s with a small and a large Generator max_prompt_len")
+    cache = p.add_argument_group("--cache-scaling", "tokens/s with a small and a large BatchEngine max_prompt_len")
     cache.add_argument("--cache-scaling", action="store_true", help="what an allocated cache costs")
     cache.add_argument("--cache-prompt-lens", default="128,8192", metavar="S,L",
                        help="the two max_prompt_len (default 128,8192)")

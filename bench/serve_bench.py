@@ -7,7 +7,7 @@ each concurrency (--serve-concurrency, default 1, the batch and 32) every held-o
 sent once, at most that many at a time: throughput (generated tokens / wall time), time to first
 token and inter-token latency (the gaps between a stream's successive chunks), p50 and p99, and
 whether every stream's tokens equal the offline engine's. The offline engine is `python -m
-infer`'s: a Generator with the same batch, the target's stop tokens and the CLI's defaults, in
+infer`'s: a BatchEngine with the same batch, the target's stop tokens and the CLI's defaults, in
 this process; its timed
 runs alternate with the served runs at concurrency = batch (the goal: served >= 0.9x offline).
 With --serve-long-prompt N, the batch's other streams run while prompts of N tokens arrive one
@@ -142,7 +142,7 @@ def metrics_running(url: str) -> dict:
 
 
 def run_serve_bench(args) -> dict:
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
     from dflash_jax.engine.scheduler import bucket
     from dflash_jax.engine.options import SYNC_EVERY
     from dflash_jax.pair import stop_token_ids
@@ -168,7 +168,7 @@ def run_serve_bench(args) -> dict:
 
     # The offline engine: python -m infer's (greedy, the CLI's sync_every and batch, no narrowing).
     stops = stop_token_ids(pair.target_dir, pair.tokenizer) if pair.target_dir else []
-    gen = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=args.batch_size,
+    gen = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=args.batch_size,
                     max_new_tokens=n, max_prompt_len=max_prompt, stop_token_ids=stops, sync_every=SYNC_EVERY)
     t = time.perf_counter()
     gen.warmup([len(p) for p in prompts])

@@ -87,7 +87,7 @@ def host_overhead(run: dict, prefill_s: float, cycle_s: float) -> float | None:
 
 
 def run_suite(args, result: dict) -> int:
-    from dflash_jax.engine import Generator, Sampling
+    from dflash_jax.engine import BatchEngine, Sampling
     from dflash_jax.errors import DFlashError
 
     try:
@@ -144,7 +144,7 @@ def run_suite(args, result: dict) -> int:
     split = dict(rounds=args.split_rounds, min_round_s=args.split_min_time)
     try:
         for batch in batch_sizes:
-            gen0 = Generator(tcfg, tparams, block_size=1, batch_size=batch, **common)
+            gen0 = BatchEngine(tcfg, tparams, block_size=1, batch_size=batch, **common)
             base = bench_generator(gen0, prompts, args.repeats, args.seed)
             print(f"batch {batch}: baseline {base['tokens_per_second']:.1f} tok/s", flush=True)
             base_state = None
@@ -161,7 +161,7 @@ def run_suite(args, result: dict) -> int:
             base.update(cycles=sum(len(a) for a in base["acceptance_lengths"]))
             result["baseline"].append(base)
             for b, k in configs:
-                gen = Generator(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, draft_tokens=k,
+                gen = BatchEngine(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, draft_tokens=k,
                                 **common)
                 r = bench_generator(gen, prompts, args.repeats, args.seed)
                 r.update(acceptance_figures(r["acceptance_lengths"], gen.spec.verify_len))

@@ -1,4 +1,4 @@
-"""Timing: whole engines (`Generator.generate`), and the engine's own pieces of a cycle, each
+"""Timing: whole engines (`BatchEngine.generate`), and the engine's own pieces of a cycle, each
 run n times in a `lax.fori_loop` on the device; compile counting; peak memory."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def device_peak_bytes() -> int | None:
 
 
 def narrow_tail_default(flag: bool | None) -> bool:
-    """`Generator(narrow_tail=...)` as the bench chooses it: the flag when given, else on a CPU only,
+    """`BatchEngine(narrow_tail=...)` as the bench chooses it: the flag when given, else on a CPU only,
     where a cycle's cost grows with its rows (an accelerator's reads its weights whatever the rows).
     The bench times warm engines, so the loops narrowing compiles cost it nothing."""
     return jax.default_backend() == "cpu" if flag is None else flag
@@ -122,7 +122,7 @@ def time_generate(gen, prompts, repeats: int, seed: int, max_new_tokens=None):
 
 
 def bench_generator(gen, prompts, repeats: int, seed: int, max_new_tokens=None) -> dict:
-    """Warm up (Generator.warmup, then one untimed generate over all prompts that counts the
+    """Warm up (BatchEngine.warmup, then one untimed generate over all prompts that counts the
     engine's loop cycles), then time `generate` over all prompts `repeats` times; median."""
     before = compile_counts()
     t = time.perf_counter()

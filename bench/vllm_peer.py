@@ -47,7 +47,7 @@ def context_knorm_broken() -> bool:
     import torch
     from vllm import _custom_ops as ops
 
-    x = torch.randn(2, 3, 2, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 2, 8, generator=torch.BatchEngine().manual_seed(0))
     w = torch.stack([torch.ones(8), torch.full((8,), 2.0)])
     out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-6)
@@ -145,7 +145,7 @@ def run_vllm_peer(args) -> dict:
     missing = vllm_missing()
     if missing:
         raise SystemExit(f"error: {missing}")
-    from dflash_jax.engine import Generator, Sampling
+    from dflash_jax.engine import BatchEngine, Sampling
     from bench.pairs import directory_pair
     from bench.prompts import describe_prompts, package_version
     from bench.suite import describe_pair, heldout_prompts, pair_record
@@ -178,8 +178,8 @@ def run_vllm_peer(args) -> dict:
                   sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every,
                   narrow_tail=narrow)
     engines = {
-        "ours plain": Generator(pair.target, pair.tparams, block_size=1, **common),
-        "ours dflash": Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, draft_tokens=k, **common),
+        "ours plain": BatchEngine(pair.target, pair.tparams, block_size=1, **common),
+        "ours dflash": BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, draft_tokens=k, **common),
     }
     for gen in engines.values():
         gen.warmup([len(p) for p in prompts])

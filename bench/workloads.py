@@ -1,9 +1,9 @@
 """Three workload measurements (figures only; nothing is asserted):
 
 --cache-scaling: does a large allocated cache slow decoding? The same prompts through plain
-decoding and DFlash with the Generator's max_prompt_len small (default 128) and large (default
+decoding and DFlash with the BatchEngine's max_prompt_len small (default 128) and large (default
 8192; the target's max_position_embeddings raised in memory to allow it); tokens/s of each and
-the slowdown large / small (the paged attention reads only the pages rows use, and a Generator
+the slowdown large / small (the paged attention reads only the pages rows use, and a BatchEngine
 allocates and zeroes its caches once, not per generate call: goal <= 1.15x).
 
 --mixed-workload: does continuous batching keep slots busy when rows want different lengths?
@@ -52,7 +52,7 @@ def _load(args):
 
 
 def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
-    """engines: name -> (Generator, max_new_tokens per row or None). Warm each up (Generator.warmup
+    """engines: name -> (BatchEngine, max_new_tokens per row or None). Warm each up (BatchEngine.warmup
     and one counted, untimed generate), then `repeats` rounds of one timed generate of each.
     Returns name -> figures."""
     out, warmed = {}, set()
@@ -93,7 +93,7 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
 
 
 def run_cache_scaling(args) -> dict:
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
 
     pair = _load(args)
     small, large = int_list(args.cache_prompt_lens, "--cache-prompt-lens")[:2]
@@ -109,14 +109,14 @@ def run_cache_scaling(args) -> dict:
         raise SystemExit(f"error: --cache-prompt-lens {small},{large}: the longest prompt has {longest} tokens, more "
                          f"than a max_prompt_len of {min(small, large)} holds; give both at least {longest}")
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
-    print(f"greedy, {args.max_new_tokens} new tokens per row, no stop tokens, batch {batch}; Generator "
+    print(f"greedy, {args.max_new_tokens} new tokens per row, no stop tokens, batch {batch}; BatchEngine "
           f"max_prompt_len {small} vs {large}; median of {args.repeats} interleaved runs\n", flush=True)
     engines = {}
     for mpl in (small, large):
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens, max_prompt_len=mpl, stop_token_ids=(),
                       sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
-        engines[("plain", mpl)] = (Generator(target, pair.tparams, block_size=1, **common), None)
-        engines[("dflash", mpl)] = (Generator(target, pair.tparams, drafter, pair.dparams, **common), None)
+        engines[("plain", mpl)] = (BatchEngine(target, pair.tparams, block_size=1, **common), None)
+        engines[("dflash", mpl)] = (BatchEngine(target, pair.tparams, drafter, pair.dparams, **common), None)
     res = _interleaved(engines, prompts, args.repeats, args.seed)
     figs = res["engines"]
     rows = []
@@ -139,7 +139,7 @@ def run_cache_scaling(args) -> dict:
 
 
 def run_mixed_workload(args) -> dict:
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
 
     pair = _load(args)
     batch = args.batch_size or 8
@@ -155,8 +155,8 @@ def run_mixed_workload(args) -> dict:
           f"({sum(uniform)} tokens); median of {args.repeats} interleaved runs\n", flush=True)
     common = dict(batch_size=batch, max_new_tokens=hi, max_prompt_len=max(len(p) for p in prompts), stop_token_ids=(),
                   sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
-    plain = Generator(pair.target, pair.tparams, block_size=1, **common)
-    dflash = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, **common)
+    plain = BatchEngine(pair.target, pair.tparams, block_size=1, **common)
+    dflash = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, **common)
     engines = {("plain", "mixed"): (plain, limits), ("plain", "uniform"): (plain, uniform),
                ("dflash", "mixed"): (dflash, limits), ("dflash", "uniform"): (dflash, uniform)}
     res = _interleaved(engines, prompts, args.repeats, args.seed)
@@ -182,7 +182,7 @@ def run_page_pool(args) -> dict:
     import jax
 
     from dflash_jax.kv import cache_length
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
 
     pair = _load(args)
     batch = args.batch_size or 8
@@ -198,10 +198,10 @@ def run_page_pool(args) -> dict:
     limits = np.clip(log_uniform(lo, hi), lo, hi).tolist()
     common = dict(max_new_tokens=hi, max_prompt_len=cap, stop_token_ids=(), sync_every=args.sync_every,
                   page_size=args.page_size, narrow_tail=narrow_tail_default(args.narrow_tail))
-    per_slot = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=batch, **common)
+    per_slot = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=batch, **common)
     positions = batch * cache_length(per_slot.spec.cache_len, args.page_size)  # the per-slot K/V memory
     pages = positions // args.page_size
-    pool = Generator(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=slots, kv_pages=pages,
+    pool = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=slots, kv_pages=pages,
                      **common)
     kv_bytes = {name: sum(x.size * x.dtype.itemsize for c in (s.target_cache, s.context_cache) for x in (c.k, c.v))
                 for name, s in (("per_slot", jax.eval_shape(per_slot.new_state)), ("pool", jax.eval_shape(pool.new_state)))}

@@ -95,7 +95,7 @@ class _Counts:
 
 
 class CompileProgress:
-    """A progress bar over a warm-up's steps (`Generator.warmup(progress=...)`), with the
+    """A progress bar over a warm-up's steps (`BatchEngine.warmup(progress=...)`), with the
     programs compiled so far and how many of them came from the persistent cache:
 
         with CompileProgress("compiling (block size 16, batch 8)") as p:

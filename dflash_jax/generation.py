@@ -407,7 +407,7 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
     only. Every line gets the row's "fingerprint" (`SETTING_FLAGS`).
 
     The steps: `plan_job` (rows, configs, resume: nothing loaded), the first turns encoded,
-    `JobRun.screen` (rows that cannot run), `JobRun.load_engine` (weights, Generator),
+    `JobRun.screen` (rows that cannot run), `JobRun.load_engine` (weights, BatchEngine),
     `JobRun.decode` (every turn of every row), `JobRun.summary` (and the baseline)."""
     import jax
 
@@ -566,7 +566,7 @@ class JobRun:
         return job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
 
     def load_engine(self, max_prompt: int):
-        """Read the weights onto the run's mesh and make the Generator."""
+        """Read the weights onto the run's mesh and make the BatchEngine."""
         from dflash_jax.engine import GenerationStats
 
         job, pair = self.job, self.plan.pair

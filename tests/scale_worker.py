@@ -26,7 +26,7 @@ def record_widths(gen) -> list[int]:
 def inference(meshes):
     from dflash_jax import load_drafter, load_target
     from dflash_jax.sharding import make_mesh
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
     from fixtures import tiny
 
     case = json.loads((tiny() / "greedy_cases.json").read_text())
@@ -36,7 +36,7 @@ def inference(meshes):
         mesh = make_mesh(spec) if spec else None
         tc, tp = load_target(tiny() / "target", mesh=mesh)  # sharded loading straight onto the mesh
         dc, dp = load_drafter(tiny() / "drafter", mesh=mesh)
-        gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh)
+        gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh)
         res = sorted(gen.generate(prompts), key=lambda r: r.index)
         kernel = gen.tparams["model"]["layers_0"]["mlp"]["up_proj"]["kernel"]
         out[spec or "single"] = {
@@ -46,7 +46,7 @@ def inference(meshes):
             "devices": len(kernel.sharding.device_set),
         }
         if spec == "data=2,model=4":  # the tail narrowed: 8 slots, then 6, 4, 2 (rows split over data=2)
-            gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
+            gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
                             narrow_tail=True, sync_every=2)
             widths = record_widths(gen)
             res = sorted(gen.generate(prompts), key=lambda r: r.index)
@@ -54,7 +54,7 @@ def inference(meshes):
                                               "acceptance": [r.acceptance_lengths for r in res],
                                               "tail_widths": gen.tail_widths, "widths_run": sorted(set(widths))}
         if spec == "model=8":  # a page pool, on a mesh that splits the model (a pool needs data=1)
-            gen = Generator(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
+            gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
                             kv_pages=30, page_size=16)
             res = sorted(gen.generate(prompts), key=lambda r: r.index)
             out["model=8 pool"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
@@ -117,7 +117,7 @@ def moe(meshes):
     over `model`, rows over `data`."""
     import dataclasses
 
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
     from dflash_jax.sharding import make_mesh, shard_params
     from test_spec_decode import SETUPS, prompts, setup
 
@@ -132,7 +132,7 @@ def moe(meshes):
         tparams = perturbed(init_params(target, jax.random.PRNGKey(SETUPS[name][5])))
         for spec in [None] + meshes:
             mesh = make_mesh(spec) if spec else None
-            gen = Generator(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
+            gen = BatchEngine(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
                             batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
             res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
             experts = gen.tparams["model"]["layers_0"]["mlp"]["experts"]
@@ -150,7 +150,7 @@ def heterogeneous(meshes):
     in two K/V groups, shared K/V, experts split over `model`) decode the same on every mesh."""
     import dataclasses
 
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
     from dflash_jax.model import init_params
     from dflash_jax.sharding import make_mesh, shard_params
     from test_spec_decode import perturbed, prompts, setup
@@ -165,7 +165,7 @@ def heterogeneous(meshes):
             tparams = perturbed(init_params(target, jax.random.PRNGKey(13)))
         for spec in [None] + meshes:
             mesh = make_mesh(spec) if spec else None
-            gen = Generator(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
+            gen = BatchEngine(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
                             batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
             res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
             layer = gen.tparams["model"]["layers_0"]

@@ -26,7 +26,7 @@ from dflash_jax import attention
 from dflash_jax.attention import AttentionMetadata, LayerKV, attend, cudnn, override, select, walk
 from dflash_jax.kv import cache_length, write_kv
 from dflash_jax.drafter import init_drafter_params
-from dflash_jax.engine import Generator, run_cycles
+from dflash_jax.engine import BatchEngine, run_cycles
 from dflash_jax.model import init_params
 from test_spec_decode import drafter_config, model_config
 
@@ -166,7 +166,7 @@ def cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:
 def small_engine(max_prompt_len):
     target = model_config("qwen3", 64, 3)
     drafter = drafter_config(target, 2, (0, 2), block_size=4)
-    return Generator(target, init_params(target), drafter, init_drafter_params(drafter), batch_size=2,
+    return BatchEngine(target, init_params(target), drafter, init_drafter_params(drafter), batch_size=2,
                      max_new_tokens=16, max_prompt_len=max_prompt_len, page_size=PAGE)
 
 

@@ -11,7 +11,7 @@ import pytest
 from dflash_jax import CheckpointError, ConfigError, load_drafter, load_target
 from dflash_jax.convert import main as convert_main
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig, check_pair, default_target_layer_ids, retap
-from dflash_jax.engine import Generator
+from dflash_jax.engine import BatchEngine
 from fixtures import tiny
 
 
@@ -87,7 +87,7 @@ def test_incompatible_pairs_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         check_pair(tc, dc)
     with pytest.raises(ConfigError, match=message):
-        Generator(tc, tp, dc, dp)
+        BatchEngine(tc, tp, dc, dp)
 
 
 def test_converted_drafter_drafts_identically(tmp_path):
@@ -101,7 +101,7 @@ def test_converted_drafter_drafts_identically(tmp_path):
     tc, tp = load_target(tiny() / "target")
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
     run = lambda c, p: [r.output_ids for r in sorted(
-        Generator(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16).generate(prompts),
+        BatchEngine(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16).generate(prompts),
         key=lambda r: r.index)]
     assert run(c_cv, p_cv) == run(c_hf, p_hf)
 

@@ -10,7 +10,7 @@ from dflash_jax import forward, init_cache, load_drafter, load_target
 from dflash_jax.drafter import draft_hidden, extend_context
 from dflash_jax.kv import init_context_cache
 from dflash_jax.model import CausalLM
-from dflash_jax.engine import Generator
+from dflash_jax.engine import BatchEngine
 from fixtures import tiny
 
 TOL = dict(atol=1e-4, rtol=0)
@@ -83,7 +83,7 @@ def test_context_cache_built_in_pieces_equals_one_pass(pair, expected):
 def test_greedy_tokens_and_acceptance_lengths_match_reference(pair, cases, batch_size):
     tc, tp, dc, dp = pair
     prompts, outputs, acceptance = cases
-    gen = Generator(tc, tp, dc, dp, batch_size=batch_size, max_new_tokens=40, max_prompt_len=32)
+    gen = BatchEngine(tc, tp, dc, dp, batch_size=batch_size, max_new_tokens=40, max_prompt_len=32)
     results = sorted(gen.generate(prompts), key=lambda r: r.index)
     assert [r.index for r in results] == list(range(len(prompts)))
     for r, prompt, want, acc in zip(results, prompts, outputs, acceptance):

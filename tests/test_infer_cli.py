@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
 from dflash_jax.drafter import DrafterConfig, init_drafter_params
 from dflash_jax import load_target
-from dflash_jax.engine import Generator
+from dflash_jax.engine import BatchEngine
 from dflash_jax.families import model_config_from_json
 from fixtures import tiny
 from infer.cli import EXIT_ROW_ERRORS, main
@@ -232,7 +232,7 @@ def test_prompt_messages_turns_and_input_ids(chat_pair, tmp_path):
         assert r["num_output_tokens"] == 6 and r["text"] == tokenizer.decode(r["output_ids"], skip_special_tokens=True)
 
     tcfg, tparams = load_target(target)
-    plain = Generator(tcfg, tparams, max_new_tokens=6, max_prompt_len=64)
+    plain = BatchEngine(tcfg, tparams, max_new_tokens=6, max_prompt_len=64)
     first = lambda ids: next(plain.generate([ids])).output_ids
     assert got["p"]["output_ids"] == first(tokenizer("w1 w2 w3")["input_ids"])
     msgs = rows[1]["messages"]

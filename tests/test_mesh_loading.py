@@ -246,7 +246,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
     import jax
 
     from dflash_jax import checkpoint
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
     from infer.cli import main
 
     calls, sizes, seen = [], [], {}
@@ -260,7 +260,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
         sizes.append(_nbytes(params))  # sizes only: a reference would keep the arrays alive
         return config, params
 
-    init = Generator.__init__
+    init = BatchEngine.__init__
 
     def recording_init(self, target_config, target_params, drafter_config=None, drafter_params=None, **kw):
         init(self, target_config, target_params, drafter_config, drafter_params, **kw)
@@ -272,7 +272,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
         seen["same"] = seen.get("same", True) and all(a is b for a, b in pairs)
 
     checkpoint.load_model = recording_load_model
-    Generator.__init__ = recording_init
+    BatchEngine.__init__ = recording_init
     # One of the reference's prompts in a batch of two (one row per `data` index): compiling the engine
     # for the mesh is most of this test's time, and one prompt needs the fewest programs.
     prompts, out = work / "prompts.jsonl", work / "infer.jsonl"
@@ -283,7 +283,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
                      "--input", str(prompts), "--max-new-tokens", "40",
                      "--mesh", "data=2,model=4", "--batch-size", "2", "--output", str(out), "--quiet"])
     finally:
-        checkpoint.load_model, Generator.__init__ = load_model, init
+        checkpoint.load_model, BatchEngine.__init__ = load_model, init
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     return dict(code=code, calls=calls, engine_got_the_loaded_arrays=seen.get("same"), peak=seen.get("peak"),
                 final=seen.get("final"), model=sum(s[0] for s in sizes), largest=max(s[1] for s in sizes),

@@ -17,7 +17,7 @@ import torch
 
 from dflash_jax import ConfigError, forward, init_cache, load_target
 from dflash_jax.config import ModelConfig, MoeConfig
-from dflash_jax.engine import Generator
+from dflash_jax.engine import BatchEngine
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from dflash_jax.model import MoE
@@ -308,7 +308,7 @@ def test_infer_cli_with_a_moe_target_and_its_drafter_equals_plain_decoding(hf_mo
                  "--max-new-tokens", "10", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     config, params = load_target(target)
-    plain = Generator(config, params, max_new_tokens=10, max_prompt_len=16)
+    plain = BatchEngine(config, params, max_new_tokens=10, max_prompt_len=16)
     for i, prompt in enumerate(prompts):
         assert rows[i]["output_ids"] == next(plain.generate([prompt])).output_ids, i
 

@@ -43,7 +43,7 @@ def custom_calls(text: str) -> set[str]:
 
 
 def engine_programs(gen):
-    """The lowered cycle loop and one-row prefill of a Generator (the shapes its own runs use)."""
+    """The lowered cycle loop and one-row prefill of a BatchEngine (the shapes its own runs use)."""
     state = gen.new_state()
     loop = run_cycles.lower(gen.tparams, gen.dparams, gen.spec, state, gen.stop_ids, np.int32(1), np.bool_(False))
     one = lambda dtype: jnp.ones((1,), dtype)

@@ -1,5 +1,5 @@
 """The page pool: K/V in one pool of pages shared by the rows, each row reaching its pages
-through its page table (`Generator(kv_pages=...)`).
+through its page table (`BatchEngine(kv_pages=...)`).
 
 - Attention over a pool equals attention over per-slot caches holding the same keys, for the
   portable walk and the TPU kernel (interpret mode), over every mask kind: the pages of other
@@ -27,7 +27,7 @@ from dflash_jax import DFlashError
 from dflash_jax.kv import write_kv
 from dflash_jax.attention import pallas_tpu, walk
 from test_attention import call
-from dflash_jax.engine import Generator, Sampling
+from dflash_jax.engine import BatchEngine, Sampling
 from bench.timing import counted_generate
 from test_spec_decode import CHUNK, LIMITS, MAX_NEW, MAX_PROMPT, PAGE, by_index, engine, heavy, prompts, setup
 
@@ -140,7 +140,7 @@ def test_a_ring_holds_what_a_window_sees(rows):
 def pooled(name, block_size, batch_size, kv_pages, **kw):
     target, tparams, drafter, dparams = setup(name)
     kw = dict(dict(page_size=PAGE), **kw)
-    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+    return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
                      prefill_chunk=CHUNK, kv_pages=kv_pages, **kw)
 
@@ -227,7 +227,7 @@ def test_the_same_memory_runs_twice_the_rows_of_a_mixed_workload():
     name = "qwen3-v8"
     prompt_list = [p[:max(2, len(p) // 4)] for p in prompts(name)] * 2
     limits = [2, 5, 3, 24, 4, 6, 2, 3, 8, 4, 5, 3] * 2
-    per_slot = Generator(*setup(name), block_size=8, batch_size=2, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
+    per_slot = BatchEngine(*setup(name), block_size=8, batch_size=2, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
                          page_size=PAGE, prefill_chunk=CHUNK)
     pool = pooled(name, 8, 8, kv_pages=10)
     assert per_slot.new_state().target_cache.k.size == pool.new_state().target_cache.k.size  # the same memory

@@ -537,10 +537,10 @@ def test_the_server_prefills_at_two_widths_and_splits_small_groups():
     """The server compiles prefill at widths 1 and the batch only (half the programs of every
     power of two): a group of requests is padded to the batch unless that more than doubles it,
     then prefilled one by one; with every width, a group is padded to the next power of two."""
-    from dflash_jax.engine.scheduler import Generator
+    from dflash_jax.engine.scheduler import BatchEngine
 
     two = SimpleNamespace(widths=[1, 8])
-    parts = lambda n, g=two: Generator._admission_parts(g, list(range(n)))
+    parts = lambda n, g=two: BatchEngine._admission_parts(g, list(range(n)))
     assert parts(1) == [[0]] and parts(3) == [[0], [1], [2]] and parts(4) == [[0, 1, 2, 3]]
     assert parts(5) == [list(range(5))] and parts(8) == [list(range(8))]
     every = SimpleNamespace(widths=[1, 2, 4, 8])

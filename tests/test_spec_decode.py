@@ -38,7 +38,7 @@ from dflash_jax.drafter import DrafterConfig, extend_context, init_drafter_param
 from dflash_jax.kv import init_context_cache
 from dflash_jax.model import init_params
 from dflash_jax.engine import (
-    EngineSpec, Generator, Sampling, bucket, draft, greedy_pick, processed_logits,
+    EngineSpec, BatchEngine, Sampling, bucket, draft, greedy_pick, processed_logits,
 )
 from bench.timing import compile_counts
 
@@ -166,7 +166,7 @@ CHUNK = 16  # and prompts longer than 16 tokens prefill in chunks
 @functools.cache
 def engine(name, block_size, batch_size, *, max_new=MAX_NEW, stop=(), sampling=Sampling(), max_prompt=MAX_PROMPT):
     target, tparams, drafter, dparams = setup(name)
-    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+    return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=max_new,
                      max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop, page_size=PAGE,
                      prefill_chunk=CHUNK)
@@ -343,7 +343,7 @@ def test_acceptance_lengths_equal_from_scratch_reference(name, block_size):
 @functools.cache
 def engine_k(name, block_size, batch_size, num_drafts):
     target, tparams, drafter, dparams = setup(name)
-    return Generator(target, tparams, drafter, dparams, block_size=block_size, batch_size=batch_size,
+    return BatchEngine(target, tparams, drafter, dparams, block_size=block_size, batch_size=batch_size,
                      max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT, draft_tokens=num_drafts)
 
 
@@ -387,7 +387,7 @@ def test_k_drafts_are_the_whole_blocks_first_k_and_k_b_minus_1_is_the_default():
 def test_bad_draft_tokens_are_refused(block_size, num_drafts, message):
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(DFlashError, match=message):
-        Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+        BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                   block_size=block_size, draft_tokens=num_drafts, max_new_tokens=4, max_prompt_len=8)
 
 
@@ -438,7 +438,7 @@ def test_continuous_batching_equals_one_row_at_a_time(name, block_size):
 
 def narrowed_engine(name, block_size, **kw):
     target, tparams, drafter, dparams = setup(name)
-    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+    return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=4, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
                      page_size=PAGE, prefill_chunk=CHUNK, narrow_tail=True, sync_every=2, **kw)
 
@@ -489,7 +489,7 @@ def test_a_narrowed_tail_keeps_seeded_samples():
     rs = np.random.RandomState(12)
     prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
     target, tparams, drafter, dparams = sampling_setup()
-    narrowed = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+    narrowed = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
                          max_prompt_len=16, sampling=Sampling(temperature=1.0), narrow_tail=True, sync_every=1)
     got, widths = run_widths(narrowed, prompt_list, seed=7, max_new_tokens=[16, 3, 9, 16, 1, 12])
     assert 1 in widths
@@ -499,7 +499,7 @@ def test_a_narrowed_tail_keeps_seeded_samples():
 
 def test_tail_widths_are_powers_of_two_and_three_times_them():
     target, tparams, drafter, dparams = setup("qwen3-v8")
-    widths = lambda batch, narrow=True: Generator(target, tparams, block_size=1, batch_size=batch,
+    widths = lambda batch, narrow=True: BatchEngine(target, tparams, block_size=1, batch_size=batch,
                                                   narrow_tail=narrow).tail_widths
     assert widths(8) == [6, 4, 3, 2, 1] and widths(5) == [4, 3, 2, 1] and widths(16)[:3] == [12, 8, 6]
     assert widths(1) == [] and widths(8, False) == []
@@ -692,7 +692,7 @@ def speculative_samples(sampling, family="qwen3"):
     from the prefill and token 2 is always y_0, the target's own sample in the first verify
     pass, whatever was accepted; token 3 is the first one the acceptance rule decides."""
     target, tparams, drafter, dparams = sampling_setup(family)
-    gen = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
+    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
                     max_prompt_len=16, sampling=sampling)
     results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
     assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in results)
@@ -753,7 +753,7 @@ def test_speculative_sampling_matches_target_distribution(sampling, family):
 @functools.cache
 def sampling_engine(block_size, batch_size):
     target, tparams, drafter, dparams = sampling_setup()
-    return Generator(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
+    return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=16, max_prompt_len=16,
                      sampling=Sampling(temperature=1.0))
 
@@ -776,7 +776,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     # verifying fewer drafts per cycle.
     assert outputs(sampling_engine(1, 4), 7) == first
     target, tparams, drafter, dparams = sampling_setup()
-    fewer = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+    fewer = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
                       max_prompt_len=16, sampling=Sampling(temperature=1.0), draft_tokens=1)
     assert outputs(fewer, 7) == first
 
@@ -869,12 +869,12 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
     rs = np.random.RandomState(13)
     prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
     target, tparams, drafter, dparams = sampling_setup()
-    per_row = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+    per_row = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
                         max_prompt_len=16, sampling=Sampling(per_row=True))
     rows = [Sampling(), Sampling(1.0), Sampling(), Sampling(1.0), Sampling(1.0), Sampling()]
     got = by_index(per_row.generate(prompt_list, seed=7, sampling=rows))
     hot = by_index(sampling_engine(4, 4).generate(prompt_list, seed=7))
-    cold = by_index(Generator(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
+    cold = by_index(BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
                               max_prompt_len=16).generate(prompt_list, seed=7))
     for r, s, h, c in zip(got, rows, hot, cold):
         assert r.output_ids == (c.output_ids if s.greedy else h.output_ids)

@@ -1,5 +1,5 @@
 """The serving engine (`dflash_jax.engine.streaming.StreamingEngine`), without HTTP: requests fed
-through its queue while others run stream the tokens `Generator.generate` gives the same prompts
+through its queue while others run stream the tokens `BatchEngine.generate` gives the same prompts
 (greedy, and sampled with their own settings and streams), long prompts go in piece by piece
 between cycles (rows being filled keep their caches: per-slot, a page pool with ring layers, a hybrid's
 recurrent states), cancelled requests free their slots, and nothing compiles after warm-up.
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from dflash_jax.engine import Generator, Sampling
+from dflash_jax.engine import BatchEngine, Sampling
 from dflash_jax.engine.step import prefill, prefill_part, run_cycles
 from dflash_jax.engine.streaming import QueueFull, StreamRequest, StreamingEngine
 from dflash_jax.errors import DFlashError
@@ -65,11 +65,11 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in LENGTHS]
     kw = dict(block_size=4, batch_size=4, max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
               page_size=8, kv_pages=pool, stop_token_ids=[1])
-    gen = Generator(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
+    gen = BatchEngine(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
     engine = StreamingEngine(gen, max_waiting=len(prompts))
     assert engine.interleaves and engine.warmup() == [16]  # longer prompts: pieces of 16
     warm = compiles()
-    greedy = {r.index: r for r in Generator(target, tparams, drafter, dparams, **kw).generate(
+    greedy = {r.index: r for r in BatchEngine(target, tparams, drafter, dparams, **kw).generate(
         prompts, max_new_tokens=list(LIMITS))}
     samplings = [Sampling(1.0, top_k=5, per_row=True) if i % 3 == 0 else Sampling(per_row=True)
                  for i in range(len(prompts))]
@@ -97,7 +97,7 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
 
 def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
     target, tparams, drafter, dparams = setup("qwen3-v128")
-    gen = Generator(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=24,
+    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=24,
                     max_prompt_len=32, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
     engine = StreamingEngine(gen, max_waiting=3)
     engine.warmup()

@@ -18,7 +18,7 @@ from dflash_jax.attention import dense_attention
 from dflash_jax.drafter import DFlashDrafter, DraftAttention, DrafterConfig, draft_hidden, extend_context, \
     init_drafter_params
 from dflash_jax.model import init_params
-from dflash_jax.engine import Generator
+from dflash_jax.engine import BatchEngine
 from dflash_jax.kv import init_cache, init_context_cache
 from dflash_jax.model import CausalLM, forward
 from dflash_jax.training import block_layout, default_gamma, drafter_loss, drafter_miss, LossSpec, \
@@ -346,7 +346,7 @@ def test_regenerated_data_is_the_targets_own_output(trained):
     convs = [json.loads(l) for l in (tmp / "conv.jsonl").read_text().splitlines()]
     assert len(convs) == 240 and all(c["response_ids"] and c["prompt_ids"] for c in convs)
     tc, tp = load_target(TINY_TARGET)
-    plain = Generator(tc, tp, max_new_tokens=64, max_prompt_len=32, stop_token_ids=[2], batch_size=4)
+    plain = BatchEngine(tc, tp, max_new_tokens=64, max_prompt_len=32, stop_token_ids=[2], batch_size=4)
     for c, r in zip(convs[:4], plain.generate([c["prompt_ids"] for c in convs[:4]])):
         assert r.output_ids == c["response_ids"]
 
@@ -375,9 +375,9 @@ def test_export_round_trip_gives_identical_drafts(short_run, tmp_path, capsys):
     jax.tree.map(np.testing.assert_array_equal, dparams, jax.tree.map(np.asarray, params))
     tc, tp = load_target(TINY_TARGET)
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
-    via_export = [r.acceptance_lengths for r in Generator(tc, tp, dcfg, dparams, batch_size=2, max_new_tokens=24,
+    via_export = [r.acceptance_lengths for r in BatchEngine(tc, tp, dcfg, dparams, batch_size=2, max_new_tokens=24,
                                                           max_prompt_len=16).generate(prompts)]
-    direct = [r.acceptance_lengths for r in Generator(tc, tp, dcfg, jax.tree.map(jnp.asarray, params), batch_size=2,
+    direct = [r.acceptance_lengths for r in BatchEngine(tc, tp, dcfg, jax.tree.map(jnp.asarray, params), batch_size=2,
                                                       max_new_tokens=24, max_prompt_len=16).generate(prompts)]
     assert via_export == direct
     with pytest.raises(Exception, match="already exists"):

@@ -144,12 +144,12 @@ def assert_plain_greedy_equals_generate(model, path: Path, lengths=(3, 19, 11), 
     import numpy as np
 
     from dflash_jax import load_target
-    from dflash_jax.engine import Generator
+    from dflash_jax.engine import BatchEngine
 
     config, params = load_target(path)
     rs = np.random.RandomState(11)
     prompts = [rs.randint(0, config.vocab_size, n).tolist() for n in lengths]
-    gen = Generator(config, params, batch_size=2, max_new_tokens=max_new_tokens, max_prompt_len=max(lengths) + 5,
+    gen = BatchEngine(config, params, batch_size=2, max_new_tokens=max_new_tokens, max_prompt_len=max(lengths) + 5,
                     page_size=16)
     ours = sorted(gen.generate(prompts), key=lambda r: r.index)
     for prompt, result in zip(prompts, ours):

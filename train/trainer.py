@@ -20,7 +20,7 @@ from dflash_jax.drafter import (DrafterConfig, check_pair, retap,
                                 init_drafter_params)
 from dflash_jax.pair import engine_mesh, open_pair
 from dflash_jax.sharding import global_batch, shard_params
-from dflash_jax.engine import GenerationStats, Generator
+from dflash_jax.engine import GenerationStats, BatchEngine
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
                                  state_shardings, train_step)
 from train.config import TrainConfigError, new_drafter_config
@@ -140,8 +140,8 @@ class TauEvaluator:
 
     def __call__(self, params) -> dict:
         cast = jax.tree.map(lambda p: p.astype(jnp.dtype(self.tcfg.dtype)), params)
-        if self.gen is None:  # one Generator: later evaluations reuse its compilation
-            self.gen = Generator(self.tcfg, self.tparams, self.dcfg, cast, batch_size=self.batch,
+        if self.gen is None:  # one BatchEngine: later evaluations reuse its compilation
+            self.gen = BatchEngine(self.tcfg, self.tparams, self.dcfg, cast, batch_size=self.batch,
                                  max_new_tokens=self.max_new, max_prompt_len=max(len(p) for p in self.prompts),
                                  mesh=self.mesh)
         self.gen.dparams = shard_params(cast, self.mesh)

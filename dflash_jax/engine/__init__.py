@@ -5,8 +5,8 @@
   `verify`, `accept`, `commit`, and `run_cycles`), jit-compiled over static shapes;
 - `slots`: the host's ledger of a batch's slots (`SlotLedger`: occupants, slots being filled,
   pages held, the waiting rows, the stop-token cut, finishing rows), `Result`, `GenerationStats`;
-- `scheduler`: the batch generator (`Generator`: admission, continuous batching, syncs, warm-up);
-- `streaming`: the serving engine (`StreamingEngine`: a Generator fed by a queue of requests on a
+- `scheduler`: the batch generator (`BatchEngine`: admission, continuous batching, syncs, warm-up);
+- `streaming`: the serving engine (`StreamingEngine`: a BatchEngine fed by a queue of requests on a
   thread of its own, each row's tokens streamed at every sync; its live `EngineMetrics`);
 - `watchdog`: the host's waits on the device, each bounded (`Watchdog`: a stall ends the run).
 """
@@ -14,7 +14,7 @@
 from dflash_jax.engine.sampling import (
     Sampling, greedy_pick, position_keys, processed_logits, sample,
 )
-from dflash_jax.engine.scheduler import Generator, bucket
+from dflash_jax.engine.scheduler import BatchEngine, bucket
 from dflash_jax.engine.slots import GenerationStats, Result, SlotLedger, timed
 from dflash_jax.engine.step import (
     DecodeState, EngineSpec, accept, commit, cycle, decode_state_shardings, draft, init_state, insert, prefill,
@@ -23,7 +23,7 @@ from dflash_jax.engine.step import (
 
 __all__ = [
     "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample",
-    "GenerationStats", "Generator", "Result", "SlotLedger", "bucket", "timed",
+    "GenerationStats", "BatchEngine", "Result", "SlotLedger", "bucket", "timed",
     "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",
     "prefill", "run_cycles", "verify",
 ]

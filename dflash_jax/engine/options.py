@@ -1,4 +1,4 @@
-"""Engine options: how a `Generator` runs (batch, block, cache and page sizes, syncs, mesh,
+"""Engine options: how a `BatchEngine` runs (batch, block, cache and page sizes, syncs, mesh,
 dtype, watchdog), one frozen type checked once, shared by `python -m infer` (through
 `GenerationJob`), `python -m infer.serve` and the bench.
 
@@ -84,15 +84,15 @@ class EngineOptions:
 
     def generator(self, pair, *, max_new_tokens: int, max_prompt_len: int, block_size: int | None = ...,
                   sampling=None, stop_token_ids=None, watchdog=..., admission_widths=None):
-        """A `Generator` for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
+        """A `BatchEngine` for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
         tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
         limits. block_size: default these options' (1: plain decoding, no drafter; draft_tokens
         then unused). stop_token_ids: default the pair's. watchdog: default `self.watchdog()`."""
-        from dflash_jax.engine import Generator, Sampling
+        from dflash_jax.engine import BatchEngine, Sampling
 
         block_size = self.block_size if block_size is ... else block_size
         drafting = pair.drafter is not None and block_size != 1
-        return Generator(
+        return BatchEngine(
             pair.target, pair.tparams, pair.drafter, pair.dparams,
             block_size=block_size, batch_size=self.batch_size, max_new_tokens=max_new_tokens,
             max_prompt_len=max_prompt_len, sampling=sampling if sampling is not None else Sampling(),

@@ -7,7 +7,7 @@ equals the target's sample. The sample for sequence position t always uses the k
 fold_in(row_key, t), so a row's output depends neither on the batch or slot it ran in, nor on
 the block size.
 
-A Generator samples either with one `Sampling` for every row (a compile-time setting), or, with
+A BatchEngine samples either with one `Sampling` for every row (a compile-time setting), or, with
 `Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
 in the decoding state: greedy and sampled rows then share one batch and one compiled program
 (`sample_rows`).
@@ -27,7 +27,7 @@ class Sampling:
     """How the target picks tokens. temperature 0 is greedy. Hashable: a static jit arg.
 
     per_row: the engine takes each row's settings at admission instead (a Sampling per row,
-    `Generator.generate(sampling=...)`); this one's values are then the rows' default."""
+    `BatchEngine.generate(sampling=...)`); this one's values are then the rows' default."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off

@@ -1,6 +1,6 @@
 """The host side of the engine: a scheduler that keeps every batch slot busy.
 
-`Generator.generate` streams prompts through `batch_size` slots (continuous batching): rows
+`BatchEngine.generate` streams prompts through `batch_size` slots (continuous batching): rows
 run together in `run_cycles`; when rows finish, their results are read and the next waiting
 prompts are prefilled straight into the freed slots (several at once when several slots free
 up), at fixed shapes: one prefill per (prompt bucket, admission width), one cycle loop, all
@@ -10,7 +10,7 @@ before a sync's figures are read, so the device never waits on the host. With `n
 the rows of the batch's tail move to narrower states as they finish. Outputs are cut at the
 first stop token and at each row's own `max_new_tokens`.
 
-With `kv_pages` the caches are one pool of pages shared by the slots (`dflash_jax.attention`):
+With `kv_pages` the caches are one pool of pages shared by the slots (`dflash_jax.kv.pool`):
 a row is admitted only when the pool has the pages it can ever need (its prompt, its own
 max_new_tokens and a verify block, in whole pages), holds exactly those, and gives them back when
 it finishes. So the memory goes to the rows' own lengths, not batch x the longest row, and a
@@ -45,7 +45,7 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-class Generator:
+class BatchEngine:
     """Batch generation with a target and (optionally) a DFlash drafter.
 
     block_size 1 (or no drafter) is plain autoregressive decoding of the target. Shapes are

@@ -1,4 +1,4 @@
-"""The host's ledger of a batch's slots, shared by `Generator.generate` and `StreamingEngine`.
+"""The host's ledger of a batch's slots, shared by `BatchEngine.generate` and `StreamingEngine`.
 
 `SlotLedger` keeps which row occupies each slot, the slots whose prompts are being filled in
 piece by piece, the pool pages each slot holds (`dflash_jax.kv.pool`), the rows waiting for a

@@ -1,6 +1,6 @@
 """Serving: the scheduler's admission fed by a queue, and every row's tokens streamed at each sync.
 
-`StreamingEngine(generator)` runs a Generator built with `Sampling(per_row=True)` on a thread of
+`StreamingEngine(generator)` runs a BatchEngine built with `Sampling(per_row=True)` on a thread of
 its own. `submit(request)` queues a `StreamRequest` (a bounded queue: `QueueFull` when it is full);
 the engine admits requests into free slots as they come (in arrival order, each with its own
 max_new_tokens, sampling and random stream), runs `sync_every` cycles per call and, while the
@@ -10,7 +10,7 @@ cancelled (a client gone, a stop string found) ends at the next sync and its slo
 request. `close()` stops new requests, lets the running and queued ones finish (or cancels them)
 and ends the thread.
 
-Tokens are those `Generator.generate` would give the same prompt: a row's tokens depend only on
+Tokens are those `BatchEngine.generate` would give the same prompt: a row's tokens depend only on
 its prompt, its sampling and its random stream (`row_id`), never on the rows beside it.
 """
 
@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from dflash_jax.engine.sampling import Sampling
-from dflash_jax.engine.scheduler import Generator, run_steps
+from dflash_jax.engine.scheduler import BatchEngine, run_steps
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import cancel, prefill, prefill_part
 from dflash_jax.kv import page_table
@@ -125,18 +125,18 @@ class EngineMetrics:
 
 
 class StreamingEngine:
-    """A Generator serving a queue of Requests on a thread of its own (see the module's doc).
+    """A BatchEngine serving a queue of Requests on a thread of its own (see the module's doc).
 
-    max_waiting bounds the requests queued for a slot. The Generator must be built with
+    max_waiting bounds the requests queued for a slot. The BatchEngine must be built with
     Sampling(per_row=True) and without narrow_tail (a server's batch has no tail). on_error(e)
     runs on the engine's thread if it fails, after every open request has ended with "error"."""
 
-    def __init__(self, gen: Generator, *, max_waiting: int = 256,
+    def __init__(self, gen: BatchEngine, *, max_waiting: int = 256,
                  on_error: Callable[[BaseException], None] | None = None):
         if not gen.spec.sampling.per_row:
-            raise DFlashError("a streaming engine needs a Generator built with Sampling(per_row=True)")
+            raise DFlashError("a streaming engine needs a BatchEngine built with Sampling(per_row=True)")
         if gen.tail_widths:
-            raise DFlashError("a streaming engine keeps its batch whole: build the Generator without narrow_tail")
+            raise DFlashError("a streaming engine keeps its batch whole: build the BatchEngine without narrow_tail")
         self.gen, self.max_waiting, self.on_error = gen, max_waiting, on_error
         self.metrics = EngineMetrics(gen.batch_size, gen.spec.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,9 +153,9 @@ class StreamingEngine:
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> list[int]:
         """Compile all that serving runs, so nothing compiles while it serves: prefill for every
-        prompt bucket (16 up to the Generator's max_prompt_len, or up to its prefill_chunk where
+        prompt bucket (16 up to the BatchEngine's max_prompt_len, or up to its prefill_chunk where
         longer prompts go piece by piece) at every admission width, the streaming loop, `cancel`,
-        and the pieces of a long prompt. progress(done, total, label) as `Generator.warmup`'s.
+        and the pieces of a long prompt. progress(done, total, label) as `BatchEngine.warmup`'s.
         Returns the buckets."""
         gen = self.gen
         top = gen.spec.prefill_chunk if self.interleaves else gen.max_prompt_len
@@ -345,7 +345,7 @@ class StreamingEngine:
 
     @property
     def interleaves(self) -> bool:
-        """Whether prompts longer than the Generator's prefill_chunk go in piece by piece between
+        """Whether prompts longer than the BatchEngine's prefill_chunk go in piece by piece between
         cycles. Not for a hybrid target decoded plainly: its recurrent layers advance every row a
         cycle passes over, and the state of a row being filled must wait for its next piece."""
         spec = self.gen.spec

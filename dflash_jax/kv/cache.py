@@ -40,11 +40,11 @@ class KVCache:
              [batch, pages per row] int32: k, v (and k_global, v_global) are then
              [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
              every row, and row b's page j is page pages[b, j] (an entry past the pool, as
-             NO_PAGE: none; see `dflash_jax.attention`).
+             NO_PAGE: none; see `dflash_jax.kv.layout`).
     ring:    (static) with a pool, k and v (the main group) are rings of the last k.shape[2]
              positions of each row, [layers, batch, ring, kv_heads, head_dim], position p at p % ring:
              the group's layers all slide (`ModelConfig.local_window`), so the pages behind the
-             window are written over instead of held (see `dflash_jax.attention`).
+             window are written over instead of held (see `dflash_jax.kv.layout`).
     page_size: positions per page (static), the unit attention walks in.
     """
 

@@ -3,7 +3,7 @@
 Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/kernel`
 for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
 
-The KV cache is preallocated in pages (`dflash_jax.attention`): one buffer
+The KV cache is preallocated in pages (`dflash_jax.kv`): one buffer
 `[layers, batch, max_len, kv_heads, head_dim]` for keys and one for values, with a length per
 row. `forward` writes a chunk of T tokens per row at that row's own offset (`cache.lengths`)
 straight into the buffers (in place under jit), then attends over the pages the rows have
