@@ -13,7 +13,7 @@ from dflash_jax.drafter import default_target_layer_ids as default_taps
 from dflash_jax.shapes import published_configs
 from fixtures import TINY
 
-from infer import bench
+import bench
 
 MAX_NEW = 12
 NUM_PROMPTS = 3

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_jax.shapes import published_configs
 
-from infer import bench
+import bench
 
 SCALE = 0.05  # 2 target layers, 1 drafter layer, 2/1 heads x 128, vocab 7552
 

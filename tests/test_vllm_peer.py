@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from infer import bench
+import bench
 from bench.vllm_peer import context_knorm_broken, peer_draft_tokens, per_layer_context_knorm, vllm_missing
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
