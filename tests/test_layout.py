@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,24 @@ def test_no_function_is_longer_than_120_lines(root):
     paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
     long = [f"{p.relative_to(ROOT)}:{name} ({n} lines)" for p in paths for name, n in _long_functions(p)]
     assert not long, long
+
+
+def _readme_layout_paths() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [p for row in rows for p in re.findall(r"`([\w./-]+/?)`", row.split("|")[1])]
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    """Every path the README's layout table names exists, and every package of the library and
+    every top-level package has a row."""
+    paths = _readme_layout_paths()
+    assert paths, "README.md has no '## Layout' table"
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"the README's layout table names paths that do not exist: {missing}"
+    listed = {p.rstrip("/") for p in paths}
+    packages = [f"dflash_jax/{d.name}" for d in sorted((ROOT / "dflash_jax").iterdir())
+                if (d / "__init__.py").exists()] + [p for p in ("infer", "train", "bench", "tests")]
+    unlisted = [p for p in packages if p not in listed]
+    assert not unlisted, f"packages missing from the README's layout table: {unlisted}"
