@@ -1,5 +1,5 @@
-"""The FastAPI app: wiring only. Routes go to the module-level handlers of
-`infer.serve.handlers`; every error (the server's own `APIError`, a request that does not fit
+"""The FastAPI app: wiring only. The routes are `infer.serve.handlers.router`'s (one handler per
+endpoint); every error (the server's own `APIError`, a request that does not fit
 its pydantic model, an unknown path or method) is answered in OpenAI's error schema; shutting
 down cancels the requests still running.
 """
@@ -10,17 +10,13 @@ import asyncio
 import contextlib
 import time
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from infer.serve import handlers
-from infer.serve.protocol import APIError, Completion, ErrorResponse, ModelList, validation_error
-
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
-_COMPLETION = {200: {"model": Completion, "content": {"text/event-stream": {}}}, **_ERRORS}
-
+from infer.serve.protocol import APIError, validation_error
 
 def create_app(model, api_key: str | None = None) -> FastAPI:
     """The app serving `model` (a `ServedModel`, or anything with its attributes); with
@@ -32,15 +28,7 @@ def create_app(model, api_key: str | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    auth, ready = Depends(handlers.authorize), Depends(handlers.require_ready)
-    app.add_api_route("/health", handlers.health, methods=["GET"])
-    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", handlers.list_models, methods=["GET"], dependencies=[auth],
-                      responses={200: {"model": ModelList}, 401: _ERRORS[401]})
-    for path, endpoint in (("/v1/completions", handlers.completions),
-                           ("/v1/chat/completions", handlers.chat_completions)):
-        app.add_api_route(path, endpoint, methods=["POST"], dependencies=[auth, ready], response_model=None,
-                          responses=_COMPLETION)
+    app.include_router(handlers.router)
     return app
 
 

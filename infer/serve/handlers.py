@@ -1,6 +1,7 @@
-"""One handler per endpoint. Each reads the served model from the app's state
-(`app.state.model`, a `ServedModel`); the API key and the warming-up check run before them, as
-FastAPI dependencies (`authorize`, `require_ready`) that `infer.serve.app` attaches.
+"""One handler per endpoint, each declared with its route on `router` (which `infer.serve.app`
+includes): an endpoint is added here, in one place. Each reads the served model from the app's
+state (`app.state.model`, a `ServedModel`); the API key and the warming-up check run before them,
+as FastAPI dependencies (`authorize`, `require_ready`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
@@ -16,7 +18,8 @@ from dflash_jax.engine.streaming import StreamRequest
 from dflash_jax.errors import DFlashError
 from infer.serve.metrics import metrics_text
 from infer.serve.prepare import PreparedRequest, prepare_request
-from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
+from infer.serve.protocol import (APIError, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse,
+                                  ModelCard, ModelList, dump)
 from infer.serve.streaming import StreamedText, collect, event_stream, response
 
 # --------------------------------------------------------------------------- dependencies
@@ -43,7 +46,14 @@ def require_ready(http_request: HTTPRequest) -> None:
 
 # --------------------------------------------------------------------------- endpoints
 
+router = APIRouter()
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_COMPLETION = {200: {"model": Completion, "content": {"text/event-stream": {}}}, **_ERRORS}
+_V1 = dict(methods=["POST"], dependencies=[Depends(authorize), Depends(require_ready)], response_model=None,
+           responses=_COMPLETION)
 
+
+@router.get("/health")
 async def health(http_request: HTTPRequest):
     """GET /health: 200 {"status": "ok"} once serving; 503 while warming up, after a failed
     start, or once the engine stopped."""
@@ -57,6 +67,8 @@ async def health(http_request: HTTPRequest):
     return {"status": "ok"}
 
 
+@router.get("/v1/models", dependencies=[Depends(authorize)],
+            responses={200: {"model": ModelList}, 401: _ERRORS[401]})
 async def list_models(http_request: HTTPRequest):
     """GET /v1/models: the one model served."""
     state = http_request.app.state
@@ -64,17 +76,20 @@ async def list_models(http_request: HTTPRequest):
                                           owned_by="dflash-jax", max_model_len=state.model.context)]))
 
 
+@router.get("/metrics")
 async def metrics(http_request: HTTPRequest):
     """GET /metrics: Prometheus text."""
     return PlainTextResponse(metrics_text(http_request.app.state.model.engine),
                              media_type="text/plain; version=0.0.4")
 
 
+@router.api_route("/v1/completions", **_V1)
 async def completions(body: CompletionRequest, http_request: HTTPRequest):
     """POST /v1/completions."""
     return await _complete(http_request, body, chat=False)
 
 
+@router.api_route("/v1/chat/completions", **_V1)
 async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
     """POST /v1/chat/completions."""
     return await _complete(http_request, body, chat=True)
