@@ -80,7 +80,7 @@ def roofline(path: str, bandwidth: float | None) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/device_check.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.device_check", description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("exactness", "roofline"))
     p.add_argument("--tiny", action="store_true", help="exactness: small shapes (a CPU run of the script)")
     p.add_argument("--json", help="roofline: the JSON of python -m bench --published-shapes")

@@ -27,11 +27,11 @@ else
 fi
 python -c "import jax; print('jax', jax.__version__, jax.devices())"
 step "1. attention path against the page walk"
-timeout $(limit 120) python bench/device_check.py exactness "${tiny_flag[@]}"
+timeout $(limit 120) python -m bench.device_check exactness "${tiny_flag[@]}"
 step "2. published shapes: AR step and DFlash cycle"
 timeout $(limit 240) python -m bench --published-shapes "${shape_args[@]}" --json "$OUT/published.json"
 step "3. against the HBM roofline"
-timeout $(limit 60) python bench/device_check.py roofline --json "$OUT/published.json"
+timeout $(limit 60) python -m bench.device_check roofline --json "$OUT/published.json"
 step "4. cache-size scaling"
 timeout $(limit 150) python -m bench --cache-scaling "${cache_args[@]}" --json "$OUT/cache-scaling.json"
 step "done: figures in $OUT"

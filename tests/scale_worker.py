@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository: the benchmarks (bench/) are not installed
 
 
 def record_widths(gen) -> list[int]:
