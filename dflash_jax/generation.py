@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
-from dflash_jax.engine.options import EngineOptions
+from dflash_jax.engine.options import EngineOptions, check_tree
 from dflash_jax.errors import InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 
@@ -55,6 +55,7 @@ class GenerationJob:
     seed: int = 0  # seed of the sampling keys (per row and position)
     block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
+    tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
@@ -79,6 +80,8 @@ class GenerationJob:
         self.engine  # noqa: B018 (the engine fields, checked by EngineOptions)
         if self.draft_tokens is not None and (self.drafter_dir is None or self.block_size == 1):
             raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
+        if self.tree_budget and self.drafter_dir is None:
+            raise InputError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
         if self.temperature < 0:
             raise InputError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -286,7 +289,7 @@ def prompt_budget(row: InputRow, tokenizer, thinking: bool, max_new_tokens: int)
 # Batch size, mesh, cache and page sizes, sync and tail settings change how rows run, not what
 # they produce, and are not recorded.
 SETTING_FLAGS = {"target": "--target", "drafter": "--drafter", "dtype": "--dtype", "block_size": "--block-size",
-                 "draft_tokens": "--draft-tokens", "max_new_tokens": "--max-new-tokens",
+                 "draft_tokens": "--draft-tokens", "tree_budget": "--tree-budget", "max_new_tokens": "--max-new-tokens",
                  "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                  "ignore_eos": "--ignore-eos", "enable_thinking": "--enable-thinking"}
 
@@ -491,6 +494,8 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
         if job.draft_tokens is not None and job.draft_tokens > block_size - 1:
             raise InputError(f"--draft-tokens {job.draft_tokens} is more than a block of {block_size} holds "
                              f"(1..{block_size - 1})")
+        if job.tree_budget:
+            check_tree(pair.target, block_size, job.tree_budget)
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > job.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
@@ -501,6 +506,8 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
                 "drafter": model_digest(pair.drafter_dir) if pair.drafting else None,
                 "dtype": pair.target.dtype, "block_size": block_size,
                 "draft_tokens": (job.draft_tokens or block_size - 1) if pair.drafting else None,
+                # None for the chain, so outputs written before trees existed still resume
+                "tree_budget": (job.tree_budget or None) if pair.drafting else None,
                 "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
                 "top_k": job.top_k, "seed": job.seed, "ignore_eos": job.ignore_eos,
                 "enable_thinking": job.enable_thinking}
@@ -617,6 +624,7 @@ class JobRun:
             else:
                 self.first.append(r)
         drafts = f", {gen.spec.num_drafts} drafts verified" if job.draft_tokens else ""
+        drafts = f", a tree of {gen.spec.tree_budget} nodes" if gen.spec.tree_budget else drafts
         with CompileProgress(f"compiling (block size {gen.spec.block_size}{drafts}, batch {job.batch_size}, "
                              f"cache {gen.spec.cache_len})", quiet=job.quiet) as progress:
             gen.warmup([len(r.turn_ids[0]) for r in self.first], exact=True, progress=progress.step)
@@ -677,7 +685,7 @@ class JobRun:
         job, gen, stats = self.job, self.gen, self.stats
         block_size = gen.spec.block_size
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
-                   "draft_tokens": gen.spec.num_drafts}
+                   "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
         if job.compare_baseline:
             self.say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
             summary["baseline"] = baseline_summary(self.engine(1), self.first, job.seed, self.limit,

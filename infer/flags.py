@@ -31,6 +31,11 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                          help="drafts the target verifies per cycle, 1..B-1 (default B-1, the whole block): the "
                               "drafter still denoises the whole block, the verify runs K+1 tokens; smaller K pays "
                               "where verify tokens cost compute (CPUs, large batches)"),
+    "tree_budget": dict(type=int, metavar="N",
+                        help="verify a draft tree of N nodes per cycle instead of the chain (DDTree): each block "
+                             "position's top candidates, expanded best-first, checked in one target pass; more "
+                             "tokens per cycle, output unchanged (greedy and seeded sampling equal plain "
+                             "decoding). 0 (default): the chain. Not for hybrid (delta-net) targets"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -64,10 +69,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
-BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "batch_size", "dtype", "max_prompt_len",
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "batch_size", "dtype", "max_prompt_len",
                       "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
-SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens",
+SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
                        "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
 
 

@@ -4,9 +4,11 @@ the implementation `selection.select` picks for the platform traced for."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from dflash_jax.attention.metadata import AttentionMetadata, LayerKV
 from dflash_jax.attention.selection import run
-from dflash_jax.kv import write_kv
+from dflash_jax.kv import read_kv, write_kv
 from dflash_jax.platform import target_platform
 
 
@@ -16,14 +18,22 @@ def attend(q, k_new, v_new, cache: LayerKV, meta: AttentionMetadata) -> tuple:
     q: [n, T, kv_heads, groups, head_dim] (rotated); k_new, v_new: [n, T, kv_heads, head_dim] or
     None (a layer sharing another's K/V). "causal" metadata writes them into `cache` at the
     queries' positions (rows `meta.rows`, through the page table or the ring) before attending;
-    "block" metadata attends them as the block's keys through `meta.block_mask`, uncached.
+    "block" metadata attends them as the block's keys through `meta.block_mask`, uncached; "tree"
+    metadata writes them from the root's position and attends them as the block's keys (a layer
+    sharing another's K/V reads the block back from the cache).
     out: [n, T, kv_heads * groups * head_dim] float32; cache: with the new K/V written.
     """
-    if meta.mask == "causal":
+    if meta.mask in ("causal", "tree"):
         if k_new is not None:
-            offsets = meta.q_pos[:, 0]
+            offsets = meta.q_pos[:, 0] if meta.mask == "causal" else meta.block_start
             cache = cache.replace(k=write_kv(cache.k, cache.layer, k_new, offsets, meta.rows, meta.pages, meta.ring),
                                   v=write_kv(cache.v, cache.layer, v_new, offsets, meta.rows, meta.pages, meta.ring))
+        if meta.mask == "tree":
+            if k_new is None:
+                positions = meta.block_start[:, None] + jnp.arange(q.shape[1])[None, :]
+                k_new, v_new = (read_kv(buf, cache.layer, positions, meta.rows, meta.pages, meta.ring)
+                                for buf in (cache.k, cache.v))
+            meta = meta.replace(block_k=k_new, block_v=v_new)
     else:
         meta = meta.replace(block_k=k_new, block_v=v_new)
     return run(q, cache, meta, target_platform()), cache

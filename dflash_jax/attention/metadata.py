@@ -8,10 +8,16 @@ Mask kinds (`AttentionMetadata.mask`):
 - "causal": the target. The call's new keys/values are written into the cache at the queries'
   positions, and a query sees the cached keys below its own `kv_limit` (q_pos + 1).
 - "block": the drafter. The call's new keys/values are not cached: they are the block's keys,
-  seen through `block_mask` [n, T, T] (non-causal for DFlash, a tree's mask for tree drafting)
-  beside the cached context below `kv_limit` (the row's context length).
-A new kind (a tree verify, a latent cache) adds a value here, a branch in `dispatch.attend`, and
-the rules in `select` that say which implementations serve it.
+  seen through `block_mask` [n, T, T] (non-causal for DFlash) beside the cached context below
+  `kv_limit` (the row's context length).
+- "tree": the target's verify of a draft tree (`dflash_jax.engine.tree`). The call's new
+  keys/values are written into the cache at consecutive positions from the root's, `kv_limit`
+  (node i at kv_limit + i), while node i's query sits at q_pos = kv_limit + its depth. A query
+  sees the committed prefix (cached keys below `kv_limit`) and the tree's keys through
+  `block_mask` [n, T, T] (its ancestors and itself): the block's keys are the call's new ones,
+  not read back from the cache (a layer that shares another's K/V reads them from the cache).
+A new kind (a latent cache) adds a value here, a branch in `dispatch.attend`, and the rules in
+`select` that say which implementations serve it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from flax import struct
 
 from dflash_jax.kv import PAGE_SIZE
 
-MASKS = ("causal", "block")
+MASKS = ("causal", "block", "tree")
 
 
 @struct.dataclass
@@ -37,14 +43,14 @@ class AttentionMetadata:
                 [layers, num_pages, page_size, kv_heads, head_dim] (`dflash_jax.kv.layout`).
     sinks:      optional [kv_heads, groups] attention-sink logits (gpt-oss): one more term in each
                 softmax's denominator, with no value.
-    block_mask: "block" kind: [n, T, C] bool, which of the uncached block keys each query sees.
+    block_mask: "block" and "tree" kinds: [n, T, C] bool, which of the block's keys each query sees.
     block_k, block_v: the block's keys/values [n, C, kv_heads, head_dim], set by `attend` from its
                 new keys/values (the implementations read them here).
     window:     (static) sliding window: keys at positions > q_pos - window only.
     ring:       (static) the buffers are rings of each row's last positions (needs a window).
     page_size:  (static) the cache's page, the unit the walk reads.
     scale:      (static) the scores' scale (default head_dim ** -0.5; Gemma 4: 1).
-    mask:       (static) "causal" or "block" (see the module's docstring).
+    mask:       (static) "causal", "block" or "tree" (see the module's docstring).
     """
 
     q_pos: jax.Array
@@ -81,6 +87,22 @@ class AttentionMetadata:
             block_mask = jnp.ones((n, t, t), bool)
         kv_limit = jnp.broadcast_to(context_lengths[:, None], (n, t))
         return cls(q_pos=q_pos, kv_limit=kv_limit, block_mask=block_mask, mask="block", **layout)
+
+    @classmethod
+    def tree(cls, q_pos, tree_mask, **layout) -> "AttentionMetadata":
+        """The target's verify of a draft tree: q_pos [n, T] = the root's position + each node's
+        depth (node 0 is the root, at depth 0), tree_mask [n, T, T] the ancestor relation (with
+        itself). With a sliding window, ancestors further back than the window are masked too."""
+        start = q_pos[:, :1]
+        if layout.get("window") is not None:
+            tree_mask = tree_mask & (q_pos[:, :, None] - q_pos[:, None, :] < layout["window"])
+        return cls(q_pos=q_pos, kv_limit=jnp.broadcast_to(start, q_pos.shape), block_mask=tree_mask, mask="tree",
+                   **layout)
+
+    @property
+    def block_start(self):
+        """"tree" kind: [n], the cache position of the root, where the nodes' K/V are written."""
+        return self.kv_limit[:, 0]
 
     @property
     def has_block(self) -> bool:

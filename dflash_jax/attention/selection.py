@@ -52,7 +52,7 @@ def override(name: str, /, **options):
 def _cudnn_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> list[tuple[bool, str]]:
     return [
         (meta.sinks is not None, "cuDNN has no attention sinks"),
-        (meta.has_block, "cuDNN cannot add uncached block keys with their own mask"),
+        (meta.mask == "block", "cuDNN cannot add uncached block keys with their own mask"),
         (meta.rows is not None, "prefill into chosen rows: a row gather would copy their caches"),
         (meta.pages is not None, "a page pool: a row's keys are not contiguous"),
         (meta.ring, "a ring: a row's keys are not in position order"),

@@ -28,9 +28,25 @@ from dflash_jax.kv.layout import PAGE_SIZE
 SYNC_EVERY = 8
 SERVER_SYNC_EVERY = 2
 
+# Fields that must be integers >= 0.
+_NON_NEGATIVE = ("tree_budget",)
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
              "kv_pages", "page_size", "prefill_chunk")
+
+
+def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None):
+    """Refuse, with an InputError naming the flag, a tree of `budget` nodes that cannot verify
+    for this target (a `ModelConfig`) and block, before anything compiles."""
+    if budget < 0:
+        raise InputError(f"--tree-budget must be >= 0, got {budget}")
+    if block_size < 2:
+        raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
+    if draft_tokens is not None:
+        raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
+    if target.num_linear_layers:
+        raise InputError(f"--tree-budget: the target's {target.num_linear_layers} recurrent (delta-net) layers "
+                          f"cannot verify several branches from one state; use the chain (--tree-budget 0)")
 
 
 def flag(name: str) -> str:
@@ -47,6 +63,7 @@ class EngineOptions:
     batch_size: int = 8  # rows decoded together (slots)
     block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
+    tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
@@ -65,6 +82,14 @@ class EngineOptions:
                 raise InputError(f"{flag(name)} must be an integer, got {value!r}")
             if value is not None and value < 1:
                 raise InputError(f"{flag(name)} must be >= 1, got {value}")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise InputError(f"{flag(name)} must be an integer >= 0, got {value!r}")
+        if self.tree_budget and self.draft_tokens is not None:
+            raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
+        if self.tree_budget and self.block_size == 1:
+            raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -100,4 +125,4 @@ class EngineOptions:
             sync_every=self.sync_every, mesh=pair.mesh, draft_tokens=self.draft_tokens if drafting else None,
             watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
-            admission_widths=admission_widths)
+            admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0)

@@ -56,7 +56,8 @@ class BatchEngine:
     draft_tokens K (default B - 1) sends only the first K drafts of each block to the verify:
     the drafter still denoises the whole block, the target runs K + 1 tokens. Worth it where a
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
-    block is nearly free. watchdog: every wait on the device runs inside its `waiting`, so a
+    block is nearly free. tree_budget N (default 0, the chain) verifies a draft tree of N nodes
+    per cycle instead (`dflash_jax.engine.tree`): more tokens accepted per cycle, the same output. watchdog: every wait on the device runs inside its `waiting`, so a
     stalled device ends the run with a one-line error instead of a hang.
 
     narrow_tail: once no prompt waits and the rows still running fit fewer slots, they move to
@@ -75,7 +76,7 @@ class BatchEngine:
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
                  watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
-                 admission_widths: Sequence[int] | None = None):
+                 admission_widths: Sequence[int] | None = None, tree_budget: int = 0):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -100,8 +101,9 @@ class BatchEngine:
         self.spec = EngineSpec(
             target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
             sampling=sampling, max_new_tokens=max_new_tokens,
-            cache_len=self.max_prompt_len + max_new_tokens + 2 * block_size, mesh=mesh,
+            cache_len=self.max_prompt_len + max_new_tokens + max(2 * block_size, tree_budget + 1), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
+            tree_budget=tree_budget,
         )
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")

@@ -30,7 +30,9 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context
+from dflash_jax.engine.options import check_tree
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample, sample_rows
+from dflash_jax.engine.tree import Tree, build_tree, follow, top_candidates
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import CausalLM, ForwardOutput, forward, settle
@@ -55,9 +57,12 @@ class EngineSpec:
     page_size: int = PAGE_SIZE  # cache positions per page: attention walks the pages rows have used
     prefill_chunk: int = 512  # prompts longer than this prefill in chunks of it, one after another
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
+    tree_budget: int = 0  # draft-tree nodes verified per cycle (`dflash_jax.engine.tree`); 0: the chain
 
     def __post_init__(self):
-        k, b = self.draft_tokens, self.block_size
+        k, b, n = self.draft_tokens, self.block_size, self.tree_budget
+        if n:
+            check_tree(self.target, b, n, k)
         if k is None:
             return
         if b == 1:
@@ -67,9 +72,12 @@ class EngineSpec:
 
     @property
     def num_drafts(self) -> int:
-        """K: the drafter denoises a whole block of B, the target verifies [anchor, d_1..d_K]."""
+        """K: the drafter denoises a whole block of B, the target verifies [anchor, d_1..d_K]
+        (a tree: [root, its tree_budget nodes])."""
         if self.block_size == 1:
             return 0
+        if self.tree_budget:
+            return self.tree_budget
         return self.block_size - 1 if self.draft_tokens is None else self.draft_tokens
 
     @property
@@ -417,8 +425,43 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     )
 
 
+def draft_tree(tparams, dparams, spec: EngineSpec, anchor, context_cache) -> Tree:
+    """The drafter's one pass over [anchor, MASK x (B-1)], as `draft`, turned into a tree of
+    spec.tree_budget nodes: each block position's top candidates, expanded best-first."""
+    model = CausalLM(spec.target)
+    batch, b = anchor.shape[0], spec.block_size
+    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
+    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
+    hidden = draft_hidden(dparams, spec.drafter, embeds, context_cache)
+    logits = model.apply({"params": tparams}, hidden[:, 1:], method=CausalLM.logits)
+    return build_tree(anchor, *top_candidates(logits, spec.tree_budget), spec.tree_budget)
+
+
+def verify_tree(tparams, spec: EngineSpec, state: DecodeState, tree: Tree):
+    """The target runs the tree's nodes as one block (`forward`'s `tree`), then each row's
+    accepted path is found by sample-and-match (`follow`) and compacted: returns the path's
+    target tokens [batch, B] (as `verify`'s for the chain: target_tokens[:, i] is the token after
+    the path's i-th node), num_accepted [batch], and the forward output with the path's K/V
+    moved to positions P..P+a and its taps in path order."""
+    out = forward(tparams, spec.target, tree.tokens, state.target_cache, taps=spec.taps,
+                  tree=(tree.depth, tree.mask))
+    start = state.target_cache.lengths
+    # The same key for every node of one depth: the one plain decoding uses at that position.
+    keys = position_keys(state.row_keys, start[:, None] + 1 + tree.depth)
+    node_tokens = pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p))
+    path, num_accepted = follow(tree, node_tokens, spec.block_size - 1)
+    target_tokens = jnp.take_along_axis(node_tokens, path, axis=1)
+    taps = None if out.tap_features is None else jnp.take_along_axis(out.tap_features, path[:, :, None], axis=1)
+    return target_tokens, num_accepted, out.replace(cache=out.cache.compact(start, path), tap_features=taps)
+
+
 def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> DecodeState:
     """One draft -> verify -> accept -> commit cycle for every row (no-op for done rows)."""
+    if spec.tree_budget:
+        tree = draft_tree(tparams, dparams, spec, state.anchor, state.context_cache)
+        target_tokens, num_accepted, verified = verify_tree(tparams, spec, state, tree)
+        return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
+                               spec.mesh)
     if spec.uses_drafter:
         drafts = draft(tparams, dparams, spec, state.anchor, state.context_cache)
         block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)

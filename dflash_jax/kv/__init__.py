@@ -3,18 +3,19 @@
 - `layout`: pages (`PAGE_SIZE`), the page table's `NO_PAGE`, allocated lengths, rings;
 - `cache`: the `KVCache` type and its init, for the target (`init_cache`) and the drafter's
   context (`init_context_cache`);
-- `writes`: `write_kv`, new keys/values into per-row slots, a page pool or a ring, in place;
+- `writes`: `write_kv`, new keys/values into per-row slots, a page pool or a ring, in place, and
+  `read_kv`, the gather of chosen positions from any of them;
 - `pool`: the host's side of a page pool: free pages (`PagePool`), a row's pages (`pages_needed`)
   and the page-table rows handed to the device (`page_table`).
 """
 
 from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, cache_length, page_size_of, ring_length
 from dflash_jax.kv.cache import KVCache, init_cache, init_context_cache, row_lengths
-from dflash_jax.kv.writes import write_kv
+from dflash_jax.kv.writes import read_kv, write_kv
 from dflash_jax.kv.pool import PagePool, page_table, pages_needed
 
 __all__ = [
     "NO_PAGE", "PAGE_SIZE", "cache_layout", "cache_length", "page_size_of", "ring_length",
-    "KVCache", "init_cache", "init_context_cache", "row_lengths", "write_kv",
+    "KVCache", "init_cache", "init_context_cache", "row_lengths", "read_kv", "write_kv",
     "PagePool", "page_table", "pages_needed",
 ]

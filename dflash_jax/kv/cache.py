@@ -17,6 +17,7 @@ from flax import struct
 
 from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, ring_length
+from dflash_jax.kv.writes import read_kv, write_kv
 
 if TYPE_CHECKING:
     from dflash_jax.drafter import DrafterConfig
@@ -81,6 +82,23 @@ class KVCache:
         if self.pages is None:
             return self
         return self.replace(pages=jnp.where(rows_done[:, None], NO_PAGE, self.pages))
+
+    def compact(self, starts, nodes) -> "KVCache":
+        """Move each row's accepted tree path into place: the K/V at positions starts + nodes[:, j]
+        (nodes [batch, J], a tree verify's node numbers, written from starts [batch]) go to
+        starts + j, in every layer of both groups, through the page table or the ring. Positions
+        past the accepted path get whatever the padding nodes point at (past the row's length:
+        never read). Lengths are the caller's."""
+        src = starts[:, None] + nodes
+        out = {}
+        for names, global_group in ((("k", "v"), False), (("k_global", "v_global"), True)):
+            pages, ring = self.layout(global_group)
+            for name in names:
+                buf = getattr(self, name)
+                if buf is not None:
+                    out[name] = write_kv(buf, None, read_kv(buf, None, src, None, pages, ring), starts, None, pages,
+                                         ring)
+        return self.replace(**out)
 
     def reset_rows(self, rows) -> "KVCache":
         """Rows `rows` [n] (out of range: ignored) emptied for a new sequence: length 0 and,

@@ -1,6 +1,8 @@
 """Cache writes: a chunk of new keys/values at each row's own offset, straight into the buffer
 (per-row slots, a page pool through each row's page table, or a ring). With the buffer donated
 (or carried by a loop), XLA updates it in place, and no step copies or re-stacks the cache.
+`read_kv` is the matching gather of chosen positions (a tree verify's block, and the accepted
+path it compacts into place).
 """
 
 from __future__ import annotations
@@ -75,3 +77,25 @@ def _write_ring(buf, layer, new, offsets, rows):
     if layer is None:
         return buf.at[:, where, pos].set(new, mode="drop")
     return buf.at[layer, where, pos].set(new, mode="drop")
+
+
+def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool = False):
+    """The keys or values at positions [n, T] of batch rows rows[i] (default row i) -> [n, T,
+    kv_heads, head_dim] from layer `layer` of buf (layer None: every layer, [layers, n, T, ...]),
+    through each row's page table (`pages`) or a ring's modulo, as `write_kv` wrote them.
+    Positions past a row's pages read page 0 (the caller never uses them)."""
+    n = positions.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
+    view = buf if layer is None else buf[layer][None]
+    layers, _, length, heads, dim = view.shape
+    if pages is not None:
+        num_pages, page = view.shape[1], length
+        table = jnp.take(pages, rows, axis=0, mode="clip")
+        phys = jnp.take_along_axis(table, jnp.clip(positions // page, 0, table.shape[1] - 1), axis=1)
+        flat = jnp.clip(phys, 0, num_pages - 1) * page + positions % page
+        out = view.reshape(layers, num_pages * page, heads, dim)[:, flat]
+    else:
+        where = positions % length if ring else jnp.clip(positions, 0, length - 1)
+        out = view[:, jnp.clip(rows, 0, view.shape[1] - 1)[:, None], where]
+    return out if layer is None else out[0]

@@ -57,9 +57,10 @@ class DecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False, per_layer_input=None):
+    def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False, per_layer_input=None,
+                 tree_mask=None):
         """Returns (x, cache, pending): pending is the linear layer's deferred `Pending`
-        (defer), else None."""
+        (defer), else None. tree_mask: a draft tree's ancestor mask (`forward`'s `tree`)."""
         c = self.config
         slot = c.cache_slot(self.layer)
         pending = None
@@ -73,7 +74,7 @@ class DecoderLayer(nn.Module):
                        else (lambda a, new: a[:slot] + (a[slot].at[rows].set(new, mode="drop"),) + a[slot + 1:]))
                 cache = cache.replace(tail=put(cache.tail, tail), state=put(cache.state, state))
         else:
-            h, cache = Attention(c, self.layer, name="self_attn")(h, cos, sin, cache, query_pos, rows)
+            h, cache = Attention(c, self.layer, name="self_attn")(h, cos, sin, cache, query_pos, rows, tree_mask)
         if c.block_norms == "sandwich":
             x = x + norm(c, "post_attention_layernorm")(h)
             h = MLP(c, name="mlp")(norm(c, "pre_feedforward_layernorm")(x))
@@ -113,10 +114,11 @@ class Decoder(nn.Module):
             self.per_layer_model_projection = nn.Dense(width, use_bias=False, dtype=dtype, param_dtype=dtype)
             self.per_layer_projection_norm = norm(c)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None, valid=None, defer=False):
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None, valid=None, defer=False, tree=None):
         c = self.config
         offsets = cache.lengths if rows is None else row_lengths(cache, rows)
-        query_pos = offsets[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        steps = jnp.arange(tokens.shape[1])[None, :] if tree is None else tree[0]
+        query_pos = offsets[:, None] + steps
         # One RoPE table per kind of layer (Gemma 4's global layers have their own).
         angles = {kind: rope_angles(c, query_pos, next(i for i in range(c.num_hidden_layers) if c.is_global(i) == kind))
                   for kind in {c.is_global(i) for i in range(c.num_hidden_layers)}}
@@ -126,7 +128,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = angles[c.is_global(i)]
             x, cache, p = layer(x, cos, sin, cache, query_pos, rows, valid, defer,
-                                None if per_layer is None else per_layer[:, :, i])
+                                None if per_layer is None else per_layer[:, :, i], None if tree is None else tree[1])
             if p is not None:
                 pending.append(p)
             if i in taps:
@@ -177,8 +179,9 @@ class CausalLM(nn.Module):
             dtype = jnp_dtype(c.dtype)
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
 
-    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None, valid=None, defer=False):
-        return self.model(tokens, cache, taps, rows, valid, defer)
+    def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None, valid=None, defer=False,
+                 tree=None):
+        return self.model(tokens, cache, taps, rows, valid, defer, tree)
 
     def logits(self, h):
         """h [..., hidden] -> float32 logits [..., vocab] (soft-capped: cap * tanh(logits / cap),
@@ -240,6 +243,7 @@ def forward(
     return_logits: bool = True,
     rows=None,
     defer_recurrent: bool = False,
+    tree=None,
 ) -> ForwardOutput:
     """Process a chunk of tokens per row at each row's own offset.
 
@@ -256,6 +260,10 @@ def forward(
         them as they were, and the output's `pending` says what the chunk would write;
         `settle` then commits each row's accepted prefix (the verify pass of speculative
         decoding). Otherwise their states advance by num_tokens per row.
+    tree: (depth [n, T], mask [n, T, T]) for a draft tree's verify (`dflash_jax.engine.tree`):
+        token i is a tree node at position cache.lengths + depth[:, i] (node 0, the root, at
+        depth 0), seeing the cache and the nodes mask[:, i] marks (its ancestors and itself);
+        its K/V are written at cache.lengths + i. Attention layers only (no recurrent layers).
     The caller guarantees cache.lengths + T <= cache.max_len (and, with a ring, T at most the
     chunk it was sized for).
     Jit-compiled (config, taps, return_logits and defer_recurrent are static); callable inside other jits.
@@ -264,15 +272,19 @@ def forward(
     bad = [l for l in taps if not 0 <= l < config.num_hidden_layers]
     if bad:
         raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
+    if tree is not None and config.num_linear_layers:
+        raise ConfigError("a tree verify needs attention layers only: recurrent layers cannot run several branches")
     return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows,
-                    defer_recurrent)
+                    defer_recurrent, tree)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "return_logits", "defer_recurrent"))
-def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows, defer_recurrent):
+def _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows, defer_recurrent,
+             tree=None):
     model = CausalLM(config)
     valid = None if num_tokens is None or not config.num_linear_layers else num_tokens.astype(jnp.int32)
-    h, new_cache, tapped, pending = model.apply({"params": params}, tokens, cache, taps, rows, valid, defer_recurrent)
+    h, new_cache, tapped, pending = model.apply({"params": params}, tokens, cache, taps, rows, valid, defer_recurrent,
+                                                tree)
     logits = None
     if return_logits:
         if logits_indices is not None:

@@ -107,9 +107,11 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache, query_pos, rows):
+    def __call__(self, x, cos, sin, cache, query_pos, rows, tree_mask=None):
         """x [n, T, hidden] at query_pos [n, T] of cache rows `rows` (None: rows 0..n-1).
-        Writes this chunk's K/V into the cache, then attends causally over it."""
+        Writes this chunk's K/V into the cache, then attends causally over it; with tree_mask
+        [n, T, T] (a draft tree's verify) the chunk's tokens are tree nodes, written from the
+        root's position and seeing their ancestors (`AttentionMetadata.tree`)."""
         c, i = self.config, self.layer
         dtype = jnp_dtype(c.dtype)
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -143,8 +145,10 @@ class Attention(nn.Module):
                 v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
             k = apply_rope(k, cos, sin)
         q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
-        meta = AttentionMetadata.causal(query_pos, rows=rows, pages=pages, sinks=sinks, window=window, ring=ring,
-                                        page_size=cache.page_size, scale=c.attention_scale)
+        layout = dict(rows=rows, pages=pages, sinks=sinks, window=window, ring=ring, page_size=cache.page_size,
+                      scale=c.attention_scale)
+        meta = (AttentionMetadata.causal(query_pos, **layout) if tree_mask is None
+                else AttentionMetadata.tree(query_pos, tree_mask, **layout))
         out, kv = attend(q, k, v, LayerKV(getattr(cache, keys), getattr(cache, values), c.cache_slot(i)), meta)
         cache = cache.replace(**{keys: kv.k, values: kv.v})
         out = out.astype(dtype)

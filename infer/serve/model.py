@@ -39,6 +39,12 @@ class ServedModel:
             if args.draft_tokens is not None and args.draft_tokens > block - 1:
                 raise DFlashError(f"--draft-tokens {args.draft_tokens} is more than a block of {block} holds "
                                   f"(1..{block - 1})")
+            if self.options.tree_budget:
+                from dflash_jax.engine.options import check_tree
+
+                check_tree(pair.target, block, self.options.tree_budget)
+        elif self.options.tree_budget:
+            raise DFlashError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
         self.name = args.served_model_name or (MODEL_DEFAULT_NAME if pair.demo else self.target_dir.resolve().name)
         self.max_new = args.max_new_tokens or (128 if pair.demo else 256)
         self.max_prompt = args.max_prompt_len or min(2048, self.tcfg.max_position_embeddings)
