@@ -86,6 +86,8 @@ def print_summary(s: dict, say):
         return
     drafts = s.get("draft_tokens")
     verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
+    if s.get("tree_budget"):
+        verified = f" (a draft tree of {s['tree_budget']} nodes verified per cycle)"
     if "heldout" in s:  # the demo pair: the figure to expect first
         h = s["heldout"]
         say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "

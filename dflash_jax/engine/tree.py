@@ -55,9 +55,9 @@ def top_candidates(logits, budget: int):
     min(budget, vocab) tokens with their log-probabilities (descending). logits [batch, D,
     vocab] -> (log_probs, tokens), each [batch, D, k]."""
     k = min(budget, logits.shape[-1])
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    values, tokens = jax.lax.top_k(log_probs, k)
-    return values, tokens.astype(jnp.int32)
+    logits = logits.astype(jnp.float32)
+    values, tokens = jax.lax.top_k(logits, k)  # the order of the log-probabilities: only k of them are formed
+    return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), tokens.astype(jnp.int32)
 
 
 def build_tree(anchor, log_probs, tokens, budget: int) -> Tree:
