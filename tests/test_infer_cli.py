@@ -170,6 +170,34 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
     assert again.summary is None and again.skipped == 8 and len(read_jsonl(out)) == 8
 
 
+def test_a_draft_tree_gives_the_references_rows_in_fewer_cycles(tmp_path, capsys):
+    """--tree-budget 12 on the reference pair (block 8): the reference's tokens (the target's own
+    greedy ones), more tokens per cycle than its chain, the summary says so; a rerun with the chain
+    does not resume the tree's lines; bad combinations are one-line errors before anything loads."""
+    out, summary = tmp_path / "out.jsonl", tmp_path / "s.json"
+    assert main(tiny_pair() + ["--output", str(out), "--summary-json", str(summary), "--tree-budget", "12"]) == 0
+    err = capsys.readouterr().err
+    assert "block size 8 (a draft tree of 12 nodes verified per cycle): tau" in err
+    cases = json.loads((tiny() / "greedy_cases.json").read_text())
+    records = read_jsonl(out)
+    for r in records:
+        i = int(r["id"].split("-")[1])
+        assert cases["prompts"][i] + r["output_ids"] == cases["outputs"][i]
+        assert r["fingerprint"]["tree_budget"] == 12
+    s = json.loads(summary.read_text())
+    chain_tau = np.mean([a for acc in cases["acceptance_lengths"] for a in acc])
+    assert s["tree_budget"] == 12 and s["tau"] > chain_tau, (s["tau"], chain_tau)
+    code = main(tiny_pair() + ["--output", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "was generated with --tree-budget 12, this run has null" in err, err
+    for flags, message in ((["--tree-budget", "4", "--draft-tokens", "3"], "--tree-budget and --draft-tokens exclude"),
+                           (["--tree-budget", "4", "--block-size", "1"], "--tree-budget needs a drafter"),
+                           (["--tree-budget", "-1"], "--tree-budget must be an integer >= 0")):
+        code = main(tiny_pair() + flags + ["--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (flags, err)
+
+
 def test_a_job_with_a_bad_field_is_refused_naming_it():
     from dflash_jax.errors import InputError
     from dflash_jax.generation import GenerationJob

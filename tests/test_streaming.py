@@ -2,7 +2,8 @@
 through its queue while others run stream the tokens `BatchEngine.generate` gives the same prompts
 (greedy, and sampled with their own settings and streams), long prompts go in piece by piece
 between cycles (rows being filled keep their caches: per-slot, a page pool with ring layers, a hybrid's
-recurrent states), cancelled requests free their slots, and nothing compiles after warm-up.
+recurrent states), cancelled requests free their slots, and nothing compiles after warm-up; a
+draft-tree engine (`tree_budget`) serves the same way.
 
 Each engine compiles every prompt bucket at every admission width, the streaming loop and the
 pieces (about a minute on 2 cores), so these run with the full matrix (-m heavy); the server's
@@ -25,8 +26,9 @@ from test_spec_decode import setup
 
 pytestmark = pytest.mark.heavy
 
-# name: (setup, page pool pages or None); pieces of 16 tokens, prompts up to 64
-CASES = {"qwen3": ("qwen3-v128", None), "gpt_oss-pool": ("gpt_oss-v8", 24), "qwen3_5": ("qwen3_5-v8", None)}
+# name: (setup, page pool pages or None, draft-tree budget); pieces of 16 tokens, prompts up to 64
+CASES = {"qwen3": ("qwen3-v128", None, 0), "gpt_oss-pool": ("gpt_oss-v8", 24, 0), "qwen3_5": ("qwen3_5-v8", None, 0),
+         "gpt_oss-pool-tree": ("gpt_oss-v8", 24, 6)}
 LENGTHS = (5, 30, 12, 60, 3, 17, 40, 9, 22, 14, 64, 33)
 LIMITS = (24, 7, 19, 24, 1, 24, 12, 24, 3, 22, 20, 24)
 
@@ -59,18 +61,22 @@ def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
-    name, pool = CASES[case]
+    name, pool, tree = CASES[case]
     target, tparams, drafter, dparams = setup(name)
     rs = np.random.RandomState(5)
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in LENGTHS]
     kw = dict(block_size=4, batch_size=4, max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
-              page_size=8, kv_pages=pool, stop_token_ids=[1])
+              page_size=8, kv_pages=pool, stop_token_ids=[1], tree_budget=tree)
     gen = BatchEngine(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
     engine = StreamingEngine(gen, max_waiting=len(prompts))
     assert engine.interleaves and engine.warmup() == [16]  # longer prompts: pieces of 16
     warm = compiles()
     greedy = {r.index: r for r in BatchEngine(target, tparams, drafter, dparams, **kw).generate(
         prompts, max_new_tokens=list(LIMITS))}
+    if tree:  # a draft tree's rows are plain decoding's
+        plain = BatchEngine(target, tparams, None, None, **dict(kw, block_size=1, tree_budget=0)).generate(
+            prompts, max_new_tokens=list(LIMITS))
+        assert all(greedy[r.index].output_ids == r.output_ids for r in plain)
     samplings = [Sampling(1.0, top_k=5, per_row=True) if i % 3 == 0 else Sampling(per_row=True)
                  for i in range(len(prompts))]
     ids = [1000 + 7 * i for i in range(len(prompts))]
