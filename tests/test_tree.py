@@ -1,0 +1,371 @@
+"""Tree verification (`--tree-budget N`, `dflash_jax.engine.tree`): a draft tree of N nodes per
+cycle, verified in one target pass, gives plain decoding's output token for token.
+
+- `build_tree` equals a host-side best-first expansion (`heapq`, ties made impossible by random
+  log-probabilities): the same nodes in the same order, parents, depths, padding nodes where the
+  candidates run out, and an ancestor mask that is exactly "j is i or an ancestor of i"; a
+  confident drafter (one candidate far ahead at each position) gives the chain.
+- `follow` walks hand-built trees as sample-and-match says: it descends to the valid child holding
+  the target's token, never to a padding node or the root, and stops at the first miss.
+- `KVCache.compact` moves the accepted path's K/V into place (every layer, both of Gemma 4's
+  groups) over per-row caches, a page pool and a ring, and touches nothing else; `read_kv` reads
+  what `write_kv` wrote in each layout.
+- The "tree" attention kind: the walk equals dense float64 attention over the prefix and the
+  ancestors (with a sliding window and with sinks), the Pallas kernel (interpret mode) and the GPU
+  path (jax's reference implementation) equal the walk.
+- The engine with a tree equals plain decoding token for token, greedy and seeded sampled, across
+  budgets, batch sizes, a GQA ratio, sliding-window, MoE and Gemma 4 targets and a page pool; it
+  accepts several tokens per cycle, more than the chain at budget 16; its first tokens' sampled
+  distribution is the target's; nothing recompiles after warm-up; what cannot verify a tree is a
+  one-line InputError naming --tree-budget before anything compiles.
+
+Everyday: one engine case per family (qwen3, gpt-oss sampled, Gemma 4 on a pool, Qwen3-MoE), the
+distribution and compilation checks; the rest of the matrix is `-m heavy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import attention
+from dflash_jax.attention import AttentionMetadata, LayerKV, override
+from dflash_jax.engine import BatchEngine, Sampling
+from dflash_jax.engine.options import EngineOptions
+from dflash_jax.engine.tree import Tree, build_tree, follow, top_candidates
+from dflash_jax.errors import DFlashError, InputError
+from dflash_jax.kv import NO_PAGE, init_cache, read_kv, write_kv
+from dflash_jax.model import init_params
+from bench.timing import compile_counts
+from test_attention import dense_reference
+from test_spec_decode import (
+    CHUNK, MAX_NEW, MAX_PROMPT, N_SAMPLES, PAGE, PROMPT_LENGTHS, SAMPLE_BATCH, SAMPLE_PROMPT, SAMPLINGS, SETUPS,
+    SLOTS, V, by_index, check_lengths, engine, exact_joint, greedy, heavy, model_config, perturbed, prompts,
+    sampling_setup, setup, tv, tv_bound,
+)
+
+
+# --------------------------------------------------------------------------- 1. build_tree
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def reference_tree(anchor, logits, budget):
+    """Best-first expansion on the host: a max-heap (heapq of negated scores) of frontier entries
+    (score, parent node, depth, rank); each pop becomes the next node, then its next-ranked sibling
+    and its best child join the frontier. The candidates at each depth are the top
+    min(budget, vocab) tokens of log_softmax(logits). Returns (tokens, parent, depth, valid) of
+    budget + 1 nodes (node 0 the root; None for padding nodes) and the score of each node."""
+    lp = log_softmax(logits)  # [D, V]
+    depths, vocab = lp.shape
+    k = min(budget, vocab)
+    order = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
+    ranked = np.take_along_axis(lp, order, -1)
+    nodes = [(anchor, 0, 0, 0.0)]  # (token, parent, depth, score)
+    heap = [(-ranked[0, 0], 0, 1, 0, 0.0)]  # (-score, parent, depth, rank, parent's score)
+    while len(nodes) < budget + 1 and heap:
+        neg, parent, depth, rank, base = heapq.heappop(heap)
+        if not np.isfinite(neg):
+            break
+        i = len(nodes)
+        nodes.append((int(order[depth - 1, rank]), parent, depth, -neg))
+        if rank + 1 < k:
+            heapq.heappush(heap, (-(base + ranked[depth - 1, rank + 1]), parent, depth, rank + 1, base))
+        if depth < depths:
+            heapq.heappush(heap, (-(-neg + ranked[depth, 0]), i, depth + 1, 0, -neg))
+    return nodes
+
+
+def ancestors(parent, i):
+    out = {i}
+    while i:
+        i = parent[i]
+        out.add(i)
+    return out
+
+
+def check_tree_row(tree: Tree, row: int, want, budget):
+    tokens, parent, depth, valid, mask = (np.asarray(x)[row] for x in
+                                          (tree.tokens, tree.parent, tree.depth, tree.valid, tree.mask))
+    n = budget + 1
+    assert tokens.shape == (n,) and mask.shape == (n, n)
+    real = len(want)
+    assert valid.tolist() == [True] * real + [False] * (n - real)
+    assert tokens[:real].tolist() == [w[0] for w in want]
+    assert parent[:real].tolist() == [w[1] for w in want]
+    assert depth[:real].tolist() == [w[2] for w in want]
+    # the same token paths (the order of the nodes aside)
+    path = lambda toks, par, i: tuple(toks[j] for j in sorted(ancestors(par, i)))  # noqa: E731
+    want_parent = [w[1] for w in want]
+    assert {path(tokens, parent, i) for i in range(real)} == {path([w[0] for w in want], want_parent, i)
+                                                              for i in range(real)}
+    expected = np.zeros((n, n), bool)
+    for i in range(real):
+        expected[i, sorted(ancestors(want_parent, i))] = True
+    for i in range(real, n):  # a padding node sees itself only, and nothing sees it
+        expected[i, i] = True
+    np.testing.assert_array_equal(mask, expected)
+    assert (parent[1:real] < np.arange(1, real)).all()  # a parent comes first
+
+
+TREE_CASES = [  # (batch, depths, vocab, budget): vocab <= budget gives k = vocab
+    (3, 1, 5, 1), (3, 1, 5, 4), (2, 1, 3, 8), (2, 1, 2, 20),  # depth 1, budget past the 2 or 3 possible nodes
+    (3, 2, 2, 9), (2, 3, 2, 20),  # 6 and 14 possible nodes: padding
+    (4, 2, 6, 7), (3, 3, 7, 12), (3, 4, 9, 16), (2, 5, 11, 20), (3, 5, 4, 6), (2, 4, 30, 10), (2, 5, 3, 2),
+]
+
+
+@pytest.mark.parametrize("batch,depths,vocab,budget", TREE_CASES)
+def test_build_tree_equals_a_best_first_reference(batch, depths, vocab, budget):
+    rs = np.random.RandomState(batch * 1000 + depths * 100 + vocab + budget)
+    logits = rs.randn(batch, depths, vocab).astype(np.float32) * 2
+    anchor = rs.randint(0, vocab, batch).astype(np.int32)
+    log_probs, tokens = top_candidates(jnp.asarray(logits), budget)
+    assert log_probs.shape == tokens.shape == (batch, depths, min(budget, vocab))
+    lp = log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(log_probs), -np.sort(-lp, -1)[..., :min(budget, vocab)], atol=1e-5)
+    tree = jax.jit(build_tree, static_argnums=3)(jnp.asarray(anchor), log_probs, tokens, budget)
+    possible = sum(min(budget, vocab) ** d for d in range(1, depths + 1))
+    for row in range(batch):
+        want = reference_tree(int(anchor[row]), logits[row], budget)
+        assert len(want) == min(budget, possible) + 1
+        check_tree_row(tree, row, want, budget)
+        scores = [w[3] for w in want[1:]]
+        assert scores == sorted(scores, reverse=True)  # best first: a popped score never rises
+    if possible < budget:
+        assert not np.asarray(tree.valid)[:, -1].any()
+
+
+@pytest.mark.parametrize("budget,rest", [(7, -30.0), (10, -np.inf), (7, -np.inf)])
+def test_a_confident_drafter_gives_the_chain(budget, rest):
+    """One candidate far ahead at each of the B - 1 = 7 positions: budget 7 is the chain of the
+    argmaxes; with every other logit -inf there is no other candidate, and nodes past the chain
+    are padding."""
+    rs = np.random.RandomState(3)
+    batch, depths, vocab = 3, 7, 8
+    best = rs.randint(0, vocab, (batch, depths))
+    logits = np.full((batch, depths, vocab), rest, np.float32)
+    np.put_along_axis(logits, best[..., None], 0.0, -1)
+    tree = build_tree(jnp.asarray([5, 6, 7]), *top_candidates(jnp.asarray(logits), budget), budget)
+    n = budget + 1
+    chain = np.arange(depths + 1)
+    for row in range(batch):
+        assert np.asarray(tree.tokens)[row, 1:depths + 1].tolist() == best[row].tolist()
+        assert np.asarray(tree.parent)[row, 1:depths + 1].tolist() == list(range(depths))
+        assert np.asarray(tree.depth)[row, :depths + 1].tolist() == chain.tolist()
+    valid = np.asarray(tree.valid)
+    assert valid[:, :depths + 1].all() and not valid[:, depths + 1:].any()
+    mask = np.asarray(tree.mask)
+    np.testing.assert_array_equal(mask[:, :depths + 1, :depths + 1], np.broadcast_to(np.tril(np.ones((8, 8), bool)),
+                                                                                      (batch, 8, 8)))
+    assert mask.shape == (batch, n, n)
+
+
+# --------------------------------------------------------------------------- 2. follow
+
+#        0 (anchor 6)
+#       /    |     \
+#    1:5    2:3    5:4 (padding)
+#     |      |  \
+#    3:7    4:2  6:7
+#            |
+#           7:1
+HAND = dict(tokens=[6, 5, 3, 7, 2, 4, 7, 1], parent=[0, 0, 0, 1, 2, 0, 2, 4], depth=[0, 1, 1, 2, 2, 1, 2, 3],
+            valid=[True, True, True, True, True, False, True, True])
+
+
+def hand_tree(batch):
+    arrays = {k: jnp.asarray([v] * batch) for k, v in HAND.items()}
+    n = len(HAND["tokens"])
+    mask = np.zeros((n, n), bool)
+    for i in range(n):
+        mask[i, sorted(ancestors(HAND["parent"], i))] = True
+    return Tree(mask=jnp.asarray([mask] * batch), **arrays)
+
+
+# target tokens per node (what the target samples after each node), expected path and accepted
+FOLLOW_CASES = [
+    ([3, 0, 2, 0, 1, 0, 0, 9], [0, 2, 4, 7, 7], 3),  # down to the deepest node; its own target ends the walk
+    ([3, 0, 7, 0, 0, 0, 0, 0], [0, 2, 6, 6, 6], 2),  # the second child of node 2
+    ([5, 7, 0, 1, 0, 0, 0, 0], [0, 1, 3, 3, 3], 2),  # node 3 has no children
+    ([5, 2, 2, 0, 1, 0, 0, 0], [0, 1, 1, 1, 1], 1),  # 2 is node 4's token, but node 4 is not node 1's child
+    ([4, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0], 0),  # 4 is only the padding node's token
+    ([6, 6, 6, 6, 6, 6, 6, 6], [0, 0, 0, 0, 0], 0),  # the anchor's token: the root is no child of itself
+    ([1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0], 0),  # node 7's token, but not a child of the root
+]
+
+
+def test_follow_walks_hand_built_trees():
+    targets = jnp.asarray([c[0] for c in FOLLOW_CASES], jnp.int32)
+    path, accepted = jax.jit(follow, static_argnums=2)(hand_tree(len(FOLLOW_CASES)), targets, 4)
+    assert np.asarray(path).tolist() == [c[1] for c in FOLLOW_CASES]
+    assert np.asarray(accepted).tolist() == [c[2] for c in FOLLOW_CASES]
+    # max_depth caps the walk
+    path, accepted = follow(hand_tree(1), targets[:1], 2)
+    assert np.asarray(path).tolist() == [[0, 2, 4]] and np.asarray(accepted).tolist() == [2]
+
+
+def test_follow_never_enters_padding_even_when_valid_is_the_only_difference():
+    tree = hand_tree(2)
+    valid = np.asarray(tree.valid).copy()
+    valid[1, 5] = True  # row 1: node 5 (token 4) made a real child of the root
+    targets = jnp.asarray([[4, 0, 0, 0, 0, 0, 0, 0]] * 2, jnp.int32)
+    path, accepted = follow(tree.replace(valid=jnp.asarray(valid)), targets, 3)
+    assert np.asarray(accepted).tolist() == [0, 1]
+    assert np.asarray(path).tolist() == [[0, 0, 0, 0], [0, 5, 5, 5]]
+
+
+# --------------------------------------------------------------------------- 3. compact and read_kv
+
+
+def gemma_like():
+    """Gemma 4's test target: a sliding group (window 6) and a global group of its own shape."""
+    config = model_config("gemma4", 8, 3)
+    assert config.num_kv_slots(True) and config.num_kv_slots(False)
+    return config
+
+
+def filled(cache, rs):
+    """The cache with random values in every buffer (distinct everywhere, so a misplaced read shows)."""
+    out = {}
+    for name in ("k", "v", "k_global", "v_global"):
+        buf = getattr(cache, name)
+        if buf is not None:
+            out[name] = jnp.asarray(rs.randn(*buf.shape), buf.dtype)
+    return cache.replace(**out)
+
+
+def physical(cache, name, b, p):
+    """Where position p of row b lives in buffer `name`: an index into buf[:, ...] (all layers)."""
+    buf = getattr(cache, name)
+    pages, ring = cache.layout(name.endswith("global"))
+    if pages is not None:
+        page = buf.shape[2]
+        return (slice(None), int(np.asarray(pages)[b, p // page]), p % page)
+    if ring:
+        return (slice(None), b, p % buf.shape[2])
+    return (slice(None), b, p)
+
+
+def assign_pages(cache, rs, batch):
+    """Every row a random set of distinct pages of the pool (some pages left free)."""
+    num_pages, per_row = cache.k_global.shape[1] if cache.k_global is not None else cache.k.shape[1], \
+        cache.pages.shape[1]
+    order = rs.permutation(num_pages)
+    table = order[:batch * per_row].reshape(batch, per_row)
+    return cache.assign_pages(jnp.arange(batch), jnp.asarray(table, jnp.int32))
+
+
+LAYOUTS = ["per_row", "pool", "ring"]
+
+
+def layout_cache(layout, config, batch, max_len, rs):
+    if layout == "per_row":
+        cache = init_cache(config, batch, max_len, page_size=8)
+    else:  # a pool; with ring_chunk the sliding group becomes a ring of (window 6 + 10) -> 16 positions
+        cache = init_cache(config, batch, max_len, page_size=8, num_pages=batch * (max_len // 8) + 3,
+                           ring_chunk=10 if layout == "ring" else None)
+        assert cache.ring == (layout == "ring")
+        cache = assign_pages(cache, rs, batch)
+    return filled(cache, rs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compact_moves_the_path_into_place_and_nothing_else(layout):
+    rs = np.random.RandomState(LAYOUTS.index(layout))
+    config, batch, max_len = gemma_like(), 3, 48
+    cache = layout_cache(layout, config, batch, max_len, rs)
+    starts = np.array([5, 17, 0])
+    nodes = np.array([[0, 2, 5, 9, 9], [0, 1, 3, 4, 8], [0, 3, 3, 3, 3]])  # paths (the last node repeating)
+    out = cache.compact(jnp.asarray(starts), jnp.asarray(nodes))
+    names = [n for n in ("k", "v", "k_global", "v_global") if getattr(cache, n) is not None]
+    assert set(names) == {"k", "v", "k_global", "v_global"}
+    for name in names:
+        before, after = np.asarray(getattr(cache, name)), np.asarray(getattr(out, name))
+        expected = before.copy()
+        for b in range(batch):
+            for j, node in enumerate(nodes[b]):
+                expected[physical(cache, name, b, starts[b] + j)] = before[physical(cache, name, b, starts[b] + node)]
+        np.testing.assert_array_equal(after, expected, err_msg=name)
+        moved = sum((starts[b] + j != starts[b] + node) for b in range(batch) for j, node in enumerate(nodes[b]))
+        assert moved and (after != before).any()
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(cache.lengths))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_read_kv_reads_what_write_kv_wrote(layout):
+    rs = np.random.RandomState(10 + LAYOUTS.index(layout))
+    config, batch, max_len = gemma_like(), 3, 48
+    cache = layout_cache(layout, config, batch, max_len, rs)
+    pages, ring = cache.layout(False)
+    offsets = jnp.asarray([3, 30, 12])
+    new = jnp.asarray(rs.randn(batch, 6, *cache.k.shape[3:]), cache.k.dtype)
+    written = write_kv(cache.k, 0, new, offsets, None, pages, ring)
+    positions = offsets[:, None] + jnp.asarray([[5, 0, 2, 2], [1, 4, 3, 0], [0, 1, 2, 3]])
+    got = read_kv(written, 0, positions, None, pages, ring)
+    want = jnp.take_along_axis(new, (positions - offsets[:, None])[:, :, None, None], axis=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # every layer at once, and chosen rows
+    rows = jnp.asarray([2, 0])
+    both = read_kv(cache.k, None, positions[:2], rows, pages, ring)
+    for i, b in enumerate([2, 0]):
+        for j, p in enumerate(np.asarray(positions[i])):
+            np.testing.assert_array_equal(np.asarray(both)[:, i, j], np.asarray(cache.k)[physical(cache, "k", b, p)])
+
+
+# --------------------------------------------------------------------------- 7. refusals
+
+
+def test_a_hybrid_target_is_refused_before_anything_compiles():
+    target, tparams, drafter, dparams = setup("qwen3_5-v8")
+    before = compile_counts()
+    with pytest.raises(InputError) as err:
+        BatchEngine(target, tparams, drafter, dparams, block_size=8, batch_size=2, max_new_tokens=4,
+                    max_prompt_len=8, tree_budget=4)
+    message = str(err.value)
+    assert "--tree-budget" in message and "recurrent" in message and "\n" not in message
+    assert isinstance(err.value, DFlashError)
+    programs = lambda c: {k: v for k, v in c.items() if k != "xla_compiles"}  # noqa: E731
+    assert programs(compile_counts()) == programs(before)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tree_budget=-1), "--tree-budget must be an integer >= 0, got -1"),
+    (dict(tree_budget=4, draft_tokens=3), "--tree-budget and --draft-tokens exclude each other"),
+    (dict(tree_budget=4, block_size=1), "--tree-budget needs a drafter"),
+    (dict(tree_budget=2.5), "--tree-budget must be an integer >= 0"),
+])
+def test_bad_tree_options_are_refused(kw, message):
+    with pytest.raises(InputError, match=message) as err:
+        EngineOptions(**kw)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(block_size=1), "--tree-budget needs a drafter"),
+    (dict(block_size=8, draft_tokens=3), "--tree-budget and --draft-tokens exclude each other"),
+])
+def test_an_engine_refuses_a_tree_it_cannot_verify(kw, message):
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    with pytest.raises(InputError, match=message):
+        BatchEngine(target, tparams, drafter, dparams, batch_size=2, max_new_tokens=4, max_prompt_len=8,
+                    tree_budget=4, **kw)
+
+
+def test_the_cli_refuses_a_tree_without_a_drafter(capsys):
+    from infer.cli import main
+    from test_infer_cli import tiny_pair
+
+    code = main(tiny_pair() + ["--block-size", "1", "--tree-budget", "4", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tree-budget needs a drafter" in err and err.count("\n") == 1, err
