@@ -369,3 +369,145 @@ def test_the_cli_refuses_a_tree_without_a_drafter(capsys):
     code = main(tiny_pair() + ["--block-size", "1", "--tree-budget", "4", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "--tree-budget needs a drafter" in err and err.count("\n") == 1, err
+
+
+# --------------------------------------------------------------------------- 4. the "tree" attention kind
+
+ALAYERS, APAGE = 2, 8
+
+
+def random_parents(rs, n):
+    """A random tree of n nodes (node 0 the root, each parent numbered before its child):
+    (parent [n], depth [n], ancestor mask [n, n])."""
+    parent, depth = [0], [0]
+    for i in range(1, n):
+        parent.append(int(rs.randint(0, i)))
+        depth.append(depth[parent[-1]] + 1)
+    mask = np.zeros((n, n), bool)
+    for i in range(n):
+        mask[i, sorted(ancestors(parent, i))] = True
+    return np.array(parent), np.array(depth), mask
+
+
+def tree_reference(q, k_cache, v_cache, k_new, v_new, starts, depth, mask, window=None, sinks=None, scale=None):
+    """float64 attention of tree queries over each row's prefix (cached positions < start) and its
+    nodes' keys through the ancestor mask; node i sits at start + depth[b, i]. With a window, a key
+    at position p is seen from position q only when q - p < window; sinks add a value-less term."""
+    q, k_cache, v_cache, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache, k_new, v_new))
+    n, t, kv, g, d = q.shape
+    length = k_cache.shape[1]
+    q_pos = starts[:, None] + depth  # [n, t]
+    keys = np.concatenate([k_cache, k_new], 1)
+    values = np.concatenate([v_cache, v_new], 1)
+    key_pos = np.concatenate([np.broadcast_to(np.arange(length), (n, length)), q_pos], 1)  # [n, S]
+    visible = np.concatenate([np.arange(length)[None, None, :] < starts[:, None, None] + np.zeros((1, t, 1), int),
+                              mask], -1)
+    if window is not None:
+        visible &= q_pos[:, :, None] - key_pos[:, None, :] < window
+    s = np.einsum("ntkgd,nskd->nkgts", q, keys) * (d ** -0.5 if scale is None else scale)
+    s = np.where(visible[:, None, None], s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(np.asarray(sinks, np.float64)[None, :, :, None, None],
+                                               (n, kv, g, t, 1))], -1)
+        values = np.concatenate([values, np.zeros((n, 1, kv, d))], 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
+        values = values[:, :-1]
+    return np.einsum("nkgts,nskd->ntkgd", p, values).reshape(n, t, -1)
+
+
+def tree_call(case, chosen=None, **options):
+    """`attention.attend` of a tree verify on layer 1 (the implementation chosen by override):
+    (output, the layer's cache after the call)."""
+    meta = AttentionMetadata.tree(jnp.asarray(case["q_pos"]), jnp.asarray(case["mask"]), page_size=APAGE,
+                                  **case["layout"])
+    args = (jnp.asarray(case["q"]), jnp.asarray(case["k_new"]), jnp.asarray(case["v_new"]),
+            LayerKV(jnp.asarray(case["k"]), jnp.asarray(case["v"]), 1), meta)
+    if chosen is None:
+        out, cache = attention.attend(*args)
+    else:
+        with override(chosen, **options):
+            assert attention.select(meta, args[0], args[3], "cpu")[0] == chosen
+            out, cache = attention.attend(*args)
+    return np.asarray(out), cache
+
+
+def tree_case(seed, variant, kv=2, groups=2, d=16, nodes=9):
+    rs = np.random.RandomState(seed)
+    n, length = 3, 8 * APAGE
+    starts = np.array([0, 37, 21])  # one row has no prefix: its root sees itself only
+    parents = [random_parents(rs, nodes) for _ in range(n)]
+    depth = np.stack([p[1] for p in parents])
+    mask = np.stack([p[2] for p in parents])
+    layout = {}
+    if variant == "window":
+        layout["window"] = 3  # shorter than the trees' depths: ancestors and prefix keys drop out
+        assert depth.max() >= 3
+    elif variant == "sinks":
+        layout["sinks"] = jnp.asarray(rs.randn(kv, groups) * 2, jnp.float32)
+    elif variant == "scale":
+        layout["scale"] = 0.3
+    return dict(
+        q=rs.randn(n, nodes, kv, groups, d).astype(np.float32), starts=starts, depth=depth, mask=mask,
+        q_pos=starts[:, None] + depth, layout=layout,
+        k=rs.randn(ALAYERS, n, length, kv, d).astype(np.float32), v=rs.randn(ALAYERS, n, length, kv, d).astype(np.float32),
+        k_new=rs.randn(n, nodes, kv, d).astype(np.float32), v_new=rs.randn(n, nodes, kv, d).astype(np.float32))
+
+
+ATTENTION_VARIANTS = ["plain", "window", "sinks", "scale"]
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_tree_attention_walk_equals_dense_attention(variant):
+    case = tree_case(ATTENTION_VARIANTS.index(variant), variant)
+    out, cache = tree_call(case)
+    layout = case["layout"]
+    want = tree_reference(case["q"], case["k"][1], case["v"][1], case["k_new"], case["v_new"], case["starts"],
+                          case["depth"], case["mask"], window=layout.get("window"), sinks=layout.get("sinks"),
+                          scale=layout.get("scale"))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=2e-5)
+    # the nodes' K/V are written at start + node number, in the layer called only
+    k_after = np.asarray(cache.k)
+    expected = case["k"].copy()
+    for b, start in enumerate(case["starts"]):
+        expected[1, b, start:start + case["k_new"].shape[1]] = case["k_new"][b]
+    np.testing.assert_array_equal(k_after, expected)
+    # the mask matters: all-visible block keys give another answer
+    if variant == "plain":
+        full = dict(case, mask=np.ones_like(case["mask"]))
+        assert np.abs(tree_call(full)[0] - out).max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_tree_attention_kernel_and_gpu_path_equal_the_walk(variant, monkeypatch):
+    from dflash_jax.attention import pallas_tpu
+
+    monkeypatch.setattr(pallas_tpu, "BLOCK", 2 * APAGE)  # several key blocks per row, several query tiles
+    monkeypatch.setattr(pallas_tpu, "Q_ROWS", 16)
+    case = tree_case(10 + ATTENTION_VARIANTS.index(variant), variant, kv=2, groups=4, d=128)
+    walked, walked_cache = tree_call(case)
+    kernel, kernel_cache = tree_call(case, "pallas")
+    assert np.isfinite(kernel).all()
+    np.testing.assert_allclose(kernel, walked, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(kernel_cache.k), np.asarray(walked_cache.k))
+    if variant == "sinks":  # the GPU path has no sinks: the walk serves it (test_attention.py)
+        return
+    fused, _ = tree_call(case, "cudnn", implementation="xla")
+    np.testing.assert_allclose(fused, walked, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kv,groups,d", [(1, 8, 64), (2, 1, 64), (4, 2, 32)])
+def test_tree_attention_over_gqa_ratios(kv, groups, d):
+    for variant in ("plain", "window"):
+        case = tree_case(kv * 10 + groups, variant, kv=kv, groups=groups, d=d, nodes=17)
+        walked, _ = tree_call(case)
+        layout = case["layout"]
+        want = tree_reference(case["q"], case["k"][1], case["v"][1], case["k_new"], case["v_new"], case["starts"],
+                              case["depth"], case["mask"], window=layout.get("window"))
+        np.testing.assert_allclose(walked, want, atol=2e-5)
+        np.testing.assert_allclose(tree_call(case, "pallas")[0], walked, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(tree_call(case, "cudnn", implementation="xla")[0], walked, atol=2e-5, rtol=1e-5)
