@@ -360,13 +360,19 @@ def test_an_engine_refuses_a_tree_it_cannot_verify(kw, message):
                     tree_budget=4, **kw)
 
 
-def test_the_cli_refuses_a_tree_without_a_drafter(capsys):
+def test_the_cli_refuses_a_tree_without_a_drafter(capsys, tmp_path):
+    """Before anything loads: the paths need not exist."""
     from infer.cli import main
-    from test_infer_cli import tiny_pair
 
-    code = main(tiny_pair() + ["--block-size", "1", "--tree-budget", "4", "--quiet"])
+    pair = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--input", str(tmp_path / "p.jsonl")]
+    for extra, message in ((["--block-size", "1"], "--tree-budget needs a drafter"),
+                           (["--draft-tokens", "3"], "--tree-budget and --draft-tokens exclude each other")):
+        code = main(pair + extra + ["--tree-budget", "4", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    code = main(pair + ["--tree-budget", "-2", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "--tree-budget needs a drafter" in err and err.count("\n") == 1, err
+    assert code == 2 and "--tree-budget" in err and err.count("\n") == 1, err
 
 
 # --------------------------------------------------------------------------- 4. the "tree" attention kind
