@@ -99,17 +99,17 @@ def check_tree_row(tree: Tree, row: int, want, budget):
     assert tokens.shape == (n,) and mask.shape == (n, n)
     real = len(want)
     assert valid.tolist() == [True] * real + [False] * (n - real)
-    assert tokens[:real].tolist() == [w[0] for w in want]
-    assert parent[:real].tolist() == [w[1] for w in want]
-    assert depth[:real].tolist() == [w[2] for w in want]
-    # the same token paths (the order of the nodes aside)
+    assert tokens[0] == want[0][0] and parent[0] == depth[0] == 0
+    # The same nodes as best-first pops, numbered by depth: each node's token path from the root,
+    # with its depth (the order of the nodes aside).
     path = lambda toks, par, i: tuple(toks[j] for j in sorted(ancestors(par, i)))  # noqa: E731
     want_parent = [w[1] for w in want]
-    assert {path(tokens, parent, i) for i in range(real)} == {path([w[0] for w in want], want_parent, i)
-                                                              for i in range(real)}
+    got = {path(tokens, parent, i): depth[i] for i in range(real)}
+    assert got == {path([w[0] for w in want], want_parent, i): w[2] for i, w in enumerate(want)}
+    assert (np.diff(depth[:real]) >= 0).all()  # numbered by depth
     expected = np.zeros((n, n), bool)
     for i in range(real):
-        expected[i, sorted(ancestors(want_parent, i))] = True
+        expected[i, sorted(ancestors(parent, i))] = True
     for i in range(real, n):  # a padding node sees itself only, and nothing sees it
         expected[i, i] = True
     np.testing.assert_array_equal(mask, expected)

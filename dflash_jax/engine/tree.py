@@ -75,7 +75,7 @@ def build_tree(anchor, log_probs, tokens, budget: int) -> Tree:
     sequential steps on an accelerator. Ties go to the earlier depth, then to the better parent
     and rank, so a parent is always taken before its children. Nodes are numbered by depth (a
     parent before its children); paths that do not exist (fewer candidates than the budget) are
-    padding nodes, not valid.
+    padding nodes, not valid, numbered last.
     """
     return jax.vmap(lambda a, lp, tk: _build_row(a, lp, tk, budget))(anchor, log_probs, tokens)
 
@@ -95,7 +95,9 @@ def _build_row(anchor, log_probs, tokens, budget: int) -> Tree:
     root = (jnp.full((beam,), NEG_INF, jnp.float32).at[0].set(0.0), jnp.full((beam, depths), -1, jnp.int32))
     _, (scores, parent, cand_tokens, paths) = jax.lax.scan(extend, root, jnp.arange(depths))
     scores = scores.reshape(-1)
-    chosen = jnp.sort(jax.lax.top_k(scores, budget)[1])  # beam ids, depth-major: parents first
+    chosen = jax.lax.top_k(scores, budget)[1]
+    # Depth-major (parents first), padding last.
+    chosen = chosen[jnp.argsort(jnp.where(scores[chosen] > NEG_INF, chosen, chosen + depths * beam))]
     node_of = jnp.zeros((depths * beam,), jnp.int32).at[chosen].set(jnp.arange(1, n, dtype=jnp.int32))
     depth = chosen // beam + 1
     valid = scores[chosen] > NEG_INF
