@@ -2,8 +2,9 @@
 cycle, verified in one target pass, gives plain decoding's output token for token.
 
 - `build_tree` equals a host-side best-first expansion (`heapq`, ties made impossible by random
-  log-probabilities): the same nodes in the same order, parents, depths, padding nodes where the
-  candidates run out, and an ancestor mask that is exactly "j is i or an ancestor of i"; a
+  log-probabilities): the same nodes (token paths from the root, at the same depths; numbered by
+  depth here), padding nodes where the candidates run out, numbered last, and an ancestor mask that
+  is exactly "j is i or an ancestor of i"; a
   confident drafter (one candidate far ahead at each position) gives the chain.
 - `follow` walks hand-built trees as sample-and-match says: it descends to the valid child holding
   the target's token, never to a padding node or the root, and stops at the first miss.
