@@ -183,6 +183,9 @@ def add_mode_flags(p):
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")
+    aot.add_argument("--tree-tau", default=None, metavar="N=TAU,...",
+                     help="tau of each --tree-budgets N, for its projected speedup (default: print the tau it "
+                          "needs to match the chain's at --paper-tau)")
     aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
                      help="caches in a pool of N pages (default: per slot)")
 
