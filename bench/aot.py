@@ -8,6 +8,8 @@ abstract bfloat16 parameters, sharded over the topology's chips by the project's
   prefill  admit `batch` prompts of `--context` tokens into an empty state
   ar       run_cycles of plain decoding (block 1): one step per loop iteration
   dflash   run_cycles of DFlash (block 16): one cycle per loop iteration
+  tree N   (`--tree-budgets N,...`) the dflash program verifying a draft tree of N nodes a cycle
+           (N + 1 tokens in the verify pass, not 16), beside the chain, on the same cache
 
 Per program the compiled executable gives:
 - the compiler's time estimate (`optimal_seconds`), flops and bytes accessed. A loop body is
@@ -22,7 +24,11 @@ Per program the compiled executable gives:
   K/V in use once), in time at the compiler's own streaming rate, calibrated on a pure
   weight-streaming program (a `lax.scan` of batch-row matvecs over stacked square weights of
   the same bytes) compiled for the same chip. ratio = estimate / ideal time.
-- the projected speedup at tau (`--paper-tau`, 6.49): tau x t_step / t_cycle.
+- the projected speedup at tau (`--paper-tau`, 6.49): tau x t_step / t_cycle. A tree's at its
+  `--tree-tau`, and always the tau it needs to match the chain's: paper_tau x t_tree / t_chain.
+- how far each step or cycle is from the compute roof: flops / HBM bytes (arithmetic intensity)
+  against the chip's ridge (peak flop/s / HBM bytes/s), and the time its flops take at peak as a
+  share of the estimate. A verify of more tokens adds flops, not bytes, until it crosses the ridge.
 
 `--hlo DIR` writes each program's scheduled TPU HLO. A program that does not fit fails to
 compile with RESOURCE_EXHAUSTED; the report says so with the HBM the compiler asked for.
@@ -62,22 +68,23 @@ def streaming_rate(device, nbytes: int, batch: int) -> float:
 
 def engine_programs(target_cfg, drafter_cfg, mesh, batch: int, context: int, cache_len: int, page_size: int,
                     hlo_dir: Path | None, programs: tuple[str, ...], tag: str = "", attention: str = "kernel",
-                    kv_pages: int | None = None) -> dict:
+                    kv_pages: int | None = None, tree_budgets: tuple[int, ...] = ()) -> dict:
     """Compile the engine's prefill / AR run_cycles / DFlash run_cycles on `mesh` for abstract
     inputs; per program its `compile_for_tpu` figures and the ideal bytes. attention: the Pallas
     kernel (what the engine runs on a TPU; its cost estimate charges a row `context` positions) or
-    the portable walk. kv_pages: the caches as a page pool of that many pages."""
+    the portable walk. kv_pages: the caches as a page pool of that many pages. tree_budgets: also
+    the DFlash run_cycles verifying a draft tree of each budget (programs "tree16", ...)."""
     from dflash_jax import attention as attention_
 
     # The walk, or the kernel charged `context` positions a row in its cost estimate.
     choice = attention_.override("walk") if attention == "walk" else attention_.override("pallas", expected_live=context)
     with choice:
         return _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir,
-                                programs, tag, kv_pages)
+                                programs, tag, kv_pages, tree_budgets)
 
 
 def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, page_size, hlo_dir, programs, tag,
-                     kv_pages):
+                     kv_pages, tree_budgets):
     import jax
     import jax.numpy as jnp
 
@@ -93,6 +100,9 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
                           sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh,
                           kv_pages=kv_pages))
     specs["prefill"] = specs["dflash"]
+    for n in tree_budgets:
+        specs[f"tree{n}"] = dataclasses.replace(specs["dflash"], tree_budget=n)
+    programs = (*programs, *(f"tree{n}" for n in tree_budgets))
     rep = functools.partial(abstract_replicated, mesh)
     out = {}
     for name in programs:
@@ -113,7 +123,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
             fig = compile_for_tpu(run_cycles, args, hlo_dir, f"{name}{tag}")
             fig["ideal"] = ideal_bytes(spec, tparams, dparams, batch, context)
         fig.update(block_size=spec.block_size if name != "prefill" else None, verify_len=spec.verify_len,
-                   cache_len=cache_len)
+                   tree_budget=spec.tree_budget if name != "prefill" else None, cache_len=cache_len)
         out[name] = fig
         print(f"  compiled {name}{tag} in {fig['compile_seconds']:.0f} s" if fig["compiled"]
               else f"  {name}{tag} did not compile: {fig['error'][:200]}", flush=True)
@@ -122,6 +132,33 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
+def tree_taus(text: str | None, budgets: list[int]) -> dict[int, float]:
+    """--tree-tau "32=8.1,64=8.6" -> {32: 8.1, 64: 8.6}, each budget one of --tree-budgets."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        n, _, tau = item.partition("=")
+        try:
+            out[int(n)] = float(tau)
+        except ValueError:
+            raise SystemExit(f"error: --tree-tau takes N=TAU,... (got {text!r})") from None
+    unknown = set(out) - set(budgets)
+    if unknown:
+        raise SystemExit(f"error: --tree-tau {min(unknown)}: not one of --tree-budgets {budgets}")
+    return out
+
+
+def roofline(f: dict, chip) -> dict:
+    """Where a program sits against the chip's roof: flops per HBM byte (the prefetch-corrected
+    bytes where known) against the ridge, and its flops' time at peak over the estimate."""
+    nbytes = f.get("hbm_bytes") or f["bytes"]
+    out = dict(intensity=f["flops"] / nbytes if nbytes else None, ridge=chip.flops / chip.bandwidth,
+               compute_seconds=f["flops"] / chip.flops)
+    out["compute_share"] = out["compute_seconds"] / f["seconds"] if f.get("seconds") else None
+    return out
 
 
 def run_aot(args) -> dict:
@@ -134,6 +171,7 @@ def run_aot(args) -> dict:
     from dflash_jax.shapes import published_configs
 
     from bench.pairs import describe_published, param_bytes
+    from bench.suite import int_list
 
     try:
         target = topology(args.aot)
@@ -149,9 +187,18 @@ def run_aot(args) -> dict:
     batch, context = args.batch_size or 8, args.context
     tcfg, dcfg = published_configs(scale, dtype, args.shape)
     b = dcfg.block_size
-    cache_len = cache_length(args.cache_len or context + 2 * b, args.page_size)
-    if cache_len < context + b:
-        raise SystemExit(f"error: --cache-len {cache_len} cannot hold --context {context} + a block of {b}")
+    budgets = int_list(args.tree_budgets, "--tree-budgets") if getattr(args, "tree_budgets", None) else []
+    taus = tree_taus(getattr(args, "tree_tau", None), budgets)
+    if budgets and "dflash" not in programs:
+        raise SystemExit("error: --tree-budgets compiles the dflash program with a tree: add dflash to --programs")
+    # a tree writes its N + 1 nodes from the row's length before it keeps the accepted path: every
+    # program gets room for the largest, so all compare on one cache
+    room = max(2 * b, *(n + 1 for n in budgets))
+    cache_len = cache_length(args.cache_len or context + room, args.page_size)
+    written = max(b, *(n + 1 for n in budgets))  # positions a cycle writes past a row's length
+    if cache_len < context + written:
+        raise SystemExit(f"error: --cache-len {cache_len} cannot hold --context {context} + "
+                         + (f"a tree of {written - 1} nodes" if written > b else f"a block of {b}"))
     hlo_dir = Path(args.hlo) if args.hlo else None
     chip = target.chip
     print(f"TPU {target.name}: {target.num_chips} {target.chip_name} chip(s), {_gib(chip.hbm)} HBM each; mesh "
@@ -165,15 +212,17 @@ def run_aot(args) -> dict:
     if kv_pages is not None:
         print(f"K/V in a page pool of {kv_pages} pages ({kv_pages * args.page_size} positions; per-slot caches: "
               f"{batch * cache_len})")
+    if budgets:
+        print(f"draft trees of {budgets} nodes: the DFlash cycle compiled with each")
     figs = engine_programs(tcfg, dcfg, mesh, batch, context, cache_len, args.page_size, hlo_dir, programs,
-                           attention=attention, kv_pages=kv_pages)
+                           attention=attention, kv_pages=kv_pages, tree_budgets=tuple(budgets))
     compare = None
-    other = cache_length(max(args.compare_cache_len or 0, context + 2 * b), args.page_size)
+    other = cache_length(max(args.compare_cache_len or 0, context + room), args.page_size)
     if args.compare_cache_len and other != cache_len:
         compare = dict(cache_len=other, **engine_programs(tcfg, dcfg, mesh, batch, context, other, args.page_size,
                                                           hlo_dir, tuple(p for p in programs if p != "prefill"),
                                                           tag=f"-cache{other}", attention=attention,
-                                                          kv_pages=kv_pages))
+                                                          kv_pages=kv_pages, tree_budgets=tuple(budgets)))
     one_chip = target.num_chips == 1
     weights = param_bytes(abstract_params(tcfg))
     rate = streaming_rate(target.devices[0], weights, batch) if one_chip else None
@@ -187,14 +236,29 @@ def run_aot(args) -> dict:
             # the same bytes with each prefetched buffer read from HBM once
             f["hbm_bytes"] = f["bytes"] - 4 * f["prefetched"]
             f["hbm_ratio"] = f["hbm_bytes"] / f["ideal"]["bytes"]
+        if f.get("compiled") and one_chip:
+            f["roofline"] = roofline(f, chip)
     report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
                   chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape, scale=scale,
                   dtype=dtype, batch_size=batch, context=context, cache_len=cache_len, page_size=args.page_size,
-                  attention=attention, kv_pages=kv_pages, paper_tau=args.paper_tau, streaming_rate=rate, target_weight_bytes=weights, programs=figs,
-                  compare=compare)
+                  attention=attention, kv_pages=kv_pages, paper_tau=args.paper_tau, streaming_rate=rate,
+                  target_weight_bytes=weights, programs=figs, compare=compare, tree_budgets=budgets,
+                  tree_tau={str(n): t for n, t in taus.items()})
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
         report["cycle_over_step"] = figs["dflash"]["seconds"] / figs["ar"]["seconds"]
         report["projected_speedup"] = args.paper_tau / report["cycle_over_step"]
+        report["trees"] = {}
+        for n in budgets:
+            t_tree = figs[f"tree{n}"].get("seconds")
+            if not t_tree:
+                continue
+            tree = dict(cycle_over_step=t_tree / figs["ar"]["seconds"],
+                        cycle_over_chain=t_tree / figs["dflash"]["seconds"])
+            # the tau at which tau x t_step / t_tree equals the chain's paper_tau x t_step / t_chain
+            tree["tau_needed"] = args.paper_tau * tree["cycle_over_chain"]
+            if n in taus:
+                tree.update(tau=taus[n], projected_speedup=taus[n] / tree["cycle_over_step"])
+            report["trees"][str(n)] = tree
     print_report(report)
     return report
 
@@ -226,7 +290,8 @@ def print_report(r: dict) -> None:
                 "yes" if f["fits"] else "NO")
 
     names = dict(prefill=f"prefill {r['batch_size']} x {r['context']}", ar="AR step",
-                 dflash=f"DFlash cycle, B={r['programs'].get('dflash', {}).get('block_size', 16)}")
+                 dflash=f"DFlash cycle, B={r['programs'].get('dflash', {}).get('block_size', 16)}",
+                 **{f"tree{n}": f"DFlash tree {n}" for n in r.get("tree_budgets", ())})
     for k, f in r["programs"].items():
         rows.append(row(f"{names[k]} (cache {r['cache_len']})" if k != "prefill" else names[k], f))
     if r["compare"]:
@@ -239,6 +304,12 @@ def print_report(r: dict) -> None:
     if "projected_speedup" in r:
         print(f"\ncycle / step {r['cycle_over_step']:.2f}: projected speedup at tau {r['paper_tau']} "
               f"{r['projected_speedup']:.2f}x (tau x t_step / t_cycle, the compiler's estimates)")
+        for n, t in r.get("trees", {}).items():
+            at = (f"projected speedup at tau {t['tau']} {t['projected_speedup']:.2f}x" if "tau" in t
+                  else "no --tree-tau given")
+            print(f"  DFlash tree {n}: cycle / step {t['cycle_over_step']:.2f}, {t['cycle_over_chain']:.2f}x the "
+                  f"chain's cycle; {at}; tau needed to match the chain at tau {r['paper_tau']}: "
+                  f"{t['tau_needed']:.2f} ({t['cycle_over_chain']:.2f}x its tau)")
     prefetch = [(f"{names[k]} (cache {r['cache_len']})", f) for k, f in r["programs"].items() if "hbm_ratio" in f]
     if r["compare"]:
         prefetch += [(f"{names[k]} (cache {r['compare']['cache_len']})", f) for k, f in r["compare"].items()
@@ -257,3 +328,27 @@ def print_report(r: dict) -> None:
                   f"{', '.join(f['custom_calls']) or 'none'}; compiled in {f['compile_seconds']:.0f} s")
             if c["all_gathered"]:
                 print(f"  all-gathered: {', '.join(c['all_gathered'][:6])}")
+    print_roofline(r, names)
+
+
+def print_roofline(r: dict, names: dict) -> None:
+    """Per single-chip program: its flops, arithmetic intensity against the chip's ridge, and its
+    flops' time at peak as a share of the estimate (near 100 %: compute-bound)."""
+    figs = [(k, f) for k, f in r["programs"].items() if f.get("roofline")]
+    if not figs:
+        return
+    spec = r["chip_spec"]
+    ridge = spec["flops"] / spec["bandwidth"]
+    print(f"\nagainst the roof ({r['chip']}: {spec['flops'] / 1e12:.0f} TFLOP/s bfloat16, "
+          f"{spec['bandwidth'] / 1e12:.2f} TB/s HBM, ridge {ridge:.0f} flop/byte):")
+    rows = [("program", "verify", "flops", "flop/byte", "flops at peak", "share of estimate")]
+    for k, f in figs:
+        x = f["roofline"]
+        rows.append((names[k], str(f["verify_len"]) if k != "prefill" else "-", f"{f['flops'] / 1e12:.3f} T",
+                     f"{x['intensity']:.1f}" if x["intensity"] else "-", f"{x['compute_seconds'] * 1e3:.2f} ms",
+                     f"{x['compute_share']:.0%}" if x["compute_share"] is not None else "-"))
+    widths = [max(len(str(x[i])) for x in rows) for i in range(len(rows[0]))]
+    for x in rows:
+        print("  " + "  ".join(f"{str(v):{w}}" for v, w in zip(x, widths)))
+    print("flop/byte: flops over the HBM bytes (prefetched buffers counted once); below the ridge a program is "
+          "bound by memory; share: its flops at peak over the compiler's estimate (a loop body counted once)")

@@ -133,6 +133,9 @@ def add_suite_flags(p):
     suite.add_argument("--draft-tokens", default=None, metavar="K,...",
                        help="also verify only the first K drafts per cycle, each K (default 3,5,7; '': none; "
                             "--vllm: one K)")
+    suite.add_argument("--tree-budgets", default=None, metavar="N,...",
+                       help="also verify a draft tree of N nodes per cycle at the drafter's block, each N "
+                            "(default none; --aot: a DFlash cycle compiled with each)")
     suite.add_argument("--batch-sizes", default="1,8", metavar="N,...", help="batch sizes (default 1,8)")
     suite.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default 0)")
     suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
@@ -180,6 +183,9 @@ def add_mode_flags(p):
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")
+    aot.add_argument("--tree-tau", default=None, metavar="N=TAU,...",
+                     help="tau of each --tree-budgets N, for its projected speedup (default: print the tau it "
+                          "needs to match the chain's at --paper-tau)")
     aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
                      help="caches in a pool of N pages (default: per slot)")
 

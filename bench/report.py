@@ -22,9 +22,12 @@ def acceptance_figures(acceptance_lengths: list[list[int]], block_size: int) -> 
 
 
 def config_label(r: dict) -> str:
-    """A row's block size, with the drafts verified per cycle when fewer than the block's:
-    "16", or "16:7" (block 16, 7 drafts verified)."""
-    b, k = r["block_size"], r.get("draft_tokens")
+    """A row's block size, with the drafts verified per cycle when fewer than the block's, or the
+    draft tree's nodes: "16", "16:7" (block 16, 7 drafts verified), "16t32" (block 16, a tree of
+    32 nodes verified)."""
+    b, k, n = r["block_size"], r.get("draft_tokens"), r.get("tree_budget")
+    if n:
+        return f"{b}t{n}"
     return str(b) if not k or k == b - 1 else f"{b}:{k}"
 
 
@@ -83,6 +86,8 @@ def print_tables(result: dict):
                   f"{h['tokens_per_second'] / b['tokens_per_second']:>6.2f}x  {'-':>5}  {'-':>6}  {'-':>8}  "
                   f"{same:>11}  {'-':>14}  {'-':>9}  {'-':>9}")
     print("block B:K = the drafter denoises blocks of B, the target verifies only the first K drafts of each; "
+          + ("BtN = the target verifies a draft tree of N nodes grown from each block (N + 1 tokens a cycle); "
+             if any(r.get("tree_budget") for r in result["dflash"]) else "") +
           "speedup: against the baseline (this engine, no drafter) at the same batch size; cycles: the rows' "
           "cycles, summed; loop cyc: the cycles the engine's loop ran (continuous batching: rows join as slots "
           "free), counted in an untimed run; compiles: prefill traces / run_cycles traces / all XLA compiles "
@@ -94,7 +99,9 @@ def print_tables(result: dict):
     for r in result["dflash"]:
         hist = r["acceptance_histogram"]
         total = max(1, sum(hist.values()))
-        print(f"  batch {r['batch_size']} block {config_label(r):>4}: tau {r['tau']:.3f} over {r['cycles']} cycles")
+        verified = f", {r['verify_len']} tokens verified a cycle" if r.get("tree_budget") else ""
+        print(f"  batch {r['batch_size']} block {config_label(r):>4}: tau {r['tau']:.3f} over {r['cycles']} cycles"
+              + verified)
         print("    histogram  " + "  ".join(f"{k}:{v}({v / total:.0%})" for k, v in hist.items()))
         print("    per slot   " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r["per_slot_acceptance"], 1)))
 
@@ -117,11 +124,13 @@ def print_tables(result: dict):
             for r in splits:
                 if r["batch_size"] != batch:
                     continue
-                s = r["time_split"]
+                s = dict(dict.fromkeys(("draft_s", "verify_s", "extend_s", "commit_s", "passes_s", "bookkeeping_s")),
+                         **r["time_split"])  # a tree's: the cycle alone
+                beyond = s.get("overhead_beyond_passes_fraction")
                 print(f"{batch:>5}  {config_label(r):>5}  {fmt_ms(s['draft_s']):>8}  {fmt_ms(s['verify_s']):>8}  "
                       f"{fmt_ms(s['extend_s']):>8}  {fmt_ms(s['commit_s']):>8}  {fmt_ms(s['passes_s']):>8}  "
                       f"{fmt_ms(s['cycle_s']):>8}  {fmt_ms(s['bookkeeping_s']):>8}  "
-                      f"{s['overhead_beyond_passes_fraction']:>8.1%}  {fmt_ms(s['ar_step_s']):>8}  "
+                      f"{'-' if beyond is None else f'{beyond:.1%}':>8}  {fmt_ms(s['ar_step_s']):>8}  "
                       f"{fmt_ms(s['baseline_cycle_s']):>8}  {s['cost_ratio']:>10.3f}  {s['speedup_check']:>7.2f}x  "
                       f"{s['measured_speedup']:>7.2f}x  {fmt_ms(s['host_overhead_per_cycle_s']):>10}")
         print("draft = dflash_jax.engine.draft; verify = engine.verify (the target on [anchor, drafts], taps, the "
@@ -132,7 +141,28 @@ def print_tables(result: dict):
               "(the target on 1 token); AR cycle = the baseline's whole cycle; cost ratio = cycle / AR step; "
               "tau/cost = tau / cost ratio (the speedup the pieces predict); host/cycle = (generate wall time - "
               "the run's prefill calls, replayed) / loop cycles - cycle (the device cycle is timed with every "
-              "slot of the first batch busy; noise can make small figures negative)")
+              "slot of the first batch busy; noise can make small figures negative)"
+              + ("; a tree's row times its whole cycle alone (the pieces are the chain's)"
+                 if any(r.get("tree_budget") for r in splits) else ""))
+    print_tree_gains(result)
+
+
+def print_tree_gains(result: dict):
+    """Each draft tree's tau and tokens/s against the chain's (the same block, every draft
+    verified) at each batch size: what the tree buys for its longer verify."""
+    trees = [r for r in result["dflash"] if r.get("tree_budget")]
+    if not trees:
+        return
+    print("\ndraft trees against the chain (same block and batch):")
+    for r in trees:
+        chain = next((c for c in result["dflash"] if c["batch_size"] == r["batch_size"] and not c.get("tree_budget")
+                      and c["block_size"] == r["block_size"] and c["draft_tokens"] == c["block_size"] - 1), None)
+        if chain is None:
+            continue
+        print(f"  batch {r['batch_size']} block {config_label(r):>5}: {r['verify_len']} tokens verified a cycle "
+              f"(chain {chain['verify_len']}); tau {r['tau']:.2f} / {chain['tau']:.2f} = "
+              f"{r['tau'] / chain['tau']:.2f}x the chain's; tok/s "
+              f"{r['tokens_per_second'] / chain['tokens_per_second']:.2f}x the chain's")
 
 
 # --------------------------------------------------------------------------- plot
@@ -140,7 +170,8 @@ def print_tables(result: dict):
 
 def write_plot(result: dict, path: Path) -> str | None:
     """tokens/s per block size and batch (DFlash vs baseline vs transformers) and tau per block
-    size; rows verifying K < B - 1 drafts are a second series at K + 1 tokens verified. Returns
+    size; rows verifying K < B - 1 drafts are a second series at K + 1 tokens verified, draft trees
+    a third at N + 1. Returns
     why it was skipped, or None."""
     try:
         import matplotlib
@@ -161,6 +192,8 @@ def write_plot(result: dict, path: Path) -> str | None:
     for i, batch in enumerate(batches):
         c = colors[i % len(colors)]
         mine = [r for r in rows if r["batch_size"] == batch]
+        trees = sorted((r["verify_len"], r["tokens_per_second"], r["tau"]) for r in mine if r.get("tree_budget"))
+        mine = [r for r in mine if not r.get("tree_budget")]
         whole = [r for r in mine if r["draft_tokens"] == r["block_size"] - 1]
         pts = sorted((r["block_size"], r["tokens_per_second"], r["tau"]) for r in whole)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"DFlash, batch {batch}")
@@ -170,6 +203,10 @@ def write_plot(result: dict, path: Path) -> str | None:
             label = f"DFlash block {cut[0][3]}, K drafts verified, batch {batch}"
             ax1.plot([p[0] for p in cut], [p[1] for p in cut], "s--", color=c, mfc="none", label=label)
             ax2.plot([p[0] for p in cut], [p[2] for p in cut], "s--", color=c, mfc="none", label=label)
+        if trees:
+            label = f"DFlash draft tree (N + 1 verified), batch {batch}"
+            ax1.plot([p[0] for p in trees], [p[1] for p in trees], "^:", color=c, label=label)
+            ax2.plot([p[0] for p in trees], [p[2] for p in trees], "^:", color=c, label=label)
         if batch in base:
             ax1.axhline(base[batch], color=c, ls="--", lw=1, label=f"baseline (JAX AR), batch {batch}")
         if batch in hf:
@@ -178,7 +215,7 @@ def write_plot(result: dict, path: Path) -> str | None:
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(blocks, [str(b) for b in blocks])
-        ax.set_xlabel("tokens verified per cycle (block size B, or K + 1)")
+        ax.set_xlabel("tokens verified per cycle (block size B, K + 1, or a tree's N + 1)")
         ax.grid(alpha=0.3)
     ax1.set_ylabel("output tokens/s")
     ax1.set_yscale("log")

@@ -109,14 +109,18 @@ def run_suite(args, result: dict) -> int:
     draft_tokens = int_list(draft_text, "--draft-tokens") if draft_text.strip() else []
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     hf_batches = int_list(args.hf_batch_sizes, "--hf-batch-sizes") if args.hf_batch_sizes else batch_sizes
+    tree_budgets = int_list(args.tree_budgets, "--tree-budgets") if args.tree_budgets else []
     bad = [k for k in draft_tokens if not 1 <= k <= dcfg.block_size - 1]
     if bad:
         raise SystemExit(f"error: --draft-tokens {bad[0]} is outside 1..{dcfg.block_size - 1} (the drafter's "
                          f"block size is {dcfg.block_size})")
-    # (block size, drafts verified per cycle): every block size with its whole block, then the
-    # drafter's own block size with fewer drafts verified
-    configs = [(b, None) for b in block_sizes] + [(dcfg.block_size, k) for k in draft_tokens
-                                                   if k != dcfg.block_size - 1 or dcfg.block_size not in block_sizes]
+    # (block size, drafts verified per cycle, tree nodes verified per cycle): every block size with
+    # its whole block, then the drafter's own block size with fewer drafts verified, then with a
+    # draft tree of each budget
+    configs = ([(b, None, 0) for b in block_sizes]
+               + [(dcfg.block_size, k, 0) for k in draft_tokens
+                  if k != dcfg.block_size - 1 or dcfg.block_size not in block_sizes]
+               + [(dcfg.block_size, None, n) for n in tree_budgets])
     print(describe_pair(pair))
     prompts, snippets, kind = heldout_prompts(args, pair)
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
@@ -125,6 +129,7 @@ def run_suite(args, result: dict) -> int:
     print(f"{how}, {args.max_new_tokens} new tokens per row (stop tokens ignored), median of {args.repeats} timed "
           f"runs after warm-up; block sizes {block_sizes}"
           + (f", block {dcfg.block_size} verifying {draft_tokens} drafts" if draft_tokens else "")
+          + (f", block {dcfg.block_size} verifying trees of {tree_budgets} nodes" if tree_budgets else "")
           + f", batch sizes {batch_sizes}\n")
 
     lens = [len(p) for p in prompts]
@@ -132,7 +137,8 @@ def run_suite(args, result: dict) -> int:
         pair=pair_record(pair),
         prompts=dict(package=args.heldout_package, package_version=package_version(args.heldout_package), kind=kind,
                      lines=args.prompt_lines, lengths=lens, snippets=snippets, input_ids=prompts),
-        settings=dict(block_sizes=block_sizes, draft_tokens=draft_tokens, batch_sizes=batch_sizes,
+        settings=dict(block_sizes=block_sizes, draft_tokens=draft_tokens, tree_budgets=tree_budgets,
+                      batch_sizes=batch_sizes,
                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                       sync_every=args.sync_every, greedy=sampling.greedy, temperature=args.temperature,
                       stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens,
@@ -160,11 +166,12 @@ def run_suite(args, result: dict) -> int:
                     iterations={k: v["iterations"] for k, v in ar.items()})
             base.update(cycles=sum(len(a) for a in base["acceptance_lengths"]))
             result["baseline"].append(base)
-            for b, k in configs:
+            for b, k, n in configs:
                 gen = BatchEngine(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, draft_tokens=k,
-                                **common)
+                                  tree_budget=n, **common)
                 r = bench_generator(gen, prompts, args.repeats, args.seed)
-                r.update(acceptance_figures(r["acceptance_lengths"], gen.spec.verify_len))
+                # a tree accepts at most one node per block position: B tokens, however many it verifies
+                r.update(acceptance_figures(r["acceptance_lengths"], min(gen.spec.verify_len, b)))
                 r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
                 r["rows_matching_baseline"] = sum(x == y for x, y in zip(r["outputs"], base["outputs"]))
                 r["lossless"] = r["rows_matching_baseline"] == len(prompts)
@@ -176,7 +183,8 @@ def run_suite(args, result: dict) -> int:
                     cyc, ar_step, ar_cycle = sec["cycle"], sec["ar_verify"], sec["ar_cycle"]
                     prefill_s = time_prefill(gen, r["_admissions"], args.seed, args.split_rounds)
                     r["time_split"] = dict(
-                        **split_figures(sec), ar_step_s=ar_step, baseline_cycle_s=ar_cycle,
+                        **(split_figures(sec) if "draft" in sec else dict(cycle_s=cyc)),
+                        ar_step_s=ar_step, baseline_cycle_s=ar_cycle,
                         cost_ratio=cyc / ar_step, speedup_check=r["tau"] / (cyc / ar_step),
                         cost_ratio_vs_baseline_cycle=cyc / ar_cycle,
                         speedup_check_vs_baseline_cycle=r["tau"] / (cyc / ar_cycle),

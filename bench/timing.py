@@ -140,6 +140,7 @@ def bench_generator(gen, prompts, repeats: int, seed: int, max_new_tokens=None) 
     tokens = runs[-1].tokens
     return dict(
         batch_size=gen.batch_size, block_size=gen.spec.block_size, draft_tokens=gen.spec.num_drafts,
+        tree_budget=gen.spec.tree_budget, verify_len=gen.spec.verify_len,
         tokens_per_second=tokens / seconds if seconds else 0.0,
         tokens_per_second_runs=[s.tokens_per_second for s in runs],
         seconds=seconds, seconds_runs=[s.seconds for s in runs], output_tokens=tokens,
@@ -312,8 +313,16 @@ def _copy(tree):
 def piece_calls(tparams, dparams, spec, state, stop_ids, prefix: str = "") -> dict:
     """(call(n), sync()) of the pieces of a cycle of `spec` on `state` (not consumed): with a
     drafter draft, verify, extend, commit, passes and cycle; without (block size 1) verify (one
-    autoregressive step), commit and cycle."""
+    autoregressive step), commit and cycle; with a draft tree the cycle alone (the pieces above
+    are the chain's)."""
     p = pieces()
+    if spec.tree_budget:
+        carry = [_copy(state)]
+
+        def call(n):
+            carry[0] = p["cycle"](tparams, dparams, spec, carry[0], stop_ids, n)
+
+        return {prefix + "cycle": (call, lambda: carry[0])}
     draft_once, verify_once = _once()
     if spec.uses_drafter:
         drafts = draft_once(tparams, dparams, spec, state.anchor, state.context_cache)

@@ -58,6 +58,21 @@ def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_pat
     assert "AR step" in p.stdout and "HBM per chip" in p.stdout
 
 
+def test_a_tree_cycle_compiles_for_one_v5e_chip_through_the_kernel(tmp_path):
+    """--tree-budgets 8: the DFlash cycle verifying a draft tree of 8 nodes compiles beside the chain,
+    its verify of 9 tokens attends through the Pallas kernel (the "tree" mask kind), and the report
+    places it against the chip's roof."""
+    hlo = tmp_path / "hlo"
+    p, r = aot(tmp_path, "v5e:1x1", "--scale", "0.05", "--context", "128", "--compare-cache-len", "0",
+               "--programs", "dflash", "--tree-budgets", "8", "--hlo", str(hlo))
+    chain, tree = r["programs"]["dflash"], r["programs"]["tree8"]
+    assert tree["compiled"] and tree["fits"] and tree["tree_budget"] == 8 and tree["verify_len"] == 9
+    assert chain["tree_budget"] == 0 and chain["verify_len"] == 16
+    kernels = re.findall(r'custom_call_target="tpu_custom_call"', (hlo / "tree8.hlo.txt").read_text())
+    assert len(kernels) >= 3, len(kernels)  # the target's two layers and the drafter's one
+    assert tree["roofline"]["intensity"] > 0 and "DFlash tree 8" in p.stdout
+
+
 @pytest.mark.heavy
 def test_four_chips_split_the_weights_and_gather_none(tmp_path):
     """v5e:2x2 with every chip on `model`: heads, MLP and vocabulary split four ways, so each chip

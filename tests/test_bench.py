@@ -182,6 +182,25 @@ def test_quick_table_on_a_random_pair_with_temperature(tmp_path, capsys):
 
 
 @pytest.mark.heavy  # the everyday suite is at its budget
+def test_tree_budgets_add_a_row_each(tmp_path, capsys):
+    """--tree-budgets: beside the chain, one row per budget at the drafter's block, recording its
+    budget, the tokens it verifies and its tau, checked against the baseline's tokens like the chain's."""
+    out = tmp_path / "tree.json"
+    argv = [*SMALL_RANDOM, "--quick", "--tree-budgets", "3,6", "--num-prompts", "2", "--max-new-tokens", "6",
+            "--batch-sizes", "1", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["tree_budgets"] == [3, 6]
+    rows = res["dflash"]
+    assert [(r["block_size"], r["tree_budget"], r["verify_len"]) for r in rows] == [(4, 0, 4), (4, 3, 4), (4, 6, 7)]
+    for r in rows:
+        assert 1 <= r["tau"] <= 4 and r["cycles"] > 0 and r["lossless"]
+        assert list(r["acceptance_histogram"]) == ["1", "2", "3", "4"]  # a tree accepts at most a block
+    text = capsys.readouterr().out
+    assert " 4t3 " in text and " 4t6 " in text and "draft trees against the chain" in text
+
+
+@pytest.mark.heavy  # the everyday suite is at its budget
 def test_pieces_are_the_engines_own():
     """One iteration of each timed piece equals the engine's function called directly: draft, the
     verify, extend_context, accept + commit, the passes (draft, verify, extend) and the cycle;
