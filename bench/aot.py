@@ -193,9 +193,9 @@ def run_aot(args) -> dict:
         raise SystemExit("error: --tree-budgets compiles the dflash program with a tree: add dflash to --programs")
     # a tree writes its N + 1 nodes from the row's length before it keeps the accepted path: every
     # program gets room for the largest, so all compare on one cache
-    room = max(2 * b, *(n + 1 for n in budgets))
+    room = max([2 * b, *(n + 1 for n in budgets)])
     cache_len = cache_length(args.cache_len or context + room, args.page_size)
-    written = max(b, *(n + 1 for n in budgets))  # positions a cycle writes past a row's length
+    written = max([b, *(n + 1 for n in budgets)])  # positions a cycle writes past a row's length
     if cache_len < context + written:
         raise SystemExit(f"error: --cache-len {cache_len} cannot hold --context {context} + "
                          + (f"a tree of {written - 1} nodes" if written > b else f"a block of {b}"))

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
-from dflash_jax.engine.options import EngineOptions, check_tree
+from dflash_jax.engine.options import EngineOptions
+from dflash_jax.engine.tree import check_tree
 from dflash_jax.errors import InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 

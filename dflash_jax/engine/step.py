@@ -30,9 +30,8 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context
-from dflash_jax.engine.options import check_tree
 from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample, sample_rows
-from dflash_jax.engine.tree import Tree, build_tree, follow, top_candidates
+from dflash_jax.engine.tree import Tree, build_tree, check_tree, follow, top_candidates
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import CausalLM, ForwardOutput, forward, settle

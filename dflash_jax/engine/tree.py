@@ -30,7 +30,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dflash_jax.errors import InputError
+
 NEG_INF = -jnp.inf
+
+
+def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None):
+    """Refuse, with an InputError naming the flag, a tree of `budget` nodes that cannot verify
+    for this target (a `ModelConfig`) and block, before anything compiles."""
+    if budget < 0:
+        raise InputError(f"--tree-budget must be >= 0, got {budget}")
+    if block_size < 2:
+        raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
+    if draft_tokens is not None:
+        raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
+    if target.num_linear_layers:
+        raise InputError(f"--tree-budget: the target's {target.num_linear_layers} recurrent (delta-net) layers "
+                          f"cannot verify several branches from one state; use the chain (--tree-budget 0)")
 
 
 @struct.dataclass

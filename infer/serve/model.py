@@ -40,7 +40,7 @@ class ServedModel:
                 raise DFlashError(f"--draft-tokens {args.draft_tokens} is more than a block of {block} holds "
                                   f"(1..{block - 1})")
             if self.options.tree_budget:
-                from dflash_jax.engine.options import check_tree
+                from dflash_jax.engine.tree import check_tree
 
                 check_tree(pair.target, block, self.options.tree_budget)
         elif self.options.tree_budget:
