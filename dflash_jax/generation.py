@@ -347,8 +347,9 @@ class Resume:
                     other = "no drafter" if fp.get(key) is None else (
                         f"another {key} (its config or files differ from {flag}'s)" if settings[key] else f"a {key}")
                     raise InputError(f"{where}: id {row.id!r} was generated with {other}; {again}")
-                raise InputError(f"{where}: id {row.id!r} was generated with {flag} {json.dumps(fp.get(key))}, "
-                                 f"this run has {json.dumps(settings[key])}; {again}")
+                was, now = (0 if key == "tree_budget" and v is None else v for v in (fp.get(key), settings[key]))
+                raise InputError(f"{where}: id {row.id!r} was generated with {flag} {json.dumps(was)}, "
+                                 f"this run has {json.dumps(now)}; {again}")  # (a tree budget of None: the chain, 0)
             if fp.get("input") != keys[row.id]:
                 raise InputError(f"{where}: id {row.id!r} was generated from another row than {input_path} line "
                                  f"{row.line} (its prompt, limits or position differ); {again}")

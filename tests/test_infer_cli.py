@@ -189,7 +189,7 @@ def test_a_draft_tree_gives_the_references_rows_in_fewer_cycles(tmp_path, capsys
     assert s["tree_budget"] == 12 and s["tau"] > chain_tau, (s["tau"], chain_tau)
     code = main(tiny_pair() + ["--output", str(out), "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "was generated with --tree-budget 12, this run has null" in err, err
+    assert code == 2 and "was generated with --tree-budget 12, this run has 0" in err, err
     for flags, message in ((["--tree-budget", "4", "--draft-tokens", "3"], "--tree-budget and --draft-tokens exclude"),
                            (["--tree-budget", "4", "--block-size", "1"], "--tree-budget needs a drafter"),
                            (["--tree-budget", "-1"], "--tree-budget must be an integer >= 0")):
