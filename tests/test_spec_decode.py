@@ -686,14 +686,15 @@ def tv(p, q):
 
 
 @functools.cache
-def speculative_samples(sampling, family="qwen3"):
+def speculative_samples(sampling, family="qwen3", tree_budget=0):
     """The first three tokens of N_SAMPLES rows (row ids key the random streams) and each
-    row's first acceptance length, from the block-4 engine. Three, not two: token 1 comes
+    row's first acceptance length, from the block-4 engine (verifying a draft tree of
+    tree_budget nodes, where given). Three, not two: token 1 comes
     from the prefill and token 2 is always y_0, the target's own sample in the first verify
     pass, whatever was accepted; token 3 is the first one the acceptance rule decides."""
     target, tparams, drafter, dparams = sampling_setup(family)
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
-                    max_prompt_len=16, sampling=sampling)
+                    max_prompt_len=16, sampling=sampling, tree_budget=tree_budget)
     results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
     assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in results)
     return np.array([r.output_ids for r in results]), np.array([r.acceptance_lengths[0] for r in results])

@@ -44,9 +44,9 @@ from dflash_jax.kv import init_cache, read_kv, write_kv
 from dflash_jax.model import init_params
 from bench.timing import compile_counts
 from test_spec_decode import (
-    CHUNK, MAX_NEW, MAX_PROMPT, N_SAMPLES, PAGE, PROMPT_LENGTHS, SAMPLE_BATCH, SAMPLE_PROMPT, SAMPLINGS, SETUPS,
+    CHUNK, MAX_NEW, MAX_PROMPT, N_SAMPLES, PAGE, PROMPT_LENGTHS, SAMPLINGS, SETUPS,
     SLOTS, V, by_index, check_lengths, exact_joint, heavy, model_config, perturbed, prompts,
-    sampling_setup, setup, tv, tv_bound,
+    setup, speculative_samples, tv, tv_bound,
 )
 
 
@@ -619,18 +619,6 @@ def test_a_tree_accepts_more_per_cycle_than_the_chain():
 TREE_SAMPLE_BUDGET = 6  # block 4: trees up to 3 deep, two or three candidates at a depth
 
 
-@functools.cache
-def tree_samples(sampling, family="qwen3"):
-    """As test_spec_decode's speculative_samples, verified as a tree: the first three tokens of
-    N_SAMPLES rows and each row's first acceptance length."""
-    target, tparams, drafter, dparams = sampling_setup(family)
-    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
-                      max_prompt_len=16, sampling=sampling, tree_budget=TREE_SAMPLE_BUDGET)
-    results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
-    assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in results)
-    return np.array([r.output_ids for r in results]), np.array([r.acceptance_lengths[0] for r in results])
-
-
 @pytest.mark.parametrize("sampling,family", [
     pytest.param(SAMPLINGS[1], "qwen3", id="t0.7-topk5"),
     pytest.param(SAMPLINGS[0], "qwen3", id="t1", marks=pytest.mark.heavy),
@@ -642,7 +630,7 @@ def test_tree_sampling_matches_target_distribution(sampling, family):
     (a child's, or the root's next sample when no child holds token 2). Their joint law is plain
     sampling's within the bound test_spec_decode uses (and shows broken rules would break)."""
     exact = exact_joint(sampling, family)
-    tokens, first_acceptance = tree_samples(sampling, family)
+    tokens, first_acceptance = speculative_samples(sampling, family, TREE_SAMPLE_BUDGET)
     counts = np.zeros((V, V, V))
     np.add.at(counts, tuple(tokens.T), 1)
     empirical = counts / N_SAMPLES
