@@ -346,17 +346,24 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
 # --------------------------------------------------------------------------- one cycle
 
 
+def _denoise(tparams, dparams, spec: EngineSpec, anchor, context_cache):
+    """The drafter's one pass over the block [anchor, MASK x (B-1)] placed at each row's context
+    length: its hidden states [batch, B, hidden] (after its final norm)."""
+    model = CausalLM(spec.target)
+    batch, b = anchor.shape[0], spec.block_size
+    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
+    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
+    return draft_hidden(dparams, spec.drafter, embeds, context_cache)
+
+
 def draft(tparams, dparams, spec: EngineSpec, anchor, context_cache):
     """Drafts d_1..d_K [batch, K]: argmax of the target head over the drafter's output for
     the block [anchor, MASK x (B-1)] placed at each row's context length. The drafter always
     denoises the whole block it was trained on; only the K slots that will be verified go
     through the LM head."""
-    model = CausalLM(spec.target)
-    batch, b = anchor.shape[0], spec.block_size
-    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
-    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
-    hidden = draft_hidden(dparams, spec.drafter, embeds, context_cache)
-    logits = model.apply({"params": tparams}, hidden[:, 1:1 + spec.num_drafts], method=CausalLM.logits)
+    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)
+    logits = CausalLM(spec.target).apply({"params": tparams}, hidden[:, 1:1 + spec.num_drafts],
+                                         method=CausalLM.logits)
     return greedy_pick(logits)
 
 
@@ -425,14 +432,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
 
 
 def draft_tree(tparams, dparams, spec: EngineSpec, anchor, context_cache) -> Tree:
-    """The drafter's one pass over [anchor, MASK x (B-1)], as `draft`, turned into a tree of
-    spec.tree_budget nodes: each block position's top candidates, expanded best-first."""
-    model = CausalLM(spec.target)
-    batch, b = anchor.shape[0], spec.block_size
-    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
-    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
-    hidden = draft_hidden(dparams, spec.drafter, embeds, context_cache)
-    logits = model.apply({"params": tparams}, hidden[:, 1:], method=CausalLM.logits)
+    """The drafter's one pass, as `draft`'s, turned into a tree of spec.tree_budget nodes: each
+    block position's top candidates, expanded best-first."""
+    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)
+    logits = CausalLM(spec.target).apply({"params": tparams}, hidden[:, 1:], method=CausalLM.logits)
     return build_tree(anchor, *top_candidates(logits, spec.tree_budget), spec.tree_budget)
 
 
