@@ -32,10 +32,18 @@ from dflash_jax.families.table import Row, layer_rows
 
 
 # z-lab DFlash drafters: no `model.` prefix, no embedding or head (borrowed from the target).
+# A DFlash2 drafter's (`dflash_jax.dflash2`) add each layer's two dynamic convolutions and the
+# candidate selector, named as vLLM's `qwen3_dflash2` loads them.
 DRAFTER_TABLE: tuple[Row, ...] = (
     Row("fc.weight", "fc/kernel", True),
     Row("hidden_norm.weight", "hidden_norm/weight"),
     *layer_rows("layers.{i}.", "layers_{i}/"),
+    *[row for conv in ("attention_conv", "mlp_conv") for row in (
+        Row(f"layers.{{i}}.{conv}.base_kernel", f"layers_{{i}}/{conv}/base_kernel"),
+        Row(f"layers.{{i}}.{conv}.kernel_projection.weight", f"layers_{{i}}/{conv}/kernel_projection/kernel", True))],
+    Row("candidate_selector.hidden_projection.weight", "candidate_selector/hidden_projection/kernel", True),
+    Row("candidate_selector.predecessor_codebook", "candidate_selector/predecessor_codebook"),
+    Row("candidate_selector.successor_codebook", "candidate_selector/successor_codebook"),
     Row("norm.weight", "norm/weight"),
 )
 
@@ -383,7 +391,7 @@ def load_converted_params(path: Path, abstract, mesh=None, over_data: bool = Fal
 
 def model_kind(config_dict: dict) -> str:
     """'drafter' for DFlash drafter configs, else 'target'."""
-    if "DFlashDraftModel" in (config_dict.get("architectures") or []) or "dflash_config" in config_dict:
+    if {"DFlashDraftModel", "DFlash2DraftModel"} & set(config_dict.get("architectures") or []) or "dflash_config" in config_dict:
         return "drafter"
     return "target"
 

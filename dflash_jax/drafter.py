@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.dflash2 import ARCHITECTURE as DFLASH2, REQUIRED_KEYS as DFLASH2_KEYS, CandidateSelector, DFlash2Config, \
+    DynamicConv
 from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.attention import AttentionMetadata, LayerKV, attend, block_attention
@@ -36,6 +38,7 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
+    dflash2: DFlash2Config | None = None  # a DFlash2 drafter's convolutions and candidate selector
 
     @property
     def num_taps(self) -> int:
@@ -44,8 +47,17 @@ class DrafterConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, dtype: str | None = None) -> "DrafterConfig":
         dflash = cfg.get("dflash_config") or {}
-        if "DFlashDraftModel" not in (cfg.get("architectures") or []) and not dflash:
+        architectures = cfg.get("architectures") or []
+        if not {"DFlashDraftModel", DFLASH2} & set(architectures) and not dflash:
             raise ConfigError("not a DFlash drafter config (no DFlashDraftModel architecture, no dflash_config)")
+        is_dflash2 = DFLASH2 in architectures
+        extra = [k for k in DFLASH2_KEYS if k in dflash]
+        if extra and not is_dflash2:  # never read a DFlash2 drafter as a plain one (no convs, no selector)
+            raise ConfigError(f"drafter config has DFlash2's dflash_config.{extra[0]} but its architectures "
+                              f"{architectures} do not name {DFLASH2}")
+        if is_dflash2 and dtype == "float16":
+            raise ConfigError("a DFlash2 drafter loses its acceptance in float16 (its selector's scores overflow "
+                              "and it accepts nothing); run it in bfloat16 or float32")
         # Drafter layers are always Qwen3-style (q/k norm), whatever model_type says.
         model = model_config({**cfg, "model_type": "qwen3"}, dtype=dtype).replace(qk_norm=True)
         block_size = dflash.get("block_size", cfg.get("block_size"))
@@ -60,9 +72,11 @@ class DrafterConfig:
             if n_target is None:
                 raise ConfigError("drafter config has neither target_layer_ids nor num_target_layers")
             taps = default_target_layer_ids(int(n_target), model.num_hidden_layers)
+        dflash2 = (DFlash2Config.from_dflash_config(dflash, model.hidden_size, model.vocab_size)
+                   if is_dflash2 else None)
         return cls(model=model, block_size=int(block_size), mask_token_id=int(mask),
                    target_layer_ids=tuple(int(t) for t in taps),
-                   num_target_layers=int(n_target) if n_target is not None else -1)
+                   num_target_layers=int(n_target) if n_target is not None else -1, dflash2=dflash2)
 
     def with_dtype(self, dtype: str) -> "DrafterConfig":
         return dataclasses.replace(self, model=self.model.replace(dtype=dtype))
@@ -80,6 +94,8 @@ class DrafterConfig:
                         attention_factor=m.rope.attention_factor)
         if m.rope.partial_rotary_factor != 1.0:
             rope["partial_rotary_factor"] = m.rope.partial_rotary_factor
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        dflash2 = {} if self.dflash2 is None else {"architectures": [DFLASH2], "is_causal": False}
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
@@ -90,9 +106,9 @@ class DrafterConfig:
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
             "attention_bias": m.qkv_bias, "tie_word_embeddings": False, "hidden_act": "silu",
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash if self.dflash2 is None else {**dflash, **self.dflash2.to_dict()},
             "layer_types": layer_types, "sliding_window": windows[0] if windows else None,
-            "use_sliding_window": bool(windows), "dtype": m.dtype,
+            "use_sliding_window": bool(windows), "dtype": m.dtype, **dflash2,
         }
 
     @classmethod
@@ -244,8 +260,12 @@ REMAT_POLICIES = {"attention": jax.checkpoint_policies.dots_with_no_batch_dims_s
 
 
 class DraftLayer(nn.Module):
+    """Attention then MLP, each pre-normed with a residual; a DFlash2 drafter's layer wraps each
+    sublayer in its dynamic convolution (`dflash_jax.dflash2.DynamicConv`)."""
+
     config: ModelConfig
     window: int | None = None
+    dflash2: DFlash2Config | None = None
 
     def setup(self):
         c = self.config
@@ -254,21 +274,36 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        if self.dflash2 is not None:
+            conv = lambda: DynamicConv(c.hidden_size, self.dflash2.conv_kernel_size, self.dflash2.conv_group_size, dtype)
+            self.attention_conv, self.mlp_conv = conv(), conv()
 
     def context_kv(self, ctx, cos, sin):
         return self.self_attn.kv(ctx, cos, sin)
 
+    def _sublayer(self, x, norm, conv_name: str, sublayer, block_size: int):
+        """x + sublayer(norm(x)), or with the DFlash2 convolution around the sublayer."""
+        h = norm(x)
+        if self.dflash2 is None:
+            return x + sublayer(h)
+        conv = getattr(self, conv_name)
+        h, delta = conv.prepare(h, block_size)
+        return x + conv.finish(sublayer(h), delta, block_size)
+
     def __call__(self, x, cos, sin, positions, context: KVCache, layer: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, context, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attend = lambda h: self.self_attn(h, cos, sin, positions, context, layer)  # noqa: E731
+        x = self._sublayer(x, self.input_layernorm, "attention_conv", attend, x.shape[1])
+        return self._sublayer(x, self.post_attention_layernorm, "mlp_conv", self.mlp, x.shape[1])
 
     def train_pass(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block_size: int):
-        x = x + self.self_attn.train_pass(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block_size)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attend = lambda h: self.self_attn.train_pass(h, cos, sin, ctx_k, ctx_v, ctx_mask, block_size)  # noqa: E731
+        x = self._sublayer(x, self.input_layernorm, "attention_conv", attend, block_size)
+        return self._sublayer(x, self.post_attention_layernorm, "mlp_conv", self.mlp, block_size)
 
 
 class DFlashDrafter(nn.Module):
-    """Parameter paths mirror the z-lab names: `fc`, `hidden_norm`, `layers_{i}/...`, `norm`."""
+    """Parameter paths mirror the z-lab names: `fc`, `hidden_norm`, `layers_{i}/...`, `norm` (a DFlash2
+    drafter's: `layers_{i}/attention_conv`, `layers_{i}/mlp_conv`, `candidate_selector`)."""
 
     config: DrafterConfig
     remat: str = "none"  # training's rematerialisation of each layer: a key of REMAT_POLICIES
@@ -283,8 +318,21 @@ class DFlashDrafter(nn.Module):
         if self.remat != "none":  # the same parameters; train_pass's backward recomputes what the policy drops
             layer = nn.remat(DraftLayer, policy=REMAT_POLICIES[self.remat], methods=["train_pass"],
                              static_argnums=(7,))
-        self.layers = [layer(c, windows[i]) for i in range(c.num_hidden_layers)]  # layers_{i}
+        self.layers = [layer(c, windows[i], self.config.dflash2) for i in range(c.num_hidden_layers)]  # layers_{i}
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
+        if self.config.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(c.vocab_size, self.config.dflash2.selector_rank, dtype)
+
+    def _block_input(self, block_embeds):
+        """The target's embeddings of the block tokens, in the compute dtype (a DFlash2 drafter's
+        times its input_embedding_scale)."""
+        x = block_embeds.astype(jnp_dtype(self.config.model.dtype))
+        d2 = self.config.dflash2
+        return x if d2 is None or d2.input_embedding_scale == 1.0 else x * jnp.asarray(d2.input_embedding_scale, x.dtype)
+
+    def edge_scores(self, hidden, candidates, unary, predecessors):
+        """A DFlash2 drafter's selector: edge scores [b, D, Kc, Kc] (`dflash_jax.dflash2.CandidateSelector`)."""
+        return self.candidate_selector(hidden, candidates, unary, predecessors)
 
     def context(self, features):
         """Context feature: hidden_norm(fc(concat of taps)). [batch, T, n*hidden] -> [batch, T, hidden]."""
@@ -306,7 +354,7 @@ class DFlashDrafter(nn.Module):
         """
         c = self.config.model
         cos, sin = rope_angles(c, positions)
-        x = block_embeds.astype(jnp_dtype(c.dtype))
+        x = self._block_input(block_embeds)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, positions, context, i)
         return self.norm(x)
@@ -323,7 +371,7 @@ class DFlashDrafter(nn.Module):
         ctx_pos = jnp.broadcast_to(jnp.arange(s), features.shape[:2])
         ctx_k, ctx_v = self.context_kv(features, ctx_pos)
         cos, sin = rope_angles(c, block_positions)
-        x = block_embeds.astype(jnp_dtype(c.dtype))
+        x = self._block_input(block_embeds)
         for i, layer in enumerate(self.layers):
             mask = ctx_mask
             if layer.window is not None:
@@ -335,7 +383,11 @@ class DFlashDrafter(nn.Module):
         b, t = features.shape[:2]
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
         k, v = self.context_kv(features, pos)
-        return self(block_embeds, pos, KVCache(k=k, v=v, lengths=jnp.full((b,), t, jnp.int32)))
+        hidden = self(block_embeds, pos, KVCache(k=k, v=v, lengths=jnp.full((b,), t, jnp.int32)))
+        if self.config.dflash2 is not None:
+            ids = jnp.zeros(hidden.shape[:2] + (self.config.dflash2.selector_top_k,), jnp.int32)
+            self.edge_scores(hidden, ids, ids.astype(jnp.float32), ids)
+        return hidden
 
 
 # --------------------------------------------------------------------------- functions

@@ -497,7 +497,7 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
             raise InputError(f"--draft-tokens {job.draft_tokens} is more than a block of {block_size} holds "
                              f"(1..{block_size - 1})")
         if job.tree_budget:
-            check_tree(pair.target, block_size, job.tree_budget)
+            check_tree(pair.target, block_size, job.tree_budget, drafter=pair.drafter)
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > job.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "

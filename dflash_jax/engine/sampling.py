@@ -3,9 +3,16 @@ random key per row and sequence position.
 
 Sampling is lossless under speculative decoding: drafts are the drafter's argmax (a one-hot
 proposal), the target samples y_i at every verified position, and a draft is accepted while it
-equals the target's sample. The sample for sequence position t always uses the key
+equals the target's sample ("match"). The sample for sequence position t always uses the key
 fold_in(row_key, t), so a row's output depends neither on the batch or slot it ran in, nor on
 the block size.
+
+A DFlash2 drafter draws its drafts from a proposal q it can name (its selector's walk), so its
+sampled rows can instead accept by speculative rejection sampling ("rejection",
+`rejection_accept`): draft d is kept with probability min(1, p(d) / q(d)), the first one rejected
+is replaced by a draw from norm(max(0, p - q)). The output then has the target's distribution, not
+plain decoding's seeded tokens. The walk's, the acceptance's and the replacement's draws use keys
+of their own, `draw_keys(row_keys, positions, use)`.
 
 A BatchEngine samples either with one `Sampling` for every row (a compile-time setting), or, with
 `Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
@@ -139,3 +146,68 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
         return jnp.where(hot, tokens.reshape(greedy.shape), greedy)
 
     return jax.lax.cond((temperature > 0).any(), sampled, lambda _: greedy, None)
+
+
+# --------------------------------------------------------------------------- rejection sampling
+
+# How a DFlash2 drafter's sampled rows accept drafts (`EngineSpec.acceptance`, `--acceptance`): the
+# first is the default.
+ACCEPTANCE_RULES = ("rejection", "match")
+_DRAWS = {"walk": 1, "accept": 2, "residual": 3}  # the uses of draw_keys
+
+
+def draw_keys(row_keys, positions, use: str):
+    """Keys [batch, T, 2] of a draw speculative decoding makes at positions [batch, T] besides the
+    target's own sample there (`position_keys`): `use` one of "walk" (the selector's Gumbel walk),
+    "accept" (the acceptance test), "residual" (the replacement of a rejected draft)."""
+    keys = position_keys(row_keys, positions)
+    flat = jax.vmap(lambda k: jax.random.fold_in(k, _DRAWS[use]))(keys.reshape(-1, keys.shape[-1]))
+    return flat.reshape(keys.shape)
+
+
+def target_probs(logits, sampling: Sampling, row_sampling):
+    """p [batch, T, vocab] float32: the distribution the target samples each position from (its
+    temperature, top-k and top-p: the engine's, or with sampling.per_row each row's own,
+    row_sampling = (temperature, top_k, top_p) [batch]). A greedy row's p is unused (any)."""
+    b, t, vocab = logits.shape
+    if sampling.per_row:
+        temperature, top_k, top_p = (jnp.repeat(x, t) for x in row_sampling)
+        flat = processed_logits_rows(logits.reshape(-1, vocab), jnp.where(temperature > 0, temperature, 1.0),
+                                     top_k, top_p)
+    else:
+        flat = processed_logits(logits.reshape(-1, vocab), sampling)
+    return jax.nn.softmax(flat, axis=-1).reshape(b, t, vocab)
+
+
+def rejection_accept(probs, drafts, candidates, rows, picked, temperature, row_keys, positions):
+    """Speculative rejection sampling of drafts drawn from a proposal over candidates.
+
+    probs [batch, K+1, vocab]: the target's p at the verified positions (`target_probs`); drafts
+    [batch, K]; candidates, rows [batch, K, Kc]: each slot's candidates and the score row its draw
+    read, so the proposal is q = softmax(rows / temperature) over the candidates (0 elsewhere);
+    picked [batch, K]: each draft's index among its candidates; temperature [batch] (> 0 where it
+    matters); positions [batch, K+1]: the sequence positions the verify pass predicts.
+
+    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)), while all before it were; at the
+    first rejection (slot a) the token is drawn from norm(max(0, p_a - q_a)); with none rejected, the
+    bonus token from p_K. Returns (target_tokens [batch, K+1], num_accepted [batch]) as the
+    chain's verify and accept do: target_tokens[:, :a] are the kept drafts, target_tokens[:, a] the
+    drawn token."""
+    b, k = drafts.shape
+    q = jax.nn.softmax(rows / jnp.where(temperature > 0, temperature, 1.0)[:, None, None], axis=-1)
+    q_draft = jnp.take_along_axis(q, picked[..., None], axis=-1)[..., 0]
+    p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(draw_keys(row_keys, positions[:, :k], "accept"))
+    kept = u * q_draft < p_draft
+    num_accepted = jnp.cumprod(kept, axis=1).sum(axis=1).astype(jnp.int32)
+    p_at = jnp.take_along_axis(probs, num_accepted[:, None, None], axis=1)[:, 0]
+    slot = jnp.minimum(num_accepted, k - 1)[:, None, None]
+    q_at = jnp.where((num_accepted < k)[:, None], jnp.take_along_axis(q, slot, axis=1)[:, 0], 0.0)
+    rows_idx = jnp.arange(b)[:, None]
+    q_full = jnp.zeros_like(p_at).at[rows_idx, jnp.take_along_axis(candidates, slot, axis=1)[:, 0]].add(q_at)
+    residual = jnp.maximum(p_at - q_full, 0.0)
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_at)
+    key = jnp.take_along_axis(draw_keys(row_keys, positions, "residual"), num_accepted[:, None, None], axis=1)[:, 0]
+    token = jax.vmap(jax.random.categorical)(key, jnp.log(residual)).astype(jnp.int32)
+    tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    return tokens.at[jnp.arange(b), num_accepted].set(token), num_accepted

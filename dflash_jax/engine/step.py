@@ -29,9 +29,11 @@ from jax.sharding import Mesh
 
 from dflash_jax.kv import PAGE_SIZE
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context
-from dflash_jax.engine.sampling import Sampling, greedy_pick, position_keys, sample, sample_rows
-from dflash_jax.engine.tree import Tree, build_tree, check_tree, follow, top_candidates
+from dflash_jax.dflash2 import predecessors, unary_scores, walk
+from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context
+from dflash_jax.engine.sampling import (ACCEPTANCE_RULES, Sampling, draw_keys, greedy_pick, position_keys,
+                                        rejection_accept, sample, sample_rows, target_probs)
+from dflash_jax.engine.tree import Tree, build_tree, check_tree, follow, top_candidates, top_logits
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import CausalLM, ForwardOutput, forward, settle
@@ -57,11 +59,14 @@ class EngineSpec:
     prefill_chunk: int = 512  # prompts longer than this prefill in chunks of it, one after another
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (`dflash_jax.engine.tree`); 0: the chain
+    acceptance: str = "rejection"  # how sampled rows of a DFlash2 drafter accept drafts (`ACCEPTANCE_RULES`)
 
     def __post_init__(self):
         k, b, n = self.draft_tokens, self.block_size, self.tree_budget
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise DFlashError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
         if n:
-            check_tree(self.target, b, n, k)
+            check_tree(self.target, b, n, k, self.drafter)
         if k is None:
             return
         if b == 1:
@@ -95,6 +100,18 @@ class EngineSpec:
     @property
     def uses_drafter(self) -> bool:
         return self.block_size > 1
+
+    @property
+    def selector(self) -> bool:
+        """A DFlash2 drafter drafts: its candidate selector walks the block (`dflash_jax.dflash2`)."""
+        return self.uses_drafter and self.drafter.dflash2 is not None
+
+    @property
+    def rejection(self) -> bool:
+        """Sampled rows draw their drafts from the selector and accept them by rejection sampling
+        against its realised proposal (`rejection_accept`); else every draft is the argmax walk and
+        rows accept by sample-and-match."""
+        return self.selector and self.acceptance == "rejection" and not self.sampling.greedy
 
 
 @struct.dataclass
@@ -356,28 +373,83 @@ def _denoise(tparams, dparams, spec: EngineSpec, anchor, context_cache):
     return draft_hidden(dparams, spec.drafter, embeds, context_cache)
 
 
+def row_temperature(spec: EngineSpec, state: DecodeState):
+    """[batch] each row's temperature (a per-row engine's, else the engine's one)."""
+    if spec.sampling.per_row:
+        return state.temperature
+    return jnp.full(state.anchor.shape, spec.sampling.temperature, jnp.float32)
+
+
 def draft(tparams, dparams, spec: EngineSpec, anchor, context_cache):
-    """Drafts d_1..d_K [batch, K]: argmax of the target head over the drafter's output for
-    the block [anchor, MASK x (B-1)] placed at each row's context length. The drafter always
-    denoises the whole block it was trained on; only the K slots that will be verified go
-    through the LM head."""
-    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)
-    logits = CausalLM(spec.target).apply({"params": tparams}, hidden[:, 1:1 + spec.num_drafts],
-                                         method=CausalLM.logits)
-    return greedy_pick(logits)
+    """Drafts d_1..d_K [batch, K] for the block [anchor, MASK x (B-1)] placed at each row's context
+    length. The drafter always denoises the whole block it was trained on; only the K slots that
+    will be verified go through the LM head. A DFlash drafter's drafts are the argmax of the target
+    head over its output; a DFlash2 drafter's, its candidate selector's argmax walk."""
+    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)[:, 1:1 + spec.num_drafts]
+    if not spec.selector:
+        return greedy_pick(CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.logits))
+    return walk(*_selector_scores(tparams, dparams, spec, anchor, hidden))[0]
+
+
+def _selector_scores(tparams, dparams, spec: EngineSpec, anchor, hidden):
+    """A DFlash2 drafter's edge scores [batch, K, Kc, Kc] and candidates [batch, K, Kc] at the
+    drafted slots' hidden states [batch, K, hidden] (`dflash_jax.dflash2`)."""
+    d2 = spec.drafter.dflash2
+    raw = CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.head_logits)
+    values, candidates = top_logits(raw, d2.selector_top_k)
+    scores = DFlashDrafter(spec.drafter).apply({"params": dparams}, hidden, candidates, unary_scores(values, d2),
+                                               predecessors(anchor, candidates), method=DFlashDrafter.edge_scores)
+    return scores, candidates
+
+
+def draft_drawn(tparams, dparams, spec: EngineSpec, state: DecodeState):
+    """A DFlash2 drafter's drafts [batch, K] for rejection sampling: a sampled row's are the Gumbel walk
+    of its selector at the row's temperature, keyed by the drafts' positions (a greedy row's, the
+    argmax walk), with the proposal they were drawn from: (candidates, the realised score rows,
+    the picked indices), each [batch, K, ...]."""
+    hidden = _denoise(tparams, dparams, spec, state.anchor, state.context_cache)[:, 1:1 + spec.num_drafts]
+    scores, candidates = _selector_scores(tparams, dparams, spec, state.anchor, hidden)
+    positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(spec.num_drafts)[None, :]
+    drafts, rows, picked = walk(scores, candidates, row_temperature(spec, state),
+                                draw_keys(state.row_keys, positions, "walk"))
+    return drafts, (candidates, rows, picked)
+
+
+def _verify_pass(tparams, spec: EngineSpec, state: DecodeState, block) -> ForwardOutput:
+    """The target's pass over block [batch, K+1] = [anchor, d_1..d_K] at each row's length."""
+    # A hybrid target's linear layers defer their states to commit (settled at the accepted
+    # prefix); plain decoding (one token, always kept while the row runs) lets them advance.
+    return forward(tparams, spec.target, block, state.target_cache, taps=spec.taps,
+                   defer_recurrent=bool(spec.target.num_linear_layers) and spec.uses_drafter)
 
 
 def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Array, ForwardOutput]:
     """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
     Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
     P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
-    # A hybrid target's linear layers defer their states to commit (settled at the accepted
-    # prefix); plain decoding (one token, always kept while the row runs) lets them advance.
-    out = forward(tparams, spec.target, block, state.target_cache, taps=spec.taps,
-                  defer_recurrent=bool(spec.target.num_linear_layers) and spec.uses_drafter)
+    out = _verify_pass(tparams, spec, state, block)
     start = state.target_cache.lengths
     keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
     return pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p)), out
+
+
+def verify_rejection(tparams, spec: EngineSpec, state: DecodeState, drafts, proposal):
+    """Verify drafts drawn from the selector's proposal: a sampled row accepts each draft d with
+    probability min(1, p(d) / q(d)) and replaces the first it rejects by a draw from
+    norm(max(0, p - q)) (`rejection_accept`); a greedy row (temperature 0, its drafts the argmax
+    walk) accepts by matching the target's argmax. Returns (target_tokens, num_accepted, the
+    forward output), as `verify` and `accept` do."""
+    block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
+    out = _verify_pass(tparams, spec, state, block)
+    greedy = greedy_pick(out.logits)
+    temperature = row_temperature(spec, state)
+    positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(block.shape[1])[None, :]
+    probs = target_probs(out.logits, spec.sampling, (temperature, state.top_k, state.top_p))
+    tokens, num_accepted = rejection_accept(probs, drafts, *proposal, temperature, state.row_keys, positions)
+    hot = temperature > 0
+    tokens = jnp.where(hot[:, None], tokens, greedy)
+    num_accepted = jnp.where(hot, num_accepted, accept(drafts, greedy))
+    return tokens, num_accepted, out
 
 
 def accept(drafts, target_tokens):
@@ -462,6 +534,11 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
     if spec.tree_budget:
         tree = draft_tree(tparams, dparams, spec, state.anchor, state.context_cache)
         target_tokens, num_accepted, verified = verify_tree(tparams, spec, state, tree)
+        return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
+                               spec.mesh)
+    if spec.rejection:
+        drafts, proposal = draft_drawn(tparams, dparams, spec, state)
+        target_tokens, num_accepted, verified = verify_rejection(tparams, spec, state, drafts, proposal)
         return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
                                spec.mesh)
     if spec.uses_drafter:

@@ -35,9 +35,9 @@ from dflash_jax.errors import InputError
 NEG_INF = -jnp.inf
 
 
-def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None):
+def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None, drafter=None):
     """Refuse, with an InputError naming the flag, a tree of `budget` nodes that cannot verify
-    for this target (a `ModelConfig`) and block, before anything compiles."""
+    for this target (a `ModelConfig`), block and drafter (a `DrafterConfig`), before anything compiles."""
     if budget < 0:
         raise InputError(f"--tree-budget must be >= 0, got {budget}")
     if block_size < 2:
@@ -47,6 +47,9 @@ def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = 
     if target.num_linear_layers:
         raise InputError(f"--tree-budget: the target's {target.num_linear_layers} recurrent (delta-net) layers "
                           f"cannot verify several branches from one state; use the chain (--tree-budget 0)")
+    if drafter is not None and drafter.dflash2 is not None:  # never drop the selector silently
+        raise InputError("--tree-budget: a DFlash2 drafter drafts by its candidate selector's walk, one path, which "
+                         "a tree would bypass; use the chain (--tree-budget 0)")
 
 
 @struct.dataclass
@@ -71,20 +74,25 @@ class Tree:
 CANDIDATE_RECALL = 0.99
 
 
-def top_candidates(logits, budget: int):
-    """The candidates a tree of `budget` nodes can use: at each block position the top
-    min(budget, vocab) tokens with their log-probabilities (descending). logits [batch, D,
-    vocab] -> (log_probs, tokens), each [batch, D, k].
+def top_logits(logits, k: int):
+    """The k largest logits of each row and their tokens (descending): logits [..., vocab] ->
+    (values float32, tokens int32), each [..., k].
 
     `jax.lax.approx_max_k`: exact off a TPU (a sort); on a TPU the chip's partial reduction, which
     keeps each true candidate with probability CANDIDATE_RECALL, where an exact top-k over a
     150k vocabulary is a full sort of every position (the largest piece of a tree's draft by the
-    TPU compiler's estimate). A candidate missed changes the tree, never the output."""
-    k = min(budget, logits.shape[-1])
-    logits = logits.astype(jnp.float32)
+    TPU compiler's estimate). A candidate missed changes the drafts, never the output."""
+    values, tokens = jax.lax.approx_max_k(logits.astype(jnp.float32), k, recall_target=CANDIDATE_RECALL)
+    return values, tokens.astype(jnp.int32)
+
+
+def top_candidates(logits, budget: int):
+    """The candidates a tree of `budget` nodes can use: at each block position the top
+    min(budget, vocab) tokens with their log-probabilities (descending). logits [batch, D,
+    vocab] -> (log_probs, tokens), each [batch, D, k] (`top_logits`)."""
+    values, tokens = top_logits(logits, min(budget, logits.shape[-1]))
     # the order of the log-probabilities: only k of them are formed
-    values, tokens = jax.lax.approx_max_k(logits, k, recall_target=CANDIDATE_RECALL)
-    return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), tokens.astype(jnp.int32)
+    return values - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1, keepdims=True), tokens
 
 
 def build_tree(anchor, log_probs, tokens, budget: int) -> Tree:

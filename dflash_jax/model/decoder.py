@@ -183,11 +183,15 @@ class CausalLM(nn.Module):
                  tree=None):
         return self.model(tokens, cache, taps, rows, valid, defer, tree)
 
+    def head_logits(self, h):
+        """h [..., hidden] -> the head's raw float32 logits [..., vocab] (no soft cap)."""
+        out = self.model.tied_logits(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        return out.astype(jnp.float32)
+
     def logits(self, h):
         """h [..., hidden] -> float32 logits [..., vocab] (soft-capped: cap * tanh(logits / cap),
         with `final_logit_softcap`)."""
-        out = self.model.tied_logits(h) if self.config.tie_word_embeddings else self.lm_head(h)
-        out = out.astype(jnp.float32)
+        out = self.head_logits(h)
         cap = self.config.final_logit_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
 

@@ -42,7 +42,7 @@ class ServedModel:
             if self.options.tree_budget:
                 from dflash_jax.engine.tree import check_tree
 
-                check_tree(pair.target, block, self.options.tree_budget)
+                check_tree(pair.target, block, self.options.tree_budget, drafter=pair.drafter)
         elif self.options.tree_budget:
             raise DFlashError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
         self.name = args.served_model_name or (MODEL_DEFAULT_NAME if pair.demo else self.target_dir.resolve().name)
