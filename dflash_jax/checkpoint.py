@@ -428,8 +428,14 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
     if is_converted(path):
         return config, load_converted_params(path, abstract, mesh, over_data)
     model_config = config.model if kind == "drafter" else config
-    return config, load_hf_params(path, model_config, abstract, table=table_for(kind, model_config),
-                                  progress=progress, mesh=mesh, over_data=over_data)
+    try:
+        return config, load_hf_params(path, model_config, abstract, table=table_for(kind, model_config),
+                                      progress=progress, mesh=mesh, over_data=over_data)
+    except CheckpointError as e:
+        if kind == "drafter" and config.dflash2 is None and re.search(r"'(layers\.\d+\.\w+_conv|candidate_selector)\.", str(e)):
+            raise CheckpointError(f"{e}: a DFlash2 drafter's tensor, but {path / 'config.json'} does not name "
+                                  f"architectures DFlash2DraftModel") from None
+        raise
 
 
 def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None,

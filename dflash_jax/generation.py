@@ -57,6 +57,7 @@ class GenerationJob:
     block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
+    acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
@@ -290,7 +291,8 @@ def prompt_budget(row: InputRow, tokenizer, thinking: bool, max_new_tokens: int)
 # Batch size, mesh, cache and page sizes, sync and tail settings change how rows run, not what
 # they produce, and are not recorded.
 SETTING_FLAGS = {"target": "--target", "drafter": "--drafter", "dtype": "--dtype", "block_size": "--block-size",
-                 "draft_tokens": "--draft-tokens", "tree_budget": "--tree-budget", "max_new_tokens": "--max-new-tokens",
+                 "draft_tokens": "--draft-tokens", "tree_budget": "--tree-budget", "acceptance": "--acceptance",
+                 "max_new_tokens": "--max-new-tokens",
                  "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                  "ignore_eos": "--ignore-eos", "enable_thinking": "--enable-thinking"}
 
@@ -510,6 +512,8 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
                 "draft_tokens": (job.draft_tokens or block_size - 1) if pair.drafting else None,
                 # None for the chain, so outputs written before trees existed still resume
                 "tree_budget": (job.tree_budget or None) if pair.drafting else None,
+                # only a DFlash2 drafter's sampled output depends on it (None otherwise, as before it existed)
+                "acceptance": job.acceptance if pair.drafting and pair.drafter.dflash2 is not None else None,
                 "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
                 "top_k": job.top_k, "seed": job.seed, "ignore_eos": job.ignore_eos,
                 "enable_thinking": job.enable_thinking}

@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.options import EngineOptions, flag
+from dflash_jax.engine.sampling import ACCEPTANCE_RULES
 from dflash_jax.generation import GenerationJob
 
 JOB = GenerationJob  # its class attributes are the fields' defaults
@@ -36,6 +37,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                              "position's top candidates, expanded best-first, checked in one target pass; more "
                              "tokens per cycle, output unchanged (greedy and seeded sampling equal plain "
                              "decoding). 0 (default): the chain. Not for hybrid (delta-net) targets"),
+    "acceptance": dict(choices=ACCEPTANCE_RULES,
+                       help="how a DFlash2 drafter's sampled rows accept drafts: rejection (default) draws the drafts "
+                            "from its candidate selector and keeps each with probability min(1, p/q), the output "
+                            "having the target's distribution; match drafts the selector's argmax and keeps a draft "
+                            "while it equals the target's own sample, the output then equal to plain decoding's with "
+                            "the same seed. Greedy rows, and DFlash drafters, always match"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -69,10 +76,11 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
-BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "batch_size", "dtype", "max_prompt_len",
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "batch_size", "dtype", "max_prompt_len",
                       "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
+                       "acceptance",
                        "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
 
 

@@ -18,6 +18,7 @@ import numbers
 from dataclasses import dataclass, fields
 
 from dflash_jax.config import DTYPES
+from dflash_jax.engine.sampling import ACCEPTANCE_RULES
 from dflash_jax.errors import InputError
 from dflash_jax.kv.layout import PAGE_SIZE
 
@@ -50,6 +51,7 @@ class EngineOptions:
     block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
+    acceptance: str = ACCEPTANCE_RULES[0]  # how a DFlash2 drafter's sampled rows accept drafts
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
@@ -78,6 +80,8 @@ class EngineOptions:
             raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
 
@@ -111,4 +115,5 @@ class EngineOptions:
             sync_every=self.sync_every, mesh=pair.mesh, draft_tokens=self.draft_tokens if drafting else None,
             watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
-            admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0)
+            admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
+            acceptance=self.acceptance)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE, page_table, pages_needed
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
-from dflash_jax.engine.sampling import Sampling
+from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles
 from dflash_jax.engine.watchdog import Watchdog
@@ -57,8 +57,11 @@ class BatchEngine:
     the drafter still denoises the whole block, the target runs K + 1 tokens. Worth it where a
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
     block is nearly free. tree_budget N (default 0, the chain) verifies a draft tree of N nodes
-    per cycle instead (`dflash_jax.engine.tree`): more tokens accepted per cycle, the same output. watchdog: every wait on the device runs inside its `waiting`, so a
-    stalled device ends the run with a one-line error instead of a hang.
+    per cycle instead (`dflash_jax.engine.tree`): more tokens accepted per cycle, the same output.
+    acceptance: how a DFlash2 drafter's sampled rows accept drafts (`ACCEPTANCE_RULES`; rejection
+    sampling against its selector's proposal, or sample-and-match of its argmax walk). watchdog:
+    every wait on the device runs inside its `waiting`, so a stalled device ends the run with a
+    one-line error instead of a hang.
 
     narrow_tail: once no prompt waits and the rows still running fit fewer slots, they move to
     a narrower state (`narrow_state`; widths 2^k and 3 * 2^k below the batch, each divisible by
@@ -76,7 +79,8 @@ class BatchEngine:
                  stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
                  watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
-                 admission_widths: Sequence[int] | None = None, tree_budget: int = 0):
+                 admission_widths: Sequence[int] | None = None, tree_budget: int = 0,
+                 acceptance: str = ACCEPTANCE_RULES[0]):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -103,7 +107,7 @@ class BatchEngine:
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=self.max_prompt_len + max_new_tokens + max(2 * block_size, tree_budget + 1), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
-            tree_budget=tree_budget,
+            tree_budget=tree_budget, acceptance=acceptance,
         )
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
