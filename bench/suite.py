@@ -141,7 +141,7 @@ def run_suite(args, result: dict) -> int:
                       batch_sizes=batch_sizes,
                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                       sync_every=args.sync_every, greedy=sampling.greedy, temperature=args.temperature,
-                      stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens,
+                      stop_tokens="ignored", max_prompt_tokens=args.max_prompt_tokens, acceptance=args.acceptance,
                       narrow_tail=narrow_tail_default(args.narrow_tail)),
         baseline=[], dflash=[],
     )
@@ -168,13 +168,15 @@ def run_suite(args, result: dict) -> int:
             result["baseline"].append(base)
             for b, k, n in configs:
                 gen = BatchEngine(tcfg, tparams, dcfg, dparams, block_size=b, batch_size=batch, draft_tokens=k,
-                                  tree_budget=n, **common)
+                                  tree_budget=n, acceptance=args.acceptance, **common)
                 r = bench_generator(gen, prompts, args.repeats, args.seed)
                 # a tree accepts at most one node per block position: B tokens, however many it verifies
                 r.update(acceptance_figures(r["acceptance_lengths"], min(gen.spec.verify_len, b)))
                 r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
                 r["rows_matching_baseline"] = sum(x == y for x, y in zip(r["outputs"], base["outputs"]))
-                r["lossless"] = r["rows_matching_baseline"] == len(prompts)
+                # rejection sampling keeps the target's distribution, not the baseline's tokens
+                r["lossless"] = r["rows_matching_baseline"] == len(prompts) or gen.spec.rejection
+                r["acceptance_rule"] = "rejection" if gen.spec.rejection else "match"
                 if base_state is not None:
                     # the baseline's AR step and cycle are timed again, interleaved with these pieces
                     pieces = time_pieces(tparams, dparams, gen.spec, first_state(gen, prompts, args.seed), gen0.spec,
