@@ -3,7 +3,8 @@ through its queue while others run stream the tokens `BatchEngine.generate` give
 (greedy, and sampled with their own settings and streams), long prompts go in piece by piece
 between cycles (rows being filled keep their caches: per-slot, a page pool with ring layers, a hybrid's
 recurrent states), cancelled requests free their slots, and nothing compiles after warm-up; a
-draft-tree engine (`tree_budget`) serves the same way.
+draft-tree engine (`tree_budget`) and a DFlash2 drafter (its sampled rows accepted by rejection
+sampling against its selector's proposal) serve the same way.
 
 Each engine compiles every prompt bucket at every admission width, the streaming loop and the
 pieces (about a minute on 2 cores), so these run with the full matrix (-m heavy); the server's
@@ -15,6 +16,9 @@ from __future__ import annotations
 import threading
 import time
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -22,13 +26,17 @@ from dflash_jax.engine import BatchEngine, Sampling
 from dflash_jax.engine.step import prefill, prefill_part, run_cycles
 from dflash_jax.engine.streaming import QueueFull, StreamRequest, StreamingEngine
 from dflash_jax.errors import DFlashError
+from dflash_jax.dflash2 import DFlash2Config
+from dflash_jax.drafter import init_drafter_params
 from test_spec_decode import setup
 
 pytestmark = pytest.mark.heavy
 
-# name: (setup, page pool pages or None, draft-tree budget); pieces of 16 tokens, prompts up to 64
-CASES = {"qwen3": ("qwen3-v128", None, 0), "gpt_oss-pool": ("gpt_oss-v8", 24, 0), "qwen3_5": ("qwen3_5-v8", None, 0),
-         "gpt_oss-pool-tree": ("gpt_oss-v8", 24, 6)}
+# name: (setup, page pool pages or None, draft-tree budget, a DFlash2 drafter); pieces of 16 tokens,
+# prompts up to 64
+CASES = {"qwen3": ("qwen3-v128", None, 0, False), "gpt_oss-pool": ("gpt_oss-v8", 24, 0, False),
+         "qwen3_5": ("qwen3_5-v8", None, 0, False), "gpt_oss-pool-tree": ("gpt_oss-v8", 24, 6, False),
+         "qwen3-pool-dflash2": ("qwen3-v128", 24, 0, True)}
 LENGTHS = (5, 30, 12, 60, 3, 17, 40, 9, 22, 14, 64, 33)
 LIMITS = (24, 7, 19, 24, 1, 24, 12, 24, 3, 22, 20, 24)
 
@@ -61,8 +69,12 @@ def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
-    name, pool, tree = CASES[case]
+    name, pool, tree, dflash2 = CASES[case]
     target, tparams, drafter, dparams = setup(name)
+    if dflash2:
+        drafter = dataclasses.replace(drafter, dflash2=DFlash2Config(conv_group_size=8, selector_rank=8,
+                                                                     selector_top_k=8))
+        dparams = init_drafter_params(drafter, jax.random.PRNGKey(41))
     rs = np.random.RandomState(5)
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in LENGTHS]
     kw = dict(block_size=4, batch_size=4, max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
@@ -81,6 +93,7 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
                  for i in range(len(prompts))]
     ids = [1000 + 7 * i for i in range(len(prompts))]
     mixed = {r.index: r for r in gen.generate(prompts, max_new_tokens=list(LIMITS), sampling=samplings, indices=ids)}
+    assert gen.spec.rejection == dflash2
     warm = compiles()
     engine.start()
     try:
