@@ -692,6 +692,9 @@ class JobRun:
         block_size = gen.spec.block_size
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
+        if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept
+            summary["dflash2"] = True
+            summary["acceptance"] = "rejection" if gen.spec.rejection else "match"
         if job.compare_baseline:
             self.say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
             summary["baseline"] = baseline_summary(self.engine(1), self.first, job.seed, self.limit,

@@ -88,6 +88,9 @@ def print_summary(s: dict, say):
     verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
     if s.get("tree_budget"):
         verified = f" (a draft tree of {s['tree_budget']} nodes verified per cycle)"
+    if s.get("dflash2"):
+        verified += (" (a DFlash2 drafter: drafts drawn from its candidate selector, accepted by rejection sampling)"
+                     if s["acceptance"] == "rejection" else " (a DFlash2 drafter: its candidate selector's drafts)")
     if "heldout" in s:  # the demo pair: the figure to expect first
         h = s["heldout"]
         say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "

@@ -650,3 +650,31 @@ def test_rows_set_their_own_sampling(tmp_path):
     got = {k: {r["id"]: r["output_ids"] for r in read_jsonl(p)} for k, p in outs.items()}
     assert got["mixed"]["r0"] == got["sampled"]["r0"] != got["greedy"]["r0"]
     assert got["mixed"]["r1"] == got["greedy"]["r1"] and got["mixed"]["r2"] == got["greedy"]["r2"]
+
+
+@pytest.mark.heavy  # a minute; the engine's DFlash2 tests (tests/test_dflash2.py) run everyday
+def test_a_dflash2_drafter_runs_sampled_and_its_acceptance_rule_is_part_of_resume(tmp_path, capsys):
+    """A DFlash2 drafter (tests/dflash2_reference.py's format): sampled rows run with rejection
+    sampling by default, the summary says so; a rerun with --acceptance match does not resume them;
+    a draft tree is refused in one line."""
+    from dflash2_reference import write_dflash2_drafter
+
+    d2 = tmp_path / "d2"
+    write_dflash2_drafter(tiny() / "target", d2, base_dir=tiny() / "drafter", seed=3)
+    pair = ["--target", str(tiny() / "target"), "--drafter", str(d2), "--input", str(tiny() / "prompts.jsonl"),
+            "--max-new-tokens", "16", "--temperature", "1.0"]
+    out, summary = tmp_path / "out.jsonl", tmp_path / "s.json"
+    assert main(pair + ["--output", str(out), "--summary-json", str(summary)]) == 0
+    assert "(a DFlash2 drafter: drafts drawn from its candidate selector, accepted by rejection sampling)" in \
+        capsys.readouterr().err
+    records = read_jsonl(out)
+    assert len(records) == 8 and all(r["fingerprint"]["acceptance"] == "rejection" for r in records)
+    assert all(len(r["output_ids"]) == 16 for r in records)
+    s = json.loads(summary.read_text())
+    assert s["dflash2"] and s["acceptance"] == "rejection"
+    code = main(pair + ["--output", str(out), "--acceptance", "match", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and 'was generated with --acceptance "rejection", this run has "match"' in err, err
+    code = main(pair + ["--tree-budget", "4", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "a DFlash2 drafter drafts by its candidate selector" in err and err.count("\n") == 1, err
