@@ -158,7 +158,11 @@ def chunked_cross_entropy_top_k(hidden, raw_head_fn, targets, chunk: int, top_k:
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t_c[:, None], 1)[:, 0]
         _, cand = top_logits(jax.lax.stop_gradient(raw), top_k)
-        values = jnp.take_along_axis(raw, cand, 1)
+        # One single-index gather per candidate: their gradients fuse into the dense backward as
+        # `picked`'s does. One [chunk, K] gather's gradient is a scatter that the TPU compiler (v5p)
+        # runs as an async call it has no time for (no estimate for the whole step), with 3x the
+        # bytes accessed of the chunk's backward.
+        values = jnp.concatenate([jnp.take_along_axis(raw, cand[:, i:i + 1], 1) for i in range(top_k)], 1)
         gold = jnp.take_along_axis(raw, t_c[:, None], 1)[:, 0]
         return lse - picked, jnp.argmax(logits, -1) == t_c, values, cand, gold
 
@@ -275,8 +279,8 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     """Weighted cross-entropy of all blocks of a batch. tokens, loss_mask [batch, S].
     Returns (loss, metrics) with per-slot accuracy and the tau estimate.
 
-    A DFlash2 drafter's loss is ce_weight x that cross-entropy + selector_weight x its selector's
-    (`selector_cross_entropy`, weighted alike); its metrics add ce_loss, selector_loss,
+    The loss is ce_weight x that cross-entropy (metric ce_loss); a DFlash2 drafter's adds
+    selector_weight x its selector's (`selector_cross_entropy`, weighted alike) and its metrics selector_loss,
     selector_accuracy (the gold predecessor's row picks the gold candidate) and gold_in_top_k
     (the gold token among the head's top-K), the last two over the slots with a loss."""
     d = spec.drafter
@@ -334,7 +338,7 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
 
     has_loss = weights > 0
     slots = jnp.maximum(has_loss.sum(), 1)
-    extra = {}
+    extra = dict(ce_loss=ce_loss)
     if d2 is not None:
         k = d2.selector_top_k
         sel_ce, sel_correct, in_top = selector_cross_entropy(
@@ -343,7 +347,7 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
             gold_value.reshape(b * n, -1), d2)
         selector_loss = weighted(sel_ce.reshape(weights.shape))
         loss = loss + spec.selector_weight * selector_loss
-        extra = dict(ce_loss=ce_loss, selector_loss=selector_loss,
+        extra.update(selector_loss=selector_loss,
                      selector_accuracy=(sel_correct.reshape(weights.shape) & has_loss).sum() / slots,
                      gold_in_top_k=(in_top.reshape(weights.shape) & has_loss).sum() / slots)
     slot_acc = (correct & has_loss).sum((0, 1)) / jnp.maximum(has_loss.sum((0, 1)), 1)
