@@ -14,11 +14,11 @@ import pytest
 from dflash_jax import load_drafter, load_target
 from dflash_jax.checkpoint import DRAFTER_TABLE, save_hf_params
 from dflash_jax.config import ModelConfig
-from dflash_jax.dflash2 import DFlash2Config, unary_scores
+from dflash_jax.dflash2 import DFlash2Config
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_drafter_params
 from dflash_jax.engine import BatchEngine
 from dflash_jax.kv import init_context_cache
-from dflash_jax.model import CausalLM, init_params
+from dflash_jax.model import init_params
 from dflash_jax.training import (LossSpec, block_layout, chunked_cross_entropy, chunked_cross_entropy_top_k,
                                  drafter_loss, init_train_state, inject_gold, make_optimizer,
                                  selector_cross_entropy, train_step, upgrade_to_dflash2)
@@ -198,7 +198,7 @@ def test_chunked_top_k_is_the_full_logits_top_k_and_ce():
     for cap in (None, 3.0):
         ce, correct, values, cand, gold = map(np.asarray, chunked_cross_entropy_top_k(hidden, lambda h: h @ w, targets,
                                                                                       5, 6, cap))
-        head = (lambda h: h @ w) if cap is None else (lambda h: cap * jnp.tanh((h @ w) / cap))
+        head = (lambda h: h @ w) if cap is None else (lambda h, cap=cap: cap * jnp.tanh((h @ w) / cap))
         ref_ce, ref_correct = chunked_cross_entropy(hidden, head, targets, 5)
         np.testing.assert_allclose(ce, np.asarray(ref_ce), rtol=1e-5)
         np.testing.assert_array_equal(correct, np.asarray(ref_correct))
