@@ -7,6 +7,11 @@ positions a..a+B-1; its slot k (1..B-1) predicts x_{a+k} with weight exp(-(k-1)/
 zero past the end or outside the mask. The frozen target computes the tap features of the
 whole sequence inside the step; a query of block j sees context positions < a_j and every
 slot of block j, nothing else.
+
+A DFlash2 drafter (`dflash_jax.dflash2`) adds its candidate selector's loss: at each slot the
+top-K of the target head's raw logits (the gold token injected where missing), the edge scores
+from the gold predecessor (teacher forced), and a K-way cross-entropy at the gold candidate,
+weighted as the vocabulary cross-entropy is (`selector_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.dflash2 import DFlash2Config, unary_scores
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig
 from dflash_jax.kv import init_cache
 from dflash_jax.model import CausalLM, forward
@@ -129,6 +135,80 @@ def chunked_cross_entropy(hidden, head_fn, targets, chunk: int):
     return ce.reshape(-1)[:m], correct.reshape(-1)[:m]
 
 
+def chunked_cross_entropy_top_k(hidden, raw_head_fn, targets, chunk: int, top_k: int, softcap: float | None = None):
+    """`chunked_cross_entropy` that also keeps each row's top-K of the raw logits, in the same
+    chunked pass (a DFlash2 drafter's selector candidates; [M, vocab] never exists at once).
+
+    raw_head_fn: hidden -> the head's raw logits (no soft cap); the cross-entropy is over the
+    soft-capped ones (cap * tanh(raw / cap) with `softcap`), as `CausalLM.logits` gives them.
+    Returns (ce [M], correct [M] bool, values [M, K] float32, candidates [M, K] int32, the
+    target's raw logit [M]): the candidates as the engine picks them (`top_logits`, descending),
+    their values gathered from the raw logits, so gradients flow to the hidden state through them."""
+    from dflash_jax.engine.tree import top_logits
+
+    m = hidden.shape[0]
+    pad = -m % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one(h_c, t_c):
+        raw = raw_head_fn(h_c).astype(jnp.float32)
+        logits = raw if softcap is None else softcap * jnp.tanh(raw / softcap)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t_c[:, None], 1)[:, 0]
+        _, cand = top_logits(jax.lax.stop_gradient(raw), top_k)
+        # One single-index gather per candidate: their gradients fuse into the dense backward as
+        # `picked`'s does. One [chunk, K] gather's gradient is a scatter that the TPU compiler (v5p)
+        # runs as an async call it has no time for (no estimate for the whole step), with 3x the
+        # bytes accessed of the chunk's backward.
+        values = jnp.concatenate([jnp.take_along_axis(raw, cand[:, i:i + 1], 1) for i in range(top_k)], 1)
+        gold = jnp.take_along_axis(raw, t_c[:, None], 1)[:, 0]
+        return lse - picked, jnp.argmax(logits, -1) == t_c, values, cand, gold
+
+    ce, correct, values, cand, gold = jax.lax.map(lambda xs: one(*xs), (h, t))
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])[:m]  # noqa: E731
+    return flat(ce), flat(correct), flat(values), flat(cand), flat(gold)
+
+
+def inject_gold(candidates, values, gold, gold_value):
+    """The selector's training candidates: candidates, values [..., K] (a slot's top-K of the
+    head's raw logits), the gold token gold [...] and its raw logit gold_value [...]. Where the gold
+    token is not a candidate it replaces the lowest one (the lowest index among equal lowest
+    values), with its own raw logit as the value.
+
+    Returns (candidates, values, gold_index [...] int32: where the gold token now is,
+    gold_in_top_k [...] bool: whether it was a candidate already)."""
+    k = candidates.shape[-1]
+    hit = candidates == gold[..., None]
+    in_top = hit.any(-1)
+    lowest = jnp.argmin(values, -1)
+    index = jnp.where(in_top, jnp.argmax(hit, -1), lowest).astype(jnp.int32)
+    replace = (~in_top)[..., None] & (jnp.arange(k) == lowest[..., None])
+    candidates = jnp.where(replace, gold[..., None].astype(candidates.dtype), candidates)
+    values = jnp.where(replace, gold_value[..., None].astype(values.dtype), values)
+    return candidates, values, index, in_top
+
+
+def selector_cross_entropy(drafter: DFlashDrafter, params, hidden, anchors, gold, candidates, values, gold_value,
+                           d2: DFlash2Config):
+    """A DFlash2 drafter's selector loss, teacher forced. hidden [R, D, width] (the drafter's
+    final hidden states at the D drafted slots of R blocks), anchors [R] (each block's token 0),
+    gold [R, D] (the tokens the slots should draft), candidates, values [R, D, K] (the top-K of the
+    head's raw logits) and gold_value [R, D] (the gold tokens' raw logits).
+
+    Slot d's row of edge scores is the one from its gold predecessor (the anchor at the first
+    slot, the gold token of slot d-1 after), over its candidates with the gold one injected
+    (`inject_gold`); the loss is the K-way cross-entropy at the gold candidate.
+    Returns (ce [R, D], correct [R, D]: the row's argmax is the gold candidate, gold_in_top_k [R, D])."""
+    candidates, values, index, in_top = inject_gold(candidates, values, gold, gold_value)
+    preds = jnp.concatenate([anchors[:, None], gold[:, :-1]], axis=1).astype(candidates.dtype)[..., None]
+    rows = drafter.apply({"params": params}, hidden, candidates, unary_scores(values, d2), preds,
+                         method=DFlashDrafter.edge_scores)[:, :, 0]  # [R, D, K]
+    picked = jnp.take_along_axis(rows, index[..., None], -1)[..., 0]
+    return jax.nn.logsumexp(rows, -1) - picked, jnp.argmax(rows, -1) == index, in_top
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """Static parts of the loss (hashable: a jit static argument)."""
@@ -149,6 +229,10 @@ class LossSpec:
     mesh: Mesh | None = None  # batch over `data`, parameters by dflash_jax.sharding rules
     fsdp: bool = False  # the drafter's parameters split over `data` too (state_shardings)
     remat: str = "attention"  # what the drafter's layers recompute in the backward: drafter.REMAT_POLICIES
+    # The loss: ce_weight x the vocabulary cross-entropy + (a DFlash2 drafter's) selector_weight x
+    # its selector's cross-entropy; a plain DFlash drafter has no selector and ignores its weight.
+    ce_weight: float = 1.0
+    selector_weight: float = 1.0
 
 
 def target_features(tparams, target: ModelConfig, tokens, taps):
@@ -193,7 +277,12 @@ def miss_tilted_anchors(key, loss_mask, num_anchors: int, weights, miss_fn, tilt
 
 def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     """Weighted cross-entropy of all blocks of a batch. tokens, loss_mask [batch, S].
-    Returns (loss, metrics) with per-slot accuracy and the tau estimate."""
+    Returns (loss, metrics) with per-slot accuracy and the tau estimate.
+
+    The loss is ce_weight x that cross-entropy (metric ce_loss); a DFlash2 drafter's adds
+    selector_weight x its selector's (`selector_cross_entropy`, weighted alike) and its metrics selector_loss,
+    selector_accuracy (the gold predecessor's row picks the gold candidate) and gold_in_top_k
+    (the gold token among the head's top-K), the last two over the slots with a loss."""
     d = spec.drafter
     bsz = d.block_size
     target_model = CausalLM(spec.target)
@@ -230,22 +319,71 @@ def drafter_loss(dparams, tparams, spec: LossSpec, tokens, loss_mask, key):
     hidden = rows(hidden)
     b, n = anchors.shape
     hidden = hidden.reshape(b, n, bsz, -1)[:, :, 1:]  # slot 0 carries no loss
-    ce, correct = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head,
-                                        lay.targets[:, :, 1:].reshape(-1), spec.ce_chunk)
     weights = lay.weights[:, :, 1:]
+    gold = lay.targets[:, :, 1:]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    d2 = d.dflash2
+    if d2 is None:
+        ce, correct = chunked_cross_entropy(flat_hidden, head, gold.reshape(-1), spec.ce_chunk)
+    else:
+        raw_head = lambda h: target_model.apply({"params": tparams}, h.astype(jnp.dtype(spec.target.dtype)),  # noqa: E731
+                                                method=CausalLM.head_logits)
+        ce, correct, values, cand, gold_value = chunked_cross_entropy_top_k(
+            flat_hidden, raw_head, gold.reshape(-1), spec.ce_chunk, d2.selector_top_k, spec.target.final_logit_softcap)
     ce, correct = ce.reshape(weights.shape), correct.reshape(weights.shape)
     total = weights.sum()
-    loss = (ce * weights).sum() / jnp.maximum(total, 1e-9)
+    weighted = lambda x: (x * weights).sum() / jnp.maximum(total, 1e-9)  # noqa: E731
+    ce_loss = weighted(ce)
+    loss = spec.ce_weight * ce_loss
 
     has_loss = weights > 0
+    slots = jnp.maximum(has_loss.sum(), 1)
+    extra = dict(ce_loss=ce_loss)
+    if d2 is not None:
+        k = d2.selector_top_k
+        sel_ce, sel_correct, in_top = selector_cross_entropy(
+            DFlashDrafter(d), compute, hidden.reshape(b * n, bsz - 1, -1), lay.targets[:, :, 0].reshape(-1),
+            gold.reshape(b * n, -1), cand.reshape(b * n, bsz - 1, k), values.reshape(b * n, bsz - 1, k),
+            gold_value.reshape(b * n, -1), d2)
+        selector_loss = weighted(sel_ce.reshape(weights.shape))
+        loss = loss + spec.selector_weight * selector_loss
+        extra.update(selector_loss=selector_loss,
+                     selector_accuracy=(sel_correct.reshape(weights.shape) & has_loss).sum() / slots,
+                     gold_in_top_k=(in_top.reshape(weights.shape) & has_loss).sum() / slots)
     slot_acc = (correct & has_loss).sum((0, 1)) / jnp.maximum(has_loss.sum((0, 1)), 1)
     # Teacher-forced acceptance: the accepted prefix of each block, as in a decoding cycle.
     accepted = jnp.cumprod(correct & has_loss, axis=-1).sum(-1)
     blocks = valid.sum()
     tau = 1.0 + (accepted * valid).sum() / jnp.maximum(blocks, 1)
     metrics = dict(loss=loss, tau_estimate=tau, slot_accuracy=slot_acc, anchors=blocks,
-                   weight_sum=total)
+                   weight_sum=total, **extra)
     return loss, metrics
+
+
+def upgrade_to_dflash2(config: DrafterConfig, params, dflash2: DFlash2Config, rng=None):
+    """A plain DFlash drafter (config, params) as a DFlash2 drafter: every parameter it has kept, the
+    new ones at their init (`init_drafter_params`): each layer's convolutions the identity, the
+    selector's projection and codebooks small random. Returns (DrafterConfig, params)."""
+    import dataclasses
+
+    from dflash_jax.drafter import init_drafter_params
+
+    if config.dflash2 is not None:
+        raise ValueError("the drafter is a DFlash2 drafter already")
+    new = dataclasses.replace(config, dflash2=dflash2)
+    fresh = init_drafter_params(new.with_dtype("float32"), rng)
+
+    def keep(old, init, where):
+        if not isinstance(init, dict):
+            if old.shape != init.shape:
+                raise ValueError(f"{where}: shape {old.shape} != {init.shape}")
+            return old.astype(init.dtype)
+        missing = set(old) - set(init)
+        if missing:
+            raise ValueError(f"{where}/{sorted(missing)[0]}: not a parameter of the DFlash2 drafter")
+        return {k: keep(old[k], v, f"{where}/{k}") if k in old else v for k, v in init.items()}
+
+    return new, keep(params, fresh, "")
 
 
 # --------------------------------------------------------------------------- optimiser and step

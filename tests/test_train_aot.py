@@ -44,6 +44,22 @@ def test_tiny_training_step_compiles_for_one_v5e_chip(tmp_path):
 
 
 @needs_libtpu
+def test_dflash2_recipe_compiles_for_one_v5e_chip(tmp_path):
+    """--dflash2: the tiny target's drafter as DFlash2 (DFlash2Config's defaults: convolutions of 2
+    taps over groups of 16, a rank-256 selector over the top 16) at block 8, its selector's loss in
+    the step (one layer, a short sequence: the compile is the test's time)."""
+    p, r = train_aot(tmp_path, "--aot", "v5e:1x1", "--batch", "1", "--dflash2", "train.remat=layer",
+                     "drafter.num_hidden_layers=1", "data.seq_len=64", "train.num_anchors=8")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    f = r["step"]
+    assert f["compiled"] and f["fits"] and f["seconds"] > 0 and f["flops"] > 0, f
+    assert r["block_size"] == 8 and r["dflash2"] == {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
+        "output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+    assert "DFlash2 drafter 1 layers, block 8" in p.stdout and "MFU over useful flops" in p.stdout
+
+
+@needs_libtpu
 @pytest.mark.heavy
 def test_bad_topology_mesh_and_batch_are_one_line_errors(tmp_path):
     p, _ = train_aot(tmp_path, "--aot", "v9:1x1")
@@ -64,8 +80,11 @@ def test_a_target_without_config_needs_a_shape(tmp_path):
 
 def test_useful_flops_match_a_count_by_hand():
     """One-layer target (tap 0) and one-layer drafter, no GQA, block 4: every term by hand."""
+    import dataclasses
+
     import jax
 
+    from dflash_jax.dflash2 import DFlash2Config
     from dflash_jax.drafter import DrafterConfig, init_drafter_params
     from dflash_jax.config import ModelConfig
     from dflash_jax.model import abstract_params
@@ -92,6 +111,18 @@ def test_useful_flops_match_a_count_by_hand():
     assert u["drafter"] == pytest.approx(3 * drafter)
     assert u["lm_head"] == pytest.approx(3 * head)
     assert u["total"] == pytest.approx(3 * (target + drafter + head))
+
+    # DFlash2: each layer's two convolutions' kernel projections (hidden -> 2 sides x 2 taps x 4
+    # groups of 8) join its weights (their base kernels are no matrix); the selector's projection to
+    # rank 16 and the gold row's bilinear term over 5 candidates at every slot with a loss.
+    d2 = dataclasses.replace(dcfg, dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=8, selector_rank=16,
+                                                         selector_top_k=5))
+    d2params = jax.eval_shape(lambda: init_drafter_params(d2))
+    convs = 2 * h * (2 * 2 * (h // 8))
+    selector = 6 * n * (b - 1) * 16 * (h + 5)
+    u2 = useful_flops(tcfg, d2, tparams, d2params, batch=3, seq_len=s, num_anchors=n)
+    assert u2["drafter"] == pytest.approx(3 * (drafter + 6 * t * convs + selector))
+    assert u2["target"] == u["target"] and u2["lm_head"] == u["lm_head"]
 
 
 @needs_libtpu

@@ -6,7 +6,9 @@ tap features, the drafter's forward and backward over every block, the optimizer
 abstract (nothing is allocated): the target's and drafter's shapes, `batch` sequences of
 `data.seq_len` tokens, sharded over the topology's chips by the run's mesh (`train.mesh`; default
 every chip on `data`). The target's shape comes from the config's target directory (its
-config.json) or from `--shape` (a published shape, as in `python -m bench --aot`).
+config.json) or from `--shape` (a published shape, as in `python -m bench --aot`). `--dflash2` compiles
+the DFlash2 recipe instead (`drafter.dflash2={}`, block 8: the drafter's convolutions and the
+selector's loss in the step).
 
 Per step the report gives:
 - HBM per chip (arguments + temporaries) against the chip's capacity: fits or not. A step that
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from dflash_jax.aot import GIB, AotError, abstract_replicated, abstract_sharded, compile_for_tpu, mesh_for, topology
 
-from train.config import new_drafter_config
+from train.config import new_drafter_config, with_dflash2
 
 
 def target_config(cfg: dict, shape: str | None):
@@ -58,7 +60,7 @@ def drafter_config(cfg: dict, tcfg):
     init = cfg["drafter"]["init"]
     compute = cfg["train"]["compute_dtype"]
     if init and (Path(init) / "config.json").is_file():
-        return DrafterConfig.from_json(Path(init) / "config.json", dtype=compute)
+        return with_dflash2(cfg, DrafterConfig.from_json(Path(init) / "config.json", dtype=compute))
     return new_drafter_config(cfg, tcfg, None, compute)
 
 
@@ -68,9 +70,9 @@ def _matmul_params(tree, moe) -> float:
 
     total = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if len(leaf.shape) < 2:
-            continue
         keys = [getattr(k, "key", "") for k in path]
+        if len(leaf.shape) < 2 or "base_kernel" in keys:  # a DFlash2 convolution's taps: no matrix
+            continue
         n = float(math.prod(leaf.shape))
         if "experts" in keys and moe is not None:
             n *= moe.top_k / moe.num_experts
@@ -90,8 +92,12 @@ def useful_flops(tcfg, dcfg, tparams, dparams, *, batch: int, seq_len: int, num_
       tokens (forward + both gradients: 6), attention over what each query may see: the context
       before its anchor (S / 2 on average, anchors spread over the sequence) and its own block
       (forward 4 per score and head dim, backward twice that);
-    - the head: the N x (B - 1) slots with a loss (forward + input gradient: 4 per weight).
-    Norms, RoPE, softmax, the optimizer and anchor sampling are left out (small)."""
+    - the head: the N x (B - 1) slots with a loss (forward + input gradient: 4 per weight);
+    - a DFlash2 drafter's selector, at those slots: its hidden projection and the bilinear term of
+      the gold predecessor's row over K candidates (forward + both gradients: 6 per multiply-add,
+      rank x (hidden + K) of them); its convolutions' kernel projections are among each layer's
+      weights above. The convolutions themselves, the top-K and the codebook lookups are left out
+      with the norms, RoPE, softmax, the optimizer and anchor sampling (small)."""
     s, n, b = seq_len, num_anchors, dcfg.block_size
     t = n * b
     taps = list(dcfg.target_layer_ids)
@@ -115,6 +121,9 @@ def useful_flops(tcfg, dcfg, tparams, dparams, *, batch: int, seq_len: int, num_
         drafter += 6 * s * kv + 6 * t * _matmul_params(layer, None)
         drafter += 3 * 4 * t * (s / 2 + b) * d.num_attention_heads * d.head_dim
     lm_head = 4 * n * (b - 1) * head
+    d2 = dcfg.dflash2
+    if d2 is not None:
+        drafter += 6 * n * (b - 1) * d2.selector_rank * (d.hidden_size + d2.selector_top_k)
     per_seq = dict(target=target, drafter=drafter, lm_head=lm_head)
     return {k: v * batch for k, v in per_seq.items()} | {"total": batch * sum(per_seq.values())}
 
@@ -147,13 +156,15 @@ def run_train_aot(cfg: dict, args) -> dict:
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"],
                     gamma=float(t["gamma"] or default_gamma(dcfg.block_size)), ce_chunk=t["ce_chunk"],
                     anchor_hardness=float(t["anchor_hardness"]), anchor_miss=float(t["anchor_miss"]), mesh=mesh,
-                    remat=t["remat"], fsdp=t["fsdp"])
+                    remat=t["remat"], fsdp=t["fsdp"], ce_weight=float(t["ce_loss_weight"]),
+                    selector_weight=float(t["selector_loss_weight"]))
     tx, _ = make_optimizer(t["lr"], 1000, t["warmup_ratio"], t["clip"], t["weight_decay"])
     chip = target.chip
     print(f"TPU {target.name}: {target.num_chips} {target.chip_name} chip(s), {chip.hbm / GIB:.2f} GiB HBM each; "
           f"mesh {dict(mesh.shape)}; jax {jax.__version__}")
     print(f"target {tcfg.model_type} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, {tcfg.dtype}); "
-          f"drafter {dcfg.model.num_hidden_layers} layers, block {dcfg.block_size}, {dcfg.model.dtype} compute; "
+          f"{'DFlash2 ' if dcfg.dflash2 else ''}drafter {dcfg.model.num_hidden_layers} layers, block {dcfg.block_size}, "
+          f"{dcfg.model.dtype} compute; "
           f"batch {batch} x {seq} tokens, {t['num_anchors']} anchors, remat {t['remat']}"
           f"{', fsdp' if t['fsdp'] else ''}", flush=True)
 
@@ -173,6 +184,7 @@ def run_train_aot(cfg: dict, args) -> dict:
     report = dict(topology=target.name, chip=target.chip_name, chips=target.num_chips,
                   chip_spec=dataclasses.asdict(chip), mesh=dict(mesh.shape), shape=args.shape or str(cfg["target"]),
                   batch=batch, seq_len=seq, num_anchors=t["num_anchors"], block_size=dcfg.block_size,
+                  dflash2=dataclasses.asdict(dcfg.dflash2) if dcfg.dflash2 else None,
                   remat=t["remat"], fsdp=t["fsdp"], useful_flops=useful, step=fig)
     if fig.get("memory"):
         fig["fits"] = fig["memory"]["total"] <= chip.hbm

@@ -26,6 +26,10 @@ def aot_report(cfg: dict, args) -> int:
     return 0
 
 
+# --dflash2: the drafter of a DFlash2 recipe (dflash_jax.dflash2.DFlash2Config's defaults), block 8.
+DFLASH2_RECIPE = ["drafter.block_size=8", "drafter.dflash2={}"]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -54,10 +58,13 @@ def main(argv=None) -> int:
     aot.add_argument("--chips", type=_positive, default=32, help="chips the projection trains on (default 32: v5p-64)")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write the step's scheduled TPU HLO here")
     aot.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    aot.add_argument("--dflash2", action="store_true", help="the DFlash2 recipe: a DFlash2 drafter (convolutions "
+                     "of 2 taps over groups of 16 channels, a rank-256 selector over the top 16) of block 8, i.e. "
+                     f"{' '.join(DFLASH2_RECIPE)} before the overrides given")
     args = p.parse_args(argv)
     try:
         init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, (DFLASH2_RECIPE if args.dflash2 else []) + args.overrides)
         if args.aot:
             return aot_report(cfg, args)
         summary = train(cfg, progress=not args.quiet)

@@ -37,6 +37,11 @@ DEFAULTS: dict[str, Any] = {
         "target_layer_ids": None,  # default: the reference rule; beside init: fine-tune it on these taps
         "mask_token_id": None,  # default: the first id past the tokenizer, else vocab_size - 1
         "intermediate_size": None,  # default: the target's
+        # A DFlash2 drafter (dflash_jax.dflash2): a mapping of DFlash2Config fields (DFLASH2_DEFAULTS fill
+        # the rest; {} is all defaults), or null for a plain DFlash drafter. Beside a plain DFlash
+        # drafter.init it upgrades that drafter (its weights kept, the convolutions at the identity, the
+        # selector at its init); a DFlash2 init keeps its own and refuses a different one here.
+        "dflash2": None,
     },
     "train": {
         "output_dir": None,  # required
@@ -55,6 +60,10 @@ DEFAULTS: dict[str, Any] = {
         "clip": 1.0,
         "num_anchors": 512,
         "gamma": None,  # default: 7 (B=16), 5 (B=10), 4 (B=8)
+        # loss = ce_loss_weight x the vocabulary cross-entropy + selector_loss_weight x a DFlash2
+        # drafter's selector cross-entropy (a plain DFlash drafter has none)
+        "ce_loss_weight": 1.0,
+        "selector_loss_weight": 1.0,
         "anchor_hardness": 0.0,  # > 0: favour anchors after tokens the target found hard
         "anchor_miss": 0.0,  # > 0: favour anchors where the drafter misses its first slot
         "compute_dtype": "bfloat16",
@@ -74,6 +83,21 @@ DEFAULTS: dict[str, Any] = {
         "expect_note": None,
     },
 }
+
+
+# drafter.dflash2's keys and their defaults (dflash_jax.dflash2.DFlash2Config).
+DFLASH2_DEFAULTS: dict[str, Any] = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,  # null: no soft cap
+    "input_embedding_scale": 1.0,
+}
+# Merged key by key (an override of one key keeps the file's others), not a section of fixed keys:
+# the section itself may be null.
+_MAPPINGS = ("drafter.dflash2",)
 
 
 class TrainConfigError(DFlashError):
@@ -98,7 +122,9 @@ def _merge(base: dict, update: dict, where: str):
     for key, value in update.items():
         if key not in base:
             raise TrainConfigError(f"unknown config key '{where}{key}'; known: {', '.join(sorted(base))}")
-        if isinstance(base[key], dict):
+        if f"{where}{key}" in _MAPPINGS:
+            base[key] = {**base[key], **value} if isinstance(base[key], dict) and isinstance(value, dict) else value
+        elif isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise TrainConfigError(f"config key {where}{key} must be a mapping")
             _merge(base[key], value, f"{where}{key}.")
@@ -155,14 +181,89 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
                                f"got {t['expect_tau']!r}")
     if t["expect_note"] is not None and not isinstance(t["expect_note"], str):
         raise TrainConfigError(f"train.expect_note must be text or null, got {t['expect_note']!r}")
+    for key in ("ce_loss_weight", "selector_loss_weight"):
+        if not isinstance(t[key], (int, float)) or isinstance(t[key], bool) or t[key] < 0:
+            raise TrainConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
     if config["drafter"]["block_size"] < 2:
         raise TrainConfigError("drafter.block_size must be >= 2")
+    check_dflash2(config["drafter"]["dflash2"])
     return config
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_dflash2(section) -> None:
+    """drafter.dflash2: null, or a mapping of DFlash2Config fields with values of their kinds.
+    Raises TrainConfigError naming the key."""
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise TrainConfigError(f"drafter.dflash2 must be a mapping of {', '.join(DFLASH2_DEFAULTS)} (or null for a "
+                               f"plain DFlash drafter), got {section!r}")
+    for key, value in section.items():
+        where = f"drafter.dflash2.{key}"
+        if key not in DFLASH2_DEFAULTS:
+            raise TrainConfigError(f"unknown config key '{where}'; known: {', '.join(sorted(DFLASH2_DEFAULTS))}")
+        if key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainConfigError(f"{where} must be a positive integer, got {value!r}")
+        elif key == "final_logit_softcapping":
+            if value is not None and (not _number(value) or value <= 0):
+                raise TrainConfigError(f"{where} must be a number > 0, or null for no soft cap, got {value!r}")
+        elif not _number(value) or value <= 0:
+            raise TrainConfigError(f"{where} must be a number > 0, got {value!r}")
+
+
+def dflash2_config(section, hidden_size: int, vocab_size: int):
+    """The DFlash2Config of a drafter.dflash2 section (None: a plain DFlash drafter) for a drafter of
+    that width and vocabulary, the section's missing keys at their defaults."""
+    from dflash_jax.dflash2 import DFlash2Config
+
+    if section is None:
+        return None
+    check_dflash2(section)
+    v = {**DFLASH2_DEFAULTS, **section}
+    if hidden_size % v["conv_group_size"]:
+        raise TrainConfigError(f"drafter.dflash2.conv_group_size {v['conv_group_size']} does not divide the hidden "
+                               f"size {hidden_size}")
+    if v["selector_top_k"] > vocab_size:
+        raise TrainConfigError(f"drafter.dflash2.selector_top_k {v['selector_top_k']} exceeds the vocabulary "
+                               f"({vocab_size})")
+    cap = v["final_logit_softcapping"]
+    return DFlash2Config(**{k: int(v[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                     "selector_top_k")},
+                         output_multiplier=float(v["output_multiplier"]),
+                         final_logit_softcapping=None if cap is None else float(cap),
+                         input_embedding_scale=float(v["input_embedding_scale"]))
+
+
+def with_dflash2(cfg: dict, dcfg: DrafterConfig) -> DrafterConfig:
+    """The drafter `drafter.init` loaded (dcfg) as training takes it: a plain DFlash drafter with
+    drafter.dflash2 set becomes DFlash2 (`dflash_jax.training.upgrade_to_dflash2` fills its new
+    parameters); a DFlash2 drafter keeps its own config, and a drafter.dflash2 that sets any key to
+    another value is refused."""
+    import dataclasses
+
+    section = cfg["drafter"]["dflash2"]
+    if section is None:
+        return dcfg
+    wanted = dflash2_config(section, dcfg.model.hidden_size, dcfg.model.vocab_size)
+    if dcfg.dflash2 is None:
+        return dataclasses.replace(dcfg, dflash2=wanted)
+    clash = [k for k in section if getattr(wanted, k) != getattr(dcfg.dflash2, k)]
+    if clash:
+        key = clash[0]
+        raise TrainConfigError(f"drafter.dflash2.{key} {section[key]!r} conflicts with drafter.init's DFlash2 drafter "
+                               f"({key} {getattr(dcfg.dflash2, key)!r}); a DFlash2 init keeps its own config: drop "
+                               "drafter.dflash2 or set it to the init's")
+    return dcfg
 
 
 def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> DrafterConfig:
     """The new drafter the config's `drafter` section describes for the target `tcfg`: dense layers
-    of the target's widths, in `compute_dtype`; its mask token the config's, else the tokenizer's,
+    of the target's widths, in `compute_dtype` (DFlash2 with `drafter.dflash2` set); its mask token the config's, else the tokenizer's,
     else the first id the tokenizer never produces (the last id without one)."""
     from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
 
@@ -177,4 +278,5 @@ def new_drafter_config(cfg: dict, tcfg, tokenizer, compute_dtype: str) -> Drafte
     taps = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else default_target_layer_ids(tcfg.num_hidden_layers, n)
     model = dense_drafter_model(tcfg, n, d["intermediate_size"], compute_dtype)
     return DrafterConfig(model=model, block_size=d["block_size"], mask_token_id=int(mask),
-                         target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers)
+                         target_layer_ids=taps, num_target_layers=tcfg.num_hidden_layers,
+                         dflash2=dflash2_config(d["dflash2"], model.hidden_size, model.vocab_size))

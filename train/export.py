@@ -2,8 +2,13 @@
 
 Writes `config.json` (architectures DFlashDraftModel, block_size, dflash_config with
 mask_token_id and target_layer_ids) and `model.safetensors` (names without a `model.`
-prefix), the format that `python -m infer --drafter`, vLLM and SGLang load. Written to a
-temporary directory and renamed at the end; refuses to overwrite without --force.
+prefix), the format that `python -m infer --drafter`, vLLM and SGLang load. A DFlash2 run's
+drafter (`drafter.dflash2`) is written in the DFlash2 format: architectures DFlash2DraftModel,
+is_causal false, dflash_config with the DFlash2Config keys too (conv_kernel_size, conv_group_size,
+selector_rank, selector_top_k, output_multiplier, final_logit_softcapping, input_embedding_scale),
+and each layer's `attention_conv` / `mlp_conv` and the `candidate_selector` tensors, as vLLM's
+`qwen3_dflash2` loads them. Written to a temporary directory and renamed at the end; refuses to
+overwrite without --force.
 
 A drafter that taps the target's last layer is refused unless --allow-last-layer-tap: vLLM and
 SGLang read that tap before the target's final norm where training read it after, so they would
@@ -93,7 +98,8 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m train.export", description=(
+        __doc__.splitlines()[0] + " (DFlashDraftModel, or DFlash2DraftModel for a run with drafter.dflash2)"))
     p.add_argument("--run", required=True, metavar="DIR", help="training output_dir")
     p.add_argument("--out", required=True, metavar="DIR", help="HF drafter directory to write")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")

@@ -22,8 +22,8 @@ from dflash_jax.pair import engine_mesh, open_pair
 from dflash_jax.sharding import global_batch, shard_params
 from dflash_jax.engine import GenerationStats, BatchEngine
 from dflash_jax.training import (LossSpec, TrainState, default_gamma, init_train_state, make_optimizer,
-                                 state_shardings, train_step)
-from train.config import TrainConfigError, new_drafter_config
+                                 state_shardings, train_step, upgrade_to_dflash2)
+from train.config import TrainConfigError, new_drafter_config, with_dflash2
 from train.verdict import verdict
 
 CHECKPOINTS = "checkpoints"
@@ -156,7 +156,8 @@ class TauEvaluator:
 
 def initial_drafter(cfg: dict, tcfg, tokenizer, mesh):
     """The drafter training starts from: drafter.init's checkpoint (retapped where the config
-    names other taps), else a new one of the config's shape. (DrafterConfig, float32 params)."""
+    names other taps; a plain DFlash one upgraded to DFlash2 where drafter.dflash2 is set), else a
+    new one of the config's shape. (DrafterConfig, float32 params)."""
     t = cfg["train"]
     if cfg["drafter"]["init"]:
         dcfg, init_params = load_drafter(cfg["drafter"]["init"], dtype="float32", mesh=mesh)
@@ -165,6 +166,11 @@ def initial_drafter(cfg: dict, tcfg, tokenizer, mesh):
             dcfg, init_params = retap(dcfg, init_params, cfg["drafter"]["target_layer_ids"])
             if dcfg.target_layer_ids != before:
                 log(f"taps {list(before)} -> {list(dcfg.target_layer_ids)}: kept taps keep their fc weights, new ones start at zero")
+        wanted = with_dflash2(cfg, dcfg)  # refuses a DFlash2 init's conflicting drafter.dflash2
+        if wanted.dflash2 is not None and dcfg.dflash2 is None:
+            dcfg, init_params = upgrade_to_dflash2(dcfg, init_params, wanted.dflash2, jax.random.PRNGKey(t["seed"]))
+            log("DFlash drafter -> DFlash2: its weights kept, the convolutions start as the identity, the selector "
+                "at its init")
         return dcfg.with_dtype(t["compute_dtype"]), init_params
     dcfg = new_drafter_config(cfg, tcfg, tokenizer, t["compute_dtype"])
     return dcfg, init_drafter_params(dcfg.with_dtype("float32"), jax.random.PRNGKey(t["seed"]))
@@ -203,7 +209,8 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
     spec = LossSpec(target=tcfg, drafter=dcfg, num_anchors=t["num_anchors"], gamma=float(gamma),
                     ce_chunk=t["ce_chunk"], anchor_hardness=float(t["anchor_hardness"]),
                     anchor_miss=float(t["anchor_miss"]), mesh=mesh, remat=t["remat"],
-                    fsdp=bool(mesh is not None and t["fsdp"]))
+                    fsdp=bool(mesh is not None and t["fsdp"]), ce_weight=float(t["ce_loss_weight"]),
+                    selector_weight=float(t["selector_loss_weight"]))
     if mesh is not None and t["global_batch"] % mesh.shape["data"]:
         raise TrainConfigError(f"train.global_batch {t['global_batch']} is not divisible by the data axis "
                                f"({mesh.shape['data']})")
@@ -268,6 +275,9 @@ def train(cfg: dict, *, progress: bool = True) -> dict:
                          "slot_accuracy": [round(float(a), 4) for a in m["slot_accuracy"]],
                          "grad_norm": round(float(m["grad_norm"]), 4), "lr": float(schedule(step)),
                          "tokens_per_second": round(window_tokens / (now - window_t), 1)}
+                if "selector_loss" in m:  # a DFlash2 drafter's: its two losses and its selector's figures
+                    entry.update({k: round(float(m[k]), 5) for k in ("ce_loss", "selector_loss", "selector_accuracy",
+                                                                      "gold_in_top_k")})
                 window_t, window_tokens = now, 0
                 bar.set_postfix(loss=f"{entry['loss']:.3f}", tau_tf=f"{entry['tau_estimate']:.2f}")
             if evaluator is not None and (done % t["eval_every"] == 0 or done == total):
