@@ -10,6 +10,10 @@ abstract bfloat16 parameters, sharded over the topology's chips by the project's
   dflash   run_cycles of DFlash (block 16): one cycle per loop iteration
   tree N   (`--tree-budgets N,...`) the dflash program verifying a draft tree of N nodes a cycle
            (N + 1 tokens in the verify pass, not 16), beside the chain, on the same cache
+  dflash2  a shape with a DFlash2 drafter (`--shape qwen3.8-27b`): run_cycles of DFlash2 (its
+           convolutions, and the candidate selector's walk drafting; greedy), compiled beside
+           `dflash`, which is then the same drafter without DFlash2's additions (a plain DFlash
+           drafter of the same layers, block and taps); the report gives DFlash2 / DFlash
 
 Per program the compiled executable gives:
 - the compiler's time estimate (`optimal_seconds`), flops and bytes accessed. A loop body is
@@ -21,7 +25,8 @@ Per program the compiled executable gives:
   against the chip's capacity, and the collectives in the HLO (a weight all-gathered would
   show as an all-gather of a parameter's shard).
 - the ideal: what a step or cycle cannot avoid moving (`cost.ideal_bytes`: weights once, the
-  K/V in use once), in time at the compiler's own streaming rate, calibrated on a pure
+  K/V in use once; a DFlash2 drafter's weights include its selector's two codebooks, counted as
+  read whole, 2 x vocab x rank), in time at the compiler's own streaming rate, calibrated on a pure
   weight-streaming program (a `lax.scan` of batch-row matvecs over stacked square weights of
   the same bytes) compiled for the same chip. ratio = estimate / ideal time.
 - the projected speedup at tau (`--paper-tau`, 6.49): tau x t_step / t_cycle. A tree's at its
@@ -91,7 +96,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
     from dflash_jax.engine import EngineSpec, Sampling, decode_state_shardings, init_state, prefill, run_cycles
     from dflash_jax.sharding import param_shardings
 
-    from bench.cost import abstract_inputs, ideal_bytes
+    from bench.cost import abstract_inputs, ideal_bytes, selector_codebook_bytes
 
     specs = dict(
         ar=EngineSpec(target=target_cfg, drafter=None, block_size=1, sampling=Sampling(), max_new_tokens=64,
@@ -99,7 +104,10 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
         dflash=EngineSpec(target=target_cfg, drafter=drafter_cfg, block_size=drafter_cfg.block_size,
                           sampling=Sampling(), max_new_tokens=64, cache_len=cache_len, page_size=page_size, mesh=mesh,
                           kv_pages=kv_pages))
-    specs["prefill"] = specs["dflash"]
+    if drafter_cfg.dflash2 is not None:  # DFlash2, and beside it DFlash: the same drafter without its additions
+        specs["dflash2"] = specs["dflash"]
+        specs["dflash"] = dataclasses.replace(specs["dflash2"], drafter=dataclasses.replace(drafter_cfg, dflash2=None))
+    specs["prefill"] = specs.get("dflash2", specs["dflash"])
     for n in tree_budgets:
         specs[f"tree{n}"] = dataclasses.replace(specs["dflash"], tree_budget=n)
     programs = (*programs, *(f"tree{n}" for n in tree_budgets))
@@ -122,6 +130,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
                     rep((8,), jnp.int32), rep((), jnp.int32), rep((), jnp.bool_))
             fig = compile_for_tpu(run_cycles, args, hlo_dir, f"{name}{tag}")
             fig["ideal"] = ideal_bytes(spec, tparams, dparams, batch, context)
+            fig["selector_codebooks"] = selector_codebook_bytes(dparams)  # within the ideal's drafter_weights
         fig.update(block_size=spec.block_size if name != "prefill" else None, verify_len=spec.verify_len,
                    tree_budget=spec.tree_budget if name != "prefill" else None, cache_len=cache_len)
         out[name] = fig
@@ -179,13 +188,20 @@ def run_aot(args) -> dict:
     except (AotError, MeshError) as e:
         raise SystemExit(f"error: {e}") from None
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    unknown = set(programs) - {"prefill", "ar", "dflash"}
+    unknown = set(programs) - {"prefill", "ar", "dflash", "dflash2"}
     if unknown or not programs:
-        raise SystemExit(f"error: --programs takes prefill, ar and dflash, comma-separated (got {args.programs!r})")
+        raise SystemExit(f"error: --programs takes prefill, ar, dflash and dflash2, comma-separated (got "
+                         f"{args.programs!r})")
     scale = 1.0 if args.scale is None else args.scale
     dtype = args.dtype or "bfloat16"
     batch, context = args.batch_size or 8, args.context
     tcfg, dcfg = published_configs(scale, dtype, args.shape)
+    if dcfg.dflash2 is None and "dflash2" in programs:
+        raise SystemExit(f"error: --programs dflash2 needs a shape with a DFlash2 drafter (--shape {args.shape} "
+                         "has none)")
+    if dcfg.dflash2 is not None and "dflash" in programs and "dflash2" not in programs:
+        # a DFlash2 drafter's cycle, and beside it the DFlash cycle of the same shapes
+        programs = tuple(q for p in programs for q in (("dflash2", p) if p == "dflash" else (p,)))
     b = dcfg.block_size
     budgets = int_list(args.tree_budgets, "--tree-budgets") if getattr(args, "tree_budgets", None) else []
     taus = tree_taus(getattr(args, "tree_tau", None), budgets)
@@ -244,6 +260,13 @@ def run_aot(args) -> dict:
                   attention=attention, kv_pages=kv_pages, paper_tau=args.paper_tau, streaming_rate=rate,
                   target_weight_bytes=weights, programs=figs, compare=compare, tree_budgets=budgets,
                   tree_tau={str(n): t for n, t in taus.items()})
+    if one_chip and all(figs.get(k, {}).get("seconds") for k in ("dflash2", "dflash")):
+        d2, d1 = figs["dflash2"], figs["dflash"]
+        report["dflash2_over_dflash"] = dict(
+            seconds=d2["seconds"] / d1["seconds"], bytes=d2["bytes"] / d1["bytes"],
+            ideal=d2["ideal"]["bytes"] / d1["ideal"]["bytes"], flops=d2["flops"] / d1["flops"])
+    if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash2")):
+        report["dflash2_cycle_over_step"] = figs["dflash2"]["seconds"] / figs["ar"]["seconds"]
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
         report["cycle_over_step"] = figs["dflash"]["seconds"] / figs["ar"]["seconds"]
         report["projected_speedup"] = args.paper_tau / report["cycle_over_step"]
@@ -291,6 +314,7 @@ def print_report(r: dict) -> None:
 
     names = dict(prefill=f"prefill {r['batch_size']} x {r['context']}", ar="AR step",
                  dflash=f"DFlash cycle, B={r['programs'].get('dflash', {}).get('block_size', 16)}",
+                 dflash2=f"DFlash2 cycle, B={r['programs'].get('dflash2', {}).get('block_size', 16)}",
                  **{f"tree{n}": f"DFlash tree {n}" for n in r.get("tree_budgets", ())})
     for k, f in r["programs"].items():
         rows.append(row(f"{names[k]} (cache {r['cache_len']})" if k != "prefill" else names[k], f))
@@ -301,6 +325,17 @@ def print_report(r: dict) -> None:
     widths = [max(len(str(x[i])) for x in rows) for i in range(len(rows[0]))]
     for x in rows:
         print("  ".join(f"{str(v):{w}}" for v, w in zip(x, widths)))
+    if "dflash2_over_dflash" in r:
+        x, d2 = r["dflash2_over_dflash"], r["programs"]["dflash2"]
+        ideal = d2["ideal"]
+        print(f"\nDFlash2 / DFlash (the same drafter without DFlash2's convolutions and selector): estimate "
+              f"{x['seconds']:.3f}x, bytes {x['bytes']:.3f}x, flops {x['flops']:.3f}x, ideal {x['ideal']:.3f}x; the "
+              f"DFlash2 ideal counts the selector's two codebooks read whole "
+              f"({d2['selector_codebooks'] / 1e9:.2f} GB of its {ideal['drafter_weights'] / 1e9:.2f} GB of drafter "
+              f"weights) and the LM head a second time ({ideal['lm_head_again'] / 1e9:.2f} GB)")
+    if "dflash2_cycle_over_step" in r:
+        print(f"DFlash2 cycle / AR step {r['dflash2_cycle_over_step']:.2f}: the tau DFlash2 needs for a speedup of s "
+              f"is s x {r['dflash2_cycle_over_step']:.2f}")
     if "projected_speedup" in r:
         print(f"\ncycle / step {r['cycle_over_step']:.2f}: projected speedup at tau {r['paper_tau']} "
               f"{r['projected_speedup']:.2f}x (tau x t_step / t_cycle, the compiler's estimates)")

@@ -161,7 +161,8 @@ def add_mode_flags(p):
                                                       "--context, --paper-tau)")
     shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b", metavar="NAME",
                         help="the target, with a 5-layer block-16 drafter: " + ", ".join(SHAPES)
-                             + f" (default {SHAPES[0]})")
+                             + f" (default {SHAPES[0]}; qwen3.8-27b: qwen3.5-27b's shape with Qwen3.8-27B-DFlash2's "
+                               "drafter, block 8)")
     shapes.add_argument("--scale", type=float, default=None, metavar="X",
                         help="shrink all but head_dim (--cost: 0.25, else 1)")
     shapes.add_argument("--context", type=int, default=1024, metavar="N",
@@ -183,7 +184,8 @@ def add_mode_flags(p):
     aot.add_argument("--mesh", default=None, metavar="data=D,model=M",
                      help="the chips' split (default: all on model)")
     aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
-                     help="to compile (default prefill,ar,dflash)")
+                     help="to compile (default prefill,ar,dflash; a DFlash2 shape's dflash is its DFlash2 cycle and "
+                          "the DFlash one beside it, dflash2 the first alone)")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")

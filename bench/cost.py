@@ -205,8 +205,9 @@ def recurrent_state_bytes(config, batch: int) -> int:
 
 
 def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
-    """Weights once (DFlash: target + drafter + the borrowed LM head once more) + the K/V in use
-    read once (+ a hybrid's recurrent states read and written once)."""
+    """Weights once (DFlash: target + drafter + the borrowed LM head once more; a DFlash2 drafter's
+    weights include its selector's two codebooks, read whole: `selector_codebook_bytes`) + the K/V
+    in use read once (+ a hybrid's recurrent states read and written once)."""
     t = spec.target
     weights, embedding_rows = param_bytes(tparams), 0
     if not t.tie_word_embeddings:  # a lookup reads its rows; the LM head reads a tied table anyway
@@ -220,6 +221,15 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
                    drafter_kv=kv_in_use(d, batch, context))
     out["bytes"] = sum(out.values())
     return out
+
+
+def selector_codebook_bytes(dparams) -> int:
+    """Bytes of a DFlash2 drafter's two selector codebooks [vocab, rank] (0 for a DFlash drafter). The
+    ideal counts them read whole; a cycle gathers only its candidates' rows, so there the ideal is
+    generous to the program."""
+    sel = (dparams or {}).get("candidate_selector") or {}
+    return int(sum(sel[k].size * sel[k].dtype.itemsize for k in ("predecessor_codebook", "successor_codebook")
+                   if k in sel))
 
 
 def cycle_cost(spec, batch: int, context: int) -> dict:

@@ -86,7 +86,13 @@ def describe_published(target, drafter, scale: float, dtype: str) -> str:
     return (f"published shapes x {scale:g}: target {t.model_type} hidden {t.hidden_size}, {t.num_hidden_layers} "
             f"layers{hybrid}, {t.num_attention_heads}/{t.num_key_value_heads} heads x {t.head_dim}, intermediate "
             f"{t.intermediate_size}, vocab {t.vocab_size}; drafter {d.num_hidden_layers} layers, block "
-            f"{drafter.block_size}, taps {list(drafter.target_layer_ids)}; {dtype}")
+            f"{drafter.block_size}, taps {list(drafter.target_layer_ids)}{_dflash2(drafter)}; {dtype}")
+
+
+def _dflash2(drafter) -> str:
+    d2 = drafter.dflash2
+    return "" if d2 is None else (f", DFlash2 (convolutions of {d2.conv_kernel_size} taps over groups of "
+                                  f"{d2.conv_group_size}, selector rank {d2.selector_rank}, top-{d2.selector_top_k})")
 
 
 def random_params(abstract, seed: int):

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.model.layers import unfused
 
 ARCHITECTURE = "DFlash2DraftModel"
 REQUIRED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -107,22 +108,27 @@ class DynamicConv(nn.Module):
                                           param_dtype=self.dtype, kernel_init=nn.initializers.zeros)
 
     def _convolve(self, y, delta, side: int, block_size: int):
-        """y [b, T, hidden], delta [b, T, K, G] -> [b, T, hidden]: blocks are the runs of block_size rows."""
-        b, t, _ = y.shape
-        blocks = y.reshape(b, t, self.groups, self.group_size)
-        coeff = self.base_kernel[side].astype(y.dtype).reshape(1, 1, self.taps, self.groups, self.group_size) \
-            + delta.astype(y.dtype)[..., None]
+        """y [b, T, hidden], delta [b, T, K, G] -> [b, T, hidden]: blocks are the runs of block_size rows.
+
+        Channel-wide: each group's offset is repeated over its channels, y keeps its [b, T, hidden]
+        shape (the same sums, in the same order, as with y split into [G, group_size]). Compiled
+        for a TPU, that split re-laid out the sublayer's output, and the compiler matched it by
+        copying the drafter's o_proj and down_proj kernels into a transposed layout on every call."""
+        t = y.shape[1]
+        coeff = self.base_kernel[side].astype(y.dtype) + jnp.repeat(delta.astype(y.dtype), self.group_size, axis=-1)
         place = jnp.arange(t) % block_size
-        out = coeff[:, :, 0] * blocks
+        out = coeff[:, :, 0] * y
         for tap in range(1, self.taps):
-            shifted = jnp.pad(blocks[:, :-tap], ((0, 0), (tap, 0), (0, 0), (0, 0)))
-            out = out + coeff[:, :, tap] * jnp.where((place >= tap)[None, :, None, None], shifted, 0)
-        return out.reshape(y.shape)
+            shifted = jnp.pad(y[:, :-tap], ((0, 0), (tap, 0), (0, 0)))
+            out = out + coeff[:, :, tap] * jnp.where((place >= tap)[None, :, None], shifted, 0)
+        return out
 
     def prepare(self, h, block_size: int):
         """h [b, T, hidden] (T a whole number of blocks) -> (h convolved, the side-1 offsets)."""
         b, t, _ = h.shape
-        delta = self.kernel_projection(h).reshape(b, t, 2, self.taps, self.groups)
+        # the projection's output as stored (`unfused`): the [2, K, G] split fused into the dot made
+        # the TPU compiler copy kernel_projection's kernel into a transposed layout at batch 1
+        delta = unfused(self.kernel_projection(h)).reshape(b, t, 2, self.taps, self.groups)
         return self._convolve(h, delta[:, :, 0], 0, block_size), delta[:, :, 1]
 
     def finish(self, y, delta, block_size: int):

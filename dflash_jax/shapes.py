@@ -1,6 +1,7 @@
 """Published models' shapes, for compiling or timing them without their weights: Qwen3-8B with
-the z-lab Qwen3-8B-DFlash-b16 drafter, and the config.json fields of other published targets
-(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B) with the drafter the z-lab recipe gives them.
+the z-lab Qwen3-8B-DFlash-b16 drafter, the config.json fields of other published targets
+(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B) with the drafter the z-lab recipe gives them,
+and published DFlash2 pairs (`PUBLISHED_DFLASH2`: Qwen3.8-27B with its DFlash2 drafter).
 `published_configs(scale, dtype, shape)` scales them down for tests and small machines.
 (`python -m bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
 
@@ -47,18 +48,32 @@ PUBLISHED_MOE["gpt-oss-120b"] = dict(
     layer_types=["sliding_attention", "full_attention"] * 18)
 
 PUBLISHED_TARGETS.update({name.lower(): hf for name, hf in PUBLISHED_MOE.items()})
-SHAPES = ("qwen3-8b", *PUBLISHED_TARGETS)
+# Published DFlash2 drafters (`dflash_jax.dflash2`) and the target shape each is compiled against.
+# Qwen3.8-27B-DFlash2: hidden 5120, block 8, taps [5, 19, 33, 47, 61] of a 64-layer target, and its
+# dflash_config's DFlash2 keys. Qwen3.8-27B's config.json is not available here; the qwen3.5-27b
+# shape (the same family: hybrid, hidden 5120, 64 layers, vocab 248320) stands in for it. The
+# drafter's layers are the z-lab recipe's (5 dense layers of the target's widths).
+PUBLISHED_DFLASH2 = {
+    "qwen3.8-27b": dict(target="qwen3.5-27b", block_size=8, target_layer_ids=(5, 19, 33, 47, 61),
+                        dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)),
+}
+SHAPES = ("qwen3-8b", *PUBLISHED_TARGETS, *PUBLISHED_DFLASH2)
 
 
 def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = "qwen3-8b"):
     """A published target and its 5-layer block-16 drafter, scaled: layers, heads and widths
     times `scale` (head dims kept; at least 1 head, 2 target layers, 1 drafter layer; widths
     rounded to multiples of 128; a hybrid's layer pattern kept whole).
-    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (the z-lab checkpoints' published shapes)."""
+    qwen3-8b: Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (the z-lab checkpoints' published shapes).
+    A DFlash2 shape (`PUBLISHED_DFLASH2`): its target's shape with its drafter: the block size,
+    DFlash2 keys (selector rank and top-k are not scaled) and taps it publishes, the taps moved
+    in proportion when the target's layers shrink (`scaled_taps`)."""
     from dflash_jax.config import ModelConfig, RopeConfig
     from dflash_jax.families import model_config
     from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
 
+    if shape in PUBLISHED_DFLASH2:
+        return _dflash2_configs(scale, dtype, shape)
     mult = lambda n: max(128, round(n * scale / 128) * 128)
     dlayers = max(1, round(5 * scale))
     if shape == "qwen3-8b":
@@ -86,6 +101,31 @@ def published_configs(scale: float = 1.0, dtype: str = "bfloat16", shape: str = 
         target_layer_ids=default_target_layer_ids(layers, dlayers), num_target_layers=layers,
     )
     return target, drafter
+
+
+def _dflash2_configs(scale: float, dtype: str, shape: str):
+    """A DFlash2 shape: its target's published configs with the drafter made a DFlash2 drafter."""
+    import dataclasses
+
+    from dflash_jax.dflash2 import DFlash2Config
+
+    pub = PUBLISHED_DFLASH2[shape]
+    target, drafter = published_configs(scale, dtype, pub["target"])
+    d2 = DFlash2Config(**pub["dflash2"])
+    if drafter.model.hidden_size % d2.conv_group_size:  # a scaled hidden is a multiple of 128: never here
+        raise ValueError(f"{shape} at scale {scale}: conv_group_size {d2.conv_group_size} does not divide hidden "
+                         f"{drafter.model.hidden_size}")
+    taps = scaled_taps(pub["target_layer_ids"], PUBLISHED_TARGETS[pub["target"]]["num_hidden_layers"],
+                       target.num_hidden_layers)
+    return target, dataclasses.replace(drafter, block_size=pub["block_size"], dflash2=d2, target_layer_ids=taps)
+
+
+def scaled_taps(taps, full_layers: int, layers: int) -> tuple[int, ...]:
+    """Published taps of a `full_layers` target moved to a `layers` one in proportion: tap t to
+    round(t x layers / full_layers), never the last layer (at most layers - 2, as
+    `default_target_layer_ids`), taps that meet merged. The published taps at full scale."""
+    top = max(layers - 2, 0)
+    return tuple(sorted({min(max(round(t * layers / full_layers), 0), top) for t in taps}))
 
 
 def _scaled(hf: dict, scale: float, mult) -> dict:

@@ -1,6 +1,7 @@
 """The engine compiled for TPUs on this CPU (`python -m bench --aot`): it compiles, fits,
 partitions over several chips without gathering a weight, attends through the Pallas kernel, and
-the TPU program streams the q/k/v weights as stored (no transposed copy of a kernel per call).
+the TPU program streams the q/k/v weights as stored (no transposed copy of a kernel per call), and a
+DFlash2 cycle compiles beside the DFlash one.
 
 These need libtpu (`pip install -e '.[tpu]'`; .ci/run installs it): without it they are skipped,
 with that reason. The multi-chip compiles (four chips, MoE expert parallelism) and the decoding loop's
@@ -71,6 +72,37 @@ def test_a_tree_cycle_compiles_for_one_v5e_chip_through_the_kernel(tmp_path):
     kernels = re.findall(r'custom_call_target="tpu_custom_call"', (hlo / "tree8.hlo.txt").read_text())
     assert len(kernels) >= 3, len(kernels)  # the target's two layers and the drafter's one
     assert tree["roofline"]["intensity"] > 0 and "DFlash tree 8" in p.stdout
+
+
+def test_a_dflash2_cycle_compiles_for_one_v5p_chip_beside_the_dflash_cycle(tmp_path):
+    """--shape qwen3.8-27b (scaled): the DFlash2 cycle (dynamic convolutions, the candidate selector's
+    walk) compiles for a v5p beside the DFlash cycle of the same drafter without them, and the report
+    gives both and DFlash2 / DFlash, the DFlash2 ideal counting the selector's two codebooks whole. The
+    walk leaves no loop in the program (as many while loops as the DFlash cycle's), the selector's
+    top-k is the chip's partial reduction (approx_max_k), and no drafter weight is copied into another
+    layout: with the convolution's channels split into groups, the compiler copied the o_proj kernels
+    (and at batch 1 the down_proj ones) into a transposed layout every call."""
+    from dflash_jax.shapes import published_configs
+
+    hlo = tmp_path / "hlo"
+    p, r = aot(tmp_path, "v5p:1x1x1", "--shape", "qwen3.8-27b", "--scale", "0.0625", "--context", "128",
+               "--programs", "ar,dflash", "--compare-cache-len", "0", "--hlo", str(hlo))
+    d2, d1 = r["programs"]["dflash2"], r["programs"]["dflash"]
+    for f in (d2, d1):
+        assert f["compiled"] and f["fits"] and f["seconds"] > 0 and f["ratio"] > 0, f
+        assert f["block_size"] == 8 and f["verify_len"] == 8
+    _, drafter = published_configs(0.0625, "bfloat16", "qwen3.8-27b")
+    codebooks = 2 * drafter.model.vocab_size * drafter.dflash2.selector_rank * 2
+    assert d2["selector_codebooks"] == codebooks and d1["selector_codebooks"] == 0
+    assert d2["ideal"]["drafter_weights"] - d1["ideal"]["drafter_weights"] >= codebooks
+    x = r["dflash2_over_dflash"]
+    assert x["seconds"] == pytest.approx(d2["seconds"] / d1["seconds"]) and x["ideal"] > 1
+    assert r["dflash2_cycle_over_step"] == pytest.approx(d2["seconds"] / r["programs"]["ar"]["seconds"])
+    assert d2["while_loops"] == d1["while_loops"], (d2["while_loops"], d1["while_loops"])
+    assert "PartialReduce" in d2["custom_calls"] and "PartialReduce" not in d1["custom_calls"]
+    copied = re.findall(r"copy\(%dparams__\S+?____kernel", (hlo / "dflash2.hlo.txt").read_text())
+    assert not copied, copied[:4]
+    assert "DFlash2 cycle, B=8" in p.stdout and "DFlash2 / DFlash" in p.stdout
 
 
 @pytest.mark.heavy

@@ -315,6 +315,26 @@ def test_published_hybrid_shape_at_full_scale_and_scaled():
         published_configs(1.0, shape="llama-70b")
 
 
+def test_published_dflash2_shape_is_the_hybrid_target_with_its_dflash2_drafter():
+    """qwen3.8-27b: the qwen3.5-27b target (Qwen3.8-27B's stand-in) with Qwen3.8-27B-DFlash2's drafter:
+    5 dense layers, block 8, taps [5, 19, 33, 47, 61], its DFlash2 keys; scaled, the taps move in
+    proportion, never onto the last layer, and the drafter stays DFlash2."""
+    from dflash_jax.shapes import SHAPES, scaled_taps
+
+    assert "qwen3.8-27b" in SHAPES
+    target, drafter = published_configs(1.0, shape="qwen3.8-27b")
+    assert target == published_configs(1.0, shape="qwen3.5-27b")[0]
+    assert drafter.block_size == 8 and drafter.target_layer_ids == (5, 19, 33, 47, 61)
+    assert drafter.model.num_hidden_layers == 5 and drafter.model.hidden_size == 5120
+    d2 = drafter.dflash2
+    assert (d2.conv_kernel_size, d2.conv_group_size, d2.selector_rank, d2.selector_top_k) == (2, 16, 256, 16)
+    assert published_configs(1.0, shape="qwen3.5-27b")[1].dflash2 is None
+    small_t, small = published_configs(0.25, shape="qwen3.8-27b")
+    assert small_t.num_hidden_layers == 16 and small.target_layer_ids == (1, 5, 8, 12, 14)
+    assert small.block_size == 8 and small.dflash2 == d2 and small.model.hidden_size % d2.conv_group_size == 0
+    assert scaled_taps((5, 19, 33, 47, 61), 64, 4) == (0, 1, 2)
+
+
 def test_heldout_snippets_are_deterministic_source_excerpts():
     a = bench.heldout_snippets("numpy", num=5, seed=3, lines=4)
     assert a == bench.heldout_snippets("numpy", num=5, seed=3, lines=4)
