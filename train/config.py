@@ -169,7 +169,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
         raise TrainConfigError(f"train.fsdp must be true or false, got {t['fsdp']!r}")
     if t["remat"] not in ("none", "attention", "layer"):
         raise TrainConfigError(f"train.remat must be none, attention or layer, got {t['remat']!r}")
-    for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk"):
+    for key in ("global_batch", "epochs", "num_anchors", "log_every", "save_every", "keep", "ce_chunk", "eval_every"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
     for key in ("anchor_hardness", "anchor_miss"):
