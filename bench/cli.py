@@ -139,9 +139,8 @@ def add_suite_flags(p):
                             "(default none; --aot: a DFlash cycle compiled with each)")
     suite.add_argument("--batch-sizes", default="1,8", metavar="N,...", help="batch sizes (default 1,8)")
     suite.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default 0)")
-    suite.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=ACCEPTANCE_RULES[0],
-                       help="how a DFlash2 drafter's sampled rows accept drafts (as python -m infer's flag); with "
-                            "rejection its rows have the target's distribution, not the baseline's tokens")
+    suite.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=ACCEPTANCE_RULES[0], metavar="RULE",
+                       help="DFlash2, sampled: rejection (default) or match")
     suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
     suite.add_argument("--split-rounds", type=int, default=7, metavar="N",
                        help="time split: rounds per piece, median (default 7)")
