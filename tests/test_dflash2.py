@@ -27,7 +27,7 @@ from scipy import stats
 from dflash2_reference import DFlash2Reference, write_dflash2_drafter
 from dflash_jax import load_drafter, load_target
 from dflash_jax.dflash2 import DFlash2Config
-from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context, init_drafter_params
+from dflash_jax.drafter import DrafterConfig, draft_hidden, extend_context, init_drafter_params
 from dflash_jax.engine import BatchEngine, EngineSpec, Sampling
 from dflash_jax.engine.sampling import rejection_accept
 from dflash_jax.engine.step import _selector_scores, draft
