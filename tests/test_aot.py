@@ -74,6 +74,7 @@ def test_a_tree_cycle_compiles_for_one_v5e_chip_through_the_kernel(tmp_path):
     assert tree["roofline"]["intensity"] > 0 and "DFlash tree 8" in p.stdout
 
 
+@pytest.mark.heavy  # two TPU compiles (21 s); the everyday suite compiles the DFlash cycle
 def test_a_dflash2_cycle_compiles_for_one_v5p_chip_beside_the_dflash_cycle(tmp_path):
     """--shape qwen3.8-27b (scaled): the DFlash2 cycle (dynamic convolutions, the candidate selector's
     walk) compiles for a v5p beside the DFlash cycle of the same drafter without them, and the report

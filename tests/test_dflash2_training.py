@@ -267,6 +267,7 @@ def test_gradients_reach_the_drafter_through_the_unary_scores_and_the_selector(m
     assert float(loss) == pytest.approx(2 * float(m["ce_loss"]), rel=1e-6) and "selector_loss" not in m
 
 
+@pytest.mark.heavy  # twelve steps (10 s); the loss is checked by hand everyday
 def test_selector_loss_falls_over_a_few_steps_of_the_tiny_config():
     """The tiny config's DFlash2 drafter against the tiny target, 12 steps on one batch (the same
     32 of its 39 eligible anchors drawn each step): the selector's loss falls and its accuracy rises."""
@@ -302,6 +303,7 @@ def dflash2_run(tmp_path_factory):
     return tmp, conv
 
 
+@pytest.mark.heavy  # a training run and its export (23 s); the everyday suite trains DFlash2 through the loss tests
 def test_dflash2_run_logs_its_selector_and_exports_the_dflash2_format(dflash2_run, tmp_path):
     tmp, _ = dflash2_run
     run = tmp / "straight"
@@ -337,6 +339,7 @@ def test_dflash2_run_logs_its_selector_and_exports_the_dflash2_format(dflash2_ru
     assert load_drafter(export(run, tmp_path / "bf16"))[0].dflash2 == dcfg.dflash2
 
 
+@pytest.mark.heavy  # a killed run and its resume (21 s); the everyday suite resumes DFlash's (test_training.py)
 def test_dflash2_resume_after_kill_is_bit_identical(dflash2_run, tmp_path):
     tmp, conv = dflash2_run
     common = [f"data.conversations={conv}", RUN_DFLASH2, *RESUME_RUN]

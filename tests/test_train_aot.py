@@ -44,6 +44,7 @@ def test_tiny_training_step_compiles_for_one_v5e_chip(tmp_path):
 
 
 @needs_libtpu
+@pytest.mark.heavy  # a TPU compile (12 s); the everyday suite compiles DFlash's step
 def test_dflash2_recipe_compiles_for_one_v5e_chip(tmp_path):
     """--dflash2: the tiny target's drafter as DFlash2 (DFlash2Config's defaults: convolutions of 2
     taps over groups of 16, a rank-256 selector over the top 16) at block 8, its selector's loss in
