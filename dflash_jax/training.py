@@ -119,20 +119,25 @@ def chunked_cross_entropy(hidden, head_fn, targets, chunk: int):
     """Cross-entropy and correctness of rows of hidden [M, D] under head_fn (-> logits),
     `chunk` rows at a time with rematerialisation, so [M, vocab] logits never exist at once.
     Returns (ce [M], correct [M] bool)."""
-    m = hidden.shape[0]
-    pad = -m % chunk
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
-    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
-
-    @jax.checkpoint
     def one(h_c, t_c):
         logits = head_fn(h_c).astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t_c[:, None], 1)[:, 0]
         return lse - picked, jnp.argmax(logits, -1) == t_c
 
-    ce, correct = jax.lax.map(lambda xs: one(*xs), (h, t))
-    return ce.reshape(-1)[:m], correct.reshape(-1)[:m]
+    return _over_chunks(one, hidden, targets, chunk)
+
+
+def _over_chunks(fn, hidden, targets, chunk: int):
+    """fn(hidden rows [chunk, D], targets [chunk]) -> per-row outputs, over rows of hidden [M, D]
+    `chunk` at a time (padded to a whole number of chunks, each rematerialised in the backward);
+    returns fn's outputs for the M rows."""
+    m = hidden.shape[0]
+    pad = -m % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+    outs = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), (h, t))
+    return tuple(x.reshape((-1,) + x.shape[2:])[:m] for x in outs)
 
 
 def chunked_cross_entropy_top_k(hidden, raw_head_fn, targets, chunk: int, top_k: int, softcap: float | None = None):
@@ -146,12 +151,6 @@ def chunked_cross_entropy_top_k(hidden, raw_head_fn, targets, chunk: int, top_k:
     their values gathered from the raw logits, so gradients flow to the hidden state through them."""
     from dflash_jax.engine.tree import top_logits
 
-    m = hidden.shape[0]
-    pad = -m % chunk
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
-    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
-
-    @jax.checkpoint
     def one(h_c, t_c):
         raw = raw_head_fn(h_c).astype(jnp.float32)
         logits = raw if softcap is None else softcap * jnp.tanh(raw / softcap)
@@ -166,9 +165,7 @@ def chunked_cross_entropy_top_k(hidden, raw_head_fn, targets, chunk: int, top_k:
         gold = jnp.take_along_axis(raw, t_c[:, None], 1)[:, 0]
         return lse - picked, jnp.argmax(logits, -1) == t_c, values, cand, gold
 
-    ce, correct, values, cand, gold = jax.lax.map(lambda xs: one(*xs), (h, t))
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])[:m]  # noqa: E731
-    return flat(ce), flat(correct), flat(values), flat(cand), flat(gold)
+    return _over_chunks(one, hidden, targets, chunk)
 
 
 def inject_gold(candidates, values, gold, gold_value):
