@@ -320,3 +320,31 @@ def test_on_a_mesh_the_kernel_runs_per_device():
     p = subprocess.run([sys.executable, "-c", MESH_CHECK], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("ok") == 4, p.stdout
+
+
+@pytest.mark.parametrize("kind", ["verify", "tree"])
+def test_a_latent_cache_kernel_equals_the_walk_and_dense_attention(small_blocks, kind):
+    """A latent cache (MLA): one K/V head of 40 dimensions whose values are its first 32, no value
+    buffer; 8 query heads. The kernel and the walk read the values out of the keys, and both equal
+    dense attention over those keys and values (with a tree's block keys for "tree")."""
+    rs = np.random.RandomState(len(kind))
+    n, t, groups, d, dv, length = 3, 5, 8, 40, 32, 8 * PAGE
+    offsets = np.array([0, 37, 21])
+    q_pos = offsets[:, None] + np.arange(t)[None, :]
+    k = jnp.asarray(rs.randn(LAYERS, n, length, 1, d), jnp.float32)
+    q = jnp.asarray(rs.randn(n, t, 1, groups, d), jnp.float32)
+    kw, kv_limit = dict(value_dim=dv, scale=0.2), q_pos + 1
+    if kind == "tree":
+        kv_limit = np.broadcast_to(offsets[:, None], (n, t))
+        mask = rs.rand(n, t, t) < 0.5
+        mask[:, :, 0] = True
+        ck = jnp.asarray(rs.randn(n, t, 1, d), jnp.float32)
+        kw["chunk"] = (ck, ck[..., :dv], jnp.asarray(mask))
+    walked, kernel = both(q, jnp.asarray(q_pos), k, None, 1, jnp.asarray(kv_limit), **kw)
+    assert kernel.shape == (n, t, groups * dv) and np.isfinite(kernel).all()
+    np.testing.assert_allclose(kernel, walked, atol=2e-5, rtol=1e-5)
+    keys, visible = np.asarray(k[1]), np.arange(length)[None, None, :] < np.asarray(kv_limit)[:, :, None]
+    if kind == "tree":
+        keys, visible = np.concatenate([keys, np.asarray(ck)], 1), np.concatenate([visible, mask], -1)
+    want = dense_reference(np.asarray(q) * 0.2 * np.sqrt(d), keys, keys[..., :dv], visible)
+    np.testing.assert_allclose(kernel, want, atol=2e-5)

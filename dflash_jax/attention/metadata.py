@@ -16,8 +16,13 @@ Mask kinds (`AttentionMetadata.mask`):
   sees the committed prefix (cached keys below `kv_limit`) and the tree's keys through
   `block_mask` [n, T, T] (its ancestors and itself): the block's keys are the call's new ones,
   not read back from the cache (a layer that shares another's K/V reads them from the cache).
-A new kind (a latent cache) adds a value here, a branch in `dispatch.attend`, and the rules in
-`select` that say which implementations serve it.
+A new kind adds a value here, a branch in `dispatch.attend`, and the rules in `select` that say
+which implementations serve it.
+
+The cache kind is orthogonal to the mask: `value_dim` set means a latent cache (multi-head latent
+attention, `dflash_jax.model.mla`): one K/V "head" whose key is the latent and whose value is the
+key's first `value_dim` dimensions, so the cache keeps no value buffer (`LayerKV.v` is None) and
+every implementation reads the values out of the keys it loads.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class AttentionMetadata:
     page_size:  (static) the cache's page, the unit the walk reads.
     scale:      (static) the scores' scale (default head_dim ** -0.5; Gemma 4: 1).
     mask:       (static) "causal", "block" or "tree" (see the module's docstring).
+    value_dim:  (static) a latent cache: the values are the keys' first value_dim dimensions (no
+                value buffer); None: keys and values in their own buffers.
+    selected:   optional [n, T, max_len] bool, the cached positions each query may see besides the
+                limits above (DeepSeek sparse attention: its indexer's top-k, `dflash_jax.model.mla`).
     """
 
     q_pos: jax.Array
@@ -61,11 +70,13 @@ class AttentionMetadata:
     block_mask: jax.Array | None = None
     block_k: jax.Array | None = None
     block_v: jax.Array | None = None
+    selected: jax.Array | None = None
     window: int | None = struct.field(pytree_node=False, default=None)
     ring: bool = struct.field(pytree_node=False, default=False)
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
     scale: float | None = struct.field(pytree_node=False, default=None)
     mask: str = struct.field(pytree_node=False, default="causal")
+    value_dim: int | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         assert self.mask in MASKS, self.mask
@@ -113,8 +124,9 @@ class AttentionMetadata:
 @struct.dataclass
 class LayerKV:
     """One layer of a cache's K/V: k, v [layers, batch or pages, positions, kv_heads, head_dim]
-    (the whole buffers, so a write updates them in place) and the layer to read and write."""
+    (the whole buffers, so a write updates them in place) and the layer to read and write. v is
+    None for a latent cache (`AttentionMetadata.value_dim`)."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
     layer: int = struct.field(pytree_node=False, default=0)

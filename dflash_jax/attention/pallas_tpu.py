@@ -61,9 +61,10 @@ def _block_len(max_len: int, page: int, position_bytes: int) -> int:
     return page
 
 
-def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float):
+def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float, value_dim=None):
     """One online-softmax step per K/V head over a [keys, kv_heads, d] block: the walk's
-    `softmax.online_update`, with masked scores at -inf and the running max from the finite NEG."""
+    `softmax.online_update`, with masked scores at -inf and the running max from the finite NEG.
+    value_dim (a latent cache, v_ref None): the values are the keys' first value_dim dimensions."""
     for h in range(kv_heads):
         q = q_ref[h]  # [rows, d]
         k = k_ref[:, h, :].astype(q.dtype)  # [keys, d]
@@ -73,7 +74,7 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        v = v_ref[:, h, :]
+        v = k_ref[:, h, :value_dim] if v_ref is None else v_ref[:, h, :]
         m_scr[h] = m_new
         l_scr[h] = l_scr[h] * alpha + p.sum(axis=-1, keepdims=True)
         acc_scr[h] = acc_scr[h] * alpha + jax.lax.dot_general(
@@ -81,13 +82,16 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
 
 
 def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads: int, window: int | None,
-            scale: float, has_sinks: bool, has_chunk: bool, paged: bool):
+            scale: float, has_sinks: bool, has_chunk: bool, paged: bool, value_dim: int | None = None):
     del rows_ref  # used by the index maps only (as is a pool's page table)
     refs = list(refs[1:] if paged else refs)
     q_ref, pos_ref, lim_ref = refs[:3]
     sink_ref = refs.pop(3) if has_sinks else None
     ck_ref, cv_ref, cmask_ref = (refs.pop(3), refs.pop(3), refs.pop(3)) if has_chunk else (None, None, None)
-    k_ref, v_ref, out_ref, m_scr, l_scr, acc_scr = refs[3:]
+    if value_dim is None:
+        k_ref, v_ref, out_ref, m_scr, l_scr, acc_scr = refs[3:]
+    else:  # a latent cache: one buffer, the values inside the keys
+        (k_ref, out_ref, m_scr, l_scr, acc_scr), v_ref = refs[3:], None
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile = b * n_tiles + t
     blk = lo_ref[tile] + j
@@ -102,7 +106,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
             l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
         if has_chunk:
-            _fold(q_ref, ck_ref, cv_ref, cmask_ref[...] != 0, m_scr, l_scr, acc_scr, kv_heads, scale)
+            _fold(q_ref, ck_ref, cv_ref, cmask_ref[...] != 0, m_scr, l_scr, acc_scr, kv_heads, scale)  # block values given
 
     @pl.when(blk < hi_ref[tile])
     def _cache():
@@ -110,7 +114,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
         mask = key_pos < lim_ref[...]  # [rows, block]
         if window is not None:
             mask &= key_pos > pos_ref[...] - window
-        _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads, scale)
+        _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads, scale, value_dim)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _store():
@@ -130,7 +134,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
     layer, k_buf, v_buf = cache.layer, cache.k, cache.v
     chunk = (meta.block_k, meta.block_v, meta.block_mask) if meta.has_block else None
     kw = dict(window=meta.window, page_size=meta.page_size, scale=meta.scale, ring=meta.ring, interpret=interpret,
-              expected_live=expected_live)
+              expected_live=expected_live, value_dim=meta.value_dim)
     extra = {k: v for k, v in dict(chunk=chunk, sinks=meta.sinks, rows=meta.rows, pages=meta.pages).items()
              if v is not None}
     mesh = jax.sharding.get_abstract_mesh()
@@ -138,24 +142,28 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
         return _attend(q, meta.q_pos, k_buf, v_buf, layer, meta.kv_limit, **extra, **kw)
     from jax.sharding import PartitionSpec as P
 
-    n, kv_heads = q.shape[0], q.shape[2]
+    n, kv_heads, groups = q.shape[0], q.shape[2], q.shape[3]
     split = lambda axis, size: axis if axis in mesh.axis_names and size % mesh.shape[axis] == 0 else None  # noqa: E731
     heads, data = split("model", kv_heads), split("data", n if meta.pages is not None else k_buf.shape[1])
+    # One K/V head (multi-query; MLA's latent) is whole on every device: its query heads split instead.
+    query_heads = split("model", groups) if kv_heads == 1 else None
     if data is not None and (meta.rows is not None or meta.pages is not None or n != k_buf.shape[1]):
         assert mesh.shape["data"] == 1, "select sends rows over several data shards to the walk"
         data = None
     row_heads = P(data, None, heads, None)
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
-                                               sinks=P(heads, None), rows=P(), pages=P()).items() if k in extra}
+                                               sinks=P(heads, query_heads), rows=P(), pages=P()).items() if k in extra}
     cache_spec = P(None, data, None, heads, None)
+    buffers = (k_buf,) if v_buf is None else (k_buf, v_buf)
 
-    def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
+    def local(q, q_pos, buffers, kv_limit, extra):
+        k_buf, v_buf = buffers if len(buffers) == 2 else (buffers[0], None)
         return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, **extra, **kw)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, None, None), P(data, None), cache_spec,
-                                                     cache_spec, P(data, None), extra_specs),
-                         out_specs=P(data, None, heads), check_vma=False)(q, meta.q_pos, k_buf, v_buf, meta.kv_limit,
-                                                                          extra)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, query_heads, None), P(data, None),
+                                                     (cache_spec,) * len(buffers), P(data, None), extra_specs),
+                         out_specs=P(data, None, heads or query_heads), check_vma=False)(
+        q, meta.q_pos, buffers, meta.kv_limit, extra)
 
 
 def _geometry(q, k_buf, page_size, pages):
@@ -198,21 +206,23 @@ def _block_bounds(q_pos, kv_limit, n_tiles, tq, block, max_len, window, ring):
     return lo.reshape(-1), hi.reshape(-1)
 
 
-def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_itemsize):
+def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_itemsize, dv=None):
     """The kernel's declared cost: each query tile reads the K/V blocks of `keys` positions once;
-    scores and values for its own rows."""
+    scores and values for its own rows. dv: a latent cache's value width (one buffer read)."""
     rows_total = n * t_pad * kv_heads * groups
+    buffers, dv = (2, d) if dv is None else (1, dv)
     return pl.CostEstimate(
-        flops=4 * rows_total * d * (keys + n_chunk),
+        flops=2 * rows_total * (d + dv) * (keys + n_chunk),
         transcendentals=rows_total * (keys + n_chunk),
-        bytes_accessed=(2 * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
-                        + rows_total * d * (q_itemsize + 4)))
+        bytes_accessed=(buffers * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
+                        + rows_total * (d * q_itemsize + dv * 4)))
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None, page_size, sinks=None,
-            scale=None, pages=None, ring=False, interpret=None, expected_live=None):
-    """The kernel on one device's arrays."""
+            scale=None, pages=None, ring=False, interpret=None, expected_live=None, value_dim=None):
+    """The kernel on one device's arrays (value_dim: a latent cache, v_buf None)."""
     n, t, kv_heads, groups, d = q.shape
+    dv = d if value_dim is None else value_dim
     batch, max_len, block, table = _geometry(q, k_buf, page_size, pages)
     n_blocks = ring_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
@@ -260,9 +270,12 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         cmask = jnp.pad(cmask.astype(jnp.int32), ((0, 0), (0, pad), (0, 0)))
         in_specs += [pl.BlockSpec((None, n_chunk, kv_heads, d), lambda b, t_, j, *_: (b, 0, 0, 0))] * 2
         in_specs.append(pl.BlockSpec((None, rows_per_tile, n_chunk), lambda b, t_, j, *_: (b, t_, 0)))
-        inputs += [ck.astype(q.dtype), cv.astype(v_buf.dtype), jnp.repeat(cmask, groups, axis=1)]
-    in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
-    inputs += [k_buf, v_buf]
+        in_specs[-2] = pl.BlockSpec((None, n_chunk, kv_heads, dv), lambda b, t_, j, *_: (b, 0, 0, 0))
+        inputs += [ck.astype(q.dtype), cv.astype(k_buf.dtype if v_buf is None else v_buf.dtype),
+                   jnp.repeat(cmask, groups, axis=1)]
+    buffers = [k_buf] if v_buf is None else [k_buf, v_buf]
+    in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * len(buffers)
+    inputs += buffers
 
     # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans).
     live = min(expected_live, max_len) if expected_live is not None else max_len
@@ -270,27 +283,28 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         live = min(live, window + t_pad + block)
     keys = min(n_blocks, -(-live // block)) * block
     cost = _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, jnp.dtype(k_buf.dtype).itemsize,
-                 qk.dtype.itemsize)
+                 qk.dtype.itemsize, value_dim)
 
     if interpret is None:
         interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()
     out = pl.pallas_call(
         functools.partial(_kernel, n_tiles=n_tiles, block=block, kv_heads=kv_heads, window=window, scale=scale,
-                          has_sinks=sinks is not None, has_chunk=chunk is not None, paged=pages is not None),
+                          has_sinks=sinks is not None, has_chunk=chunk is not None, paged=pages is not None,
+                          value_dim=value_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3 + (pages is not None),
             grid=(n, n_tiles, n_blocks),
             in_specs=in_specs,
-            out_specs=q_spec,
+            out_specs=pl.BlockSpec((None, kv_heads, rows_per_tile, dv), lambda b, t_, j, *_: (b, 0, t_, 0)),
             scratch_shapes=[pltpu.VMEM((kv_heads, rows_per_tile, 1), jnp.float32),
                             pltpu.VMEM((kv_heads, rows_per_tile, 1), jnp.float32),
-                            pltpu.VMEM((kv_heads, rows_per_tile, d), jnp.float32)],
+                            pltpu.VMEM((kv_heads, rows_per_tile, dv), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((n, kv_heads, t_pad * groups, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n, kv_heads, t_pad * groups, dv), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
         name=f"dflash_attention_l{layer}",
     )(rows, lo, hi, *([] if pages is None else [table]), *inputs)
-    out = out.reshape(n, kv_heads, t_pad, groups, d)[:, :, :t]  # [n, kv, T, g, d]
-    return out.transpose(0, 2, 1, 3, 4).reshape(n, t, kv_heads * groups * d)
+    out = out.reshape(n, kv_heads, t_pad, groups, dv)[:, :, :t]  # [n, kv, T, g, dv]
+    return out.transpose(0, 2, 1, 3, 4).reshape(n, t, kv_heads * groups * dv)

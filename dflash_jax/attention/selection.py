@@ -52,6 +52,8 @@ def override(name: str, /, **options):
 def _cudnn_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> list[tuple[bool, str]]:
     return [
         (meta.sinks is not None, "cuDNN has no attention sinks"),
+        (meta.value_dim is not None, "a latent cache: cuDNN reads values from their own buffer"),
+        (meta.selected is not None, "sparse attention's selected positions: cuDNN has no per-key mask"),
         (meta.mask == "block", "cuDNN cannot add uncached block keys with their own mask"),
         (meta.rows is not None, "prefill into chosen rows: a row gather would copy their caches"),
         (meta.pages is not None, "a page pool: a row's keys are not contiguous"),
@@ -62,9 +64,11 @@ def _cudnn_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> l
 
 
 def _pallas_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> list[tuple[bool, str]]:
+    sparse = [(meta.selected is not None, "sparse attention's selected positions: the kernel masks by position "
+                                          "limits only")]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1 or "data" not in mesh.axis_names or mesh.shape["data"] == 1:
-        return []
+        return sparse
     n, batch = q.shape[0], cache.k.shape[1]
     split = (n if meta.pages is not None else batch) % mesh.shape["data"] == 0
     return [
@@ -72,7 +76,7 @@ def _pallas_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> 
                                           "another device"),
         (split and meta.pages is not None, "a page pool with rows split over `data`: the pool is not split"),
         (split and n != batch, "queries for fewer rows than the cache, split over `data`"),
-    ]
+    ] + sparse
 
 
 RULES = {"cudnn": _cudnn_rules, "pallas": _pallas_rules}

@@ -26,8 +26,10 @@ def _page(buf, layer, start, size, rows):
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata):
     """q [n, T, kv_heads, groups, head_dim] over one layer of the cache (and the block's keys,
-    with the "block" kind) -> [n, T, kv_heads * groups * head_dim] float32."""
+    with the "block" kind) -> [n, T, kv_heads * groups * value dim] float32 (a latent cache: the
+    values are the keys' first `meta.value_dim` dimensions, sliced from each page loaded)."""
     k_buf, v_buf, layer = cache.k, cache.v, cache.layer
+    value_dim = meta.value_dim
     q_pos, kv_limit, rows, pages, sinks = meta.q_pos, meta.kv_limit, meta.rows, meta.pages, meta.sinks
     window, ring, scale = meta.window, meta.ring, meta.scale
     n, t, kv_heads, groups, d = q.shape
@@ -42,8 +44,13 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         table = jnp.clip(pages if rows is None else jnp.take(pages, rows, axis=0, mode="clip"), 0, k_buf.shape[1] - 1)
         load = lambda buf, j: buf[layer, jnp.take(table, j, axis=1)]  # noqa: E731
     assert max_len % page == 0, (max_len, page)
+    dv = d if value_dim is None else value_dim
+    if value_dim is not None:  # a latent cache: a page's values are its keys' leading dimensions
+        load_kv = lambda j: (lambda k: (k, k[..., :value_dim]))(load(k_buf, j))  # noqa: E731
+    else:
+        load_kv = lambda j: (load(k_buf, j), load(v_buf, j))  # noqa: E731
     carry = (jnp.full((n, kv_heads, groups, t), NEG, jnp.float32), jnp.zeros((n, kv_heads, groups, t), jnp.float32),
-             jnp.zeros((n, kv_heads, groups, t, d), jnp.float32))
+             jnp.zeros((n, kv_heads, groups, t, dv), jnp.float32))
     if sinks is not None:
         # A sink is a key every query sees, with its own logit and a zero value: the softmax
         # starts from it (running max = its logit, sum of weights = exp(0) = 1).
@@ -51,7 +58,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         carry = (m0, jnp.ones_like(m0), carry[2])
     if meta.has_block:
         carry = _update(carry, _scores(q, meta.block_k.astype(q.dtype), scale), meta.block_mask,
-                        meta.block_v.astype(v_buf.dtype))
+                        meta.block_v.astype(k_buf.dtype if v_buf is None else v_buf.dtype))
 
     # Pages that can hold a visible key: key positions < kv_limit, and (sliding window)
     # > q_pos - window. Bounds over the whole batch; the mask does the per-row work.
@@ -62,13 +69,15 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
 
     def body(j, carry):
         start = j * page
-        k, v = load(k_buf, j), load(v_buf, j)
+        k, v = load_kv(j)
         key_pos = start + jnp.arange(page)
         mask = key_pos[None, None, :] < kv_limit[:, :, None]
         if window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+        if meta.selected is not None:  # sparse attention: the positions the indexer picked
+            mask &= jax.lax.dynamic_slice_in_dim(meta.selected, start, page, axis=2)
         return _update(carry, _scores(q, k.astype(q.dtype), scale), mask, v)
 
     m, l, acc = jax.lax.fori_loop(first_page, last_page, body, carry)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [n, kv, g, T, d]
-    return out.transpose(0, 3, 1, 2, 4).reshape(n, t, kv_heads * groups * d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(n, t, kv_heads * groups * dv)

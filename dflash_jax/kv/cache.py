@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 class KVCache:
     """Static-shape paged KV cache with a length per row.
 
-    k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages
+    k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages.
+             A latent cache (multi-head latent attention, `ModelConfig.mla`): k holds each position's
+             latent [.., 1, kv_lora_rank + rope dims], and v is None (the values are the latent's first
+             kv_lora_rank dimensions, `AttentionMetadata.value_dim`)
     k_global, v_global: the same for the full-attention layers with their own head_dim and KV
              heads (Gemma 4's global layers), None when there are none. A layer that shares
              another's K/V has no slot of its own.
@@ -37,6 +40,8 @@ class KVCache:
              stacked buffer: a step rewrites each whole, and an update of one slice of a stacked
              buffer that reads the same slice is copied whole by XLA.
     tail:    per linear layer [batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
+    index_k: DeepSeek sparse attention (GLM-5): the indexer's key of each position, per indexer layer,
+             laid out as k [indexer layers, batch or pages, positions, 1, indexer head_dim]; None without.
     pages:   None (each row owns max_len positions of the buffers), or a page pool's table
              [batch, pages per row] int32: k, v (and k_global, v_global) are then
              [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
@@ -50,12 +55,13 @@ class KVCache:
     """
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
     lengths: jax.Array
     k_global: jax.Array | None = None
     v_global: jax.Array | None = None
     state: tuple[jax.Array, ...] | None = None
     tail: tuple[jax.Array, ...] | None = None
+    index_k: jax.Array | None = None
     pages: jax.Array | None = None
     ring: bool = struct.field(pytree_node=False, default=False)
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
@@ -91,7 +97,7 @@ class KVCache:
         never read). Lengths are the caller's."""
         src = starts[:, None] + nodes
         out = {}
-        for names, global_group in ((("k", "v"), False), (("k_global", "v_global"), True)):
+        for names, global_group in ((("k", "v", "index_k"), False), (("k_global", "v_global"), True)):
             pages, ring = self.layout(global_group)
             for name in names:
                 buf = getattr(self, name)
@@ -124,21 +130,24 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     dtype = dtype or jnp_dtype(config.dtype)
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
     ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
-    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), config.num_key_value_heads,
-             config.head_dim)
+    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), *config.cache_shape())
     k_global = v_global = None
     if config.num_kv_slots(True):
-        g = next(i for i in range(config.num_hidden_layers) if config.is_global(i))
-        head_dim, kv_heads = config.attention_shape(g)
-        global_shape = (config.num_kv_slots(True), *dims, kv_heads, head_dim)
+        global_shape = (config.num_kv_slots(True), *dims, *config.cache_shape(True))
         k_global, v_global = jnp.zeros(global_shape, dtype), jnp.zeros(global_shape, dtype)
     state = tail = None
     if config.num_linear_layers:
         lin, n = config.linear_attention, config.num_linear_layers
         state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
         tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   k_global=k_global, v_global=v_global, state=state, tail=tail, pages=pages, ring=ring is not None,
+    v = None if config.mla is not None else jnp.zeros(shape, dtype)  # a latent cache: values inside the keys
+    index_k = None
+    if config.mla is not None and config.mla.indexer is not None:
+        ix = config.mla.indexer
+        index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], 1, ix.head_dim), dtype)
+    return KVCache(k=jnp.zeros(shape, dtype), v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                   k_global=k_global, v_global=v_global, state=state, tail=tail, index_k=index_k, pages=pages,
+                   ring=ring is not None,
                    page_size=page_size)
 
 
