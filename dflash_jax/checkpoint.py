@@ -52,6 +52,14 @@ IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
 
 
+def _past_last_layer(config, path: tuple[str, ...]) -> bool:
+    """Whether `path` is a layer past the decoder's last, in a family whose checkpoints carry such
+    layers (`Family.extra_layers`)."""
+    family = FAMILIES.get(config.model_type)
+    match = re.fullmatch(r"layers_(\d+)", path[1]) if len(path) > 1 else None
+    return bool(family and family.extra_layers and match and int(match.group(1)) >= config.num_hidden_layers)
+
+
 def target_table(model_type: str) -> tuple[Row, ...]:
     """The HF <-> Flax table of a target family (`dflash_jax.families`)."""
     from dflash_jax.families import family
@@ -232,6 +240,8 @@ def load_hf_params(
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
         path, row, expert = hit
+        if path not in expected and _past_last_layer(config, path):
+            continue  # a multi-token-prediction layer (its family's `extra_layers`)
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:

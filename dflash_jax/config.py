@@ -80,6 +80,15 @@ class MoeConfig:
     gate_up_halves: bool = False
     router_input_norm: bool = False
     per_expert_scale: bool = False
+    # False: the shared expert is added ungated (DeepSeek-V3's `shared_experts`).
+    shared_expert_gated: bool = True
+    # router "sigmoid_grouped" (DeepSeek-V3's noaux_tc; MiniMax-M2 with one group): sigmoid scores;
+    # experts are chosen on scores + a learned correction bias, first among the `topk_group` best of
+    # `n_group` groups (a group's score: the sum of its two best), weighted by their plain scores
+    # (renormalised when `norm_topk_prob`) times `routed_scaling_factor`.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,57 @@ class LinearAttentionConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek sparse attention's indexer (GLM-5): per query, `heads` scores of its own (a query from the
+    q latent, one key per position of `head_dim`, RoPE on the first qk_rope_head_dim in interleaved pairs),
+    relu'd and summed with learned per-head weights, pick the `top_k` cached positions the query attends
+    to. A layer in `shared` runs no indexer: it attends to the previous indexer layer's positions."""
+
+    heads: int
+    head_dim: int
+    top_k: int
+    shared: tuple[bool, ...] = ()
+
+    def is_shared(self, layer: int) -> bool:
+        return bool(self.shared) and self.shared[layer]
+
+    def slot(self, layer: int) -> int:
+        """The layer's index into the cache's indexer keys (the indexer layers, in order)."""
+        return sum(not self.is_shared(i) for i in range(layer))
+
+    def num_slots(self, layers: int) -> int:
+        return sum(not self.is_shared(i) for i in range(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5). Queries: `q_lora_rank` (a low-rank
+    down projection, its norm, an up projection) or one projection when None, each head
+    `qk_nope_head_dim + qk_rope_head_dim` wide. Keys and values come from one latent per position:
+    `kv_lora_rank` normed values plus `qk_rope_head_dim` rotated key values shared by every head
+    (what the cache holds); `kv_b_proj` expands the latent into each head's non-rotated key
+    (`qk_nope_head_dim`) and value (`v_head_dim`). rope_interleave: the rotated dimensions pair up
+    as (0, 1), (2, 3), ... (DeepSeek's layout) rather than (i, i + half)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+    indexer: IndexerConfig | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the cache holds per position and layer: the latent and the rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +218,9 @@ class ModelConfig:
     # (and of a projection of the first) feeds each layer through a small gated projection.
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Multi-head latent attention on every attention layer (DeepSeek-V3): head_dim is then the
+    # rotated part's width (RoPE's), and the cache holds one latent per position (`cache_shape`).
+    mla: MlaConfig | None = None
     dtype: str = "float32"
 
     @property
@@ -200,6 +263,17 @@ class ModelConfig:
         if self.is_global(layer):
             return self.global_head_dim or self.head_dim, self.global_kv_heads or self.num_key_value_heads
         return self.head_dim, self.num_key_value_heads
+
+    def cache_shape(self, global_group: bool = False) -> tuple[int, int]:
+        """(KV heads, head_dim) of a K/V group's cache entries: with MLA one latent "head" of
+        `latent_dim` (the values are its first kv_lora_rank dimensions: the cache has no value buffer)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim
+        if global_group:
+            g = next(i for i in range(self.num_hidden_layers) if self.is_global(i))
+            head_dim, kv_heads = self.attention_shape(g)
+            return kv_heads, head_dim
+        return self.num_key_value_heads, self.head_dim
 
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.global_rope if self.is_global(layer) and self.global_rope is not None else self.rope

@@ -54,6 +54,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"router/kernel", ("embed", None)),
     (r"router/bias", (None,)),
     (r"self_attn/sinks", ("heads",)),
+    # Multi-head latent attention: the down projections and the latent are whole on every device;
+    # the up projections (and kv_b_proj, each head's key and value halves) split by head.
+    (r"(q_a_proj|kv_a_proj_with_mqa)/kernel", ("embed", None)),
+    (r"(q_b_proj|kv_b_proj)/kernel", (None, "heads")),
+    (r"mlp/e_score_correction_bias", (None,)),
+    (r"(wq_b|weights_proj)/kernel", (None, None)),  # the sparse-attention indexer: small, whole everywhere
     # Gated delta-net layers: projections split by head like attention's (in_proj_qkv's
     # [q | k | v] output is split as one axis; XLA regroups it after the convolution).
     (r"in_proj_(qkv|z)/kernel", ("embed", "heads")),

@@ -57,6 +57,21 @@ FAMILIES = {
         num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
         final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
         moe_intermediate_size=16)),
+    # DeepSeek-V3 (Kimi-K2): MLA (q through a rank-24 latent, a 32 + 8 key latent, interleaved RoPE),
+    # a dense first layer, then 2 of 8 experts in the 2 best of 4 groups, sigmoid scores with a
+    # correction bias, times 2.5, plus a shared expert. transformers' MLA expands the latent per head:
+    # its K/V heads must equal the attention heads.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, moe_intermediate_size=32,
+        kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4,
+        topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1)),
+    # GLM-5: DeepSeek-V3's layers plus sparse attention, each query seeing the top 8 positions its
+    # indexer (16 heads of 16: a score of exactly 0, where ties would make the pick arbitrary, is rare)
+    # scores (fewer than the test prompts hold).
+    "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, dict(
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, moe_intermediate_size=32, kv_lora_rank=32,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=16)),
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -75,6 +90,9 @@ def make_model(family: str, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
             elif ".experts." in name and p.dim() == 3:  # experts start at std 0.02: make them count
                 p.mul_(10.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (a buffer, zero at init)
+                b.add_(0.1 * torch.randn_like(b))
     return model
 
 
@@ -154,8 +172,9 @@ def assert_plain_greedy_equals_generate(model, path: Path, lengths=(3, 19, 11), 
     ours = sorted(gen.generate(prompts), key=lambda r: r.index)
     for prompt, result in zip(prompts, ours):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            ids = torch.tensor([prompt])  # every token real: generate would take pad_token_id 0 for padding
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
 
 

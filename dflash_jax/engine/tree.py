@@ -47,6 +47,9 @@ def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = 
     if target.num_linear_layers:
         raise InputError(f"--tree-budget: the target's {target.num_linear_layers} recurrent (delta-net) layers "
                           f"cannot verify several branches from one state; use the chain (--tree-budget 0)")
+    if target.mla is not None and target.mla.indexer is not None:
+        raise InputError("--tree-budget: the target's sparse attention picks each query's positions by its own "
+                         "position, which a tree's branches share; use the chain (--tree-budget 0)")
     if drafter is not None and drafter.dflash2 is not None:  # never drop the selector silently
         raise InputError("--tree-budget: a DFlash2 drafter drafts by its candidate selector's walk, one path, which "
                          "a tree would bypass; use the chain (--tree-budget 0)")

@@ -12,8 +12,10 @@ table. Adding a family that reuses existing layers is a module here, not a new d
 | gpt_oss | `gpt_oss` | attention sinks, MoE with biases and clamped SwiGLU, MXFP4 experts |
 | gemma4_text, gemma4 | `gemma4` | sliding and global layers of two head shapes and RoPEs, k = v, shared K/V, sandwich norms, scaled embeddings, per-layer inputs, MoE beside the MLP, soft-capped logits |
 | qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe | `qwen3_5` | gated delta-net linear-attention layers, gated attention, partial RoPE, (1 + w) norms, MoE with a shared expert |
+| deepseek_v3 (Kimi-K2) | `deepseek_v3` | multi-head latent attention over a latent cache, sigmoid group-limited routing with a correction bias, shared experts, first layers dense |
+| glm_moe_dsa (GLM-5) | `glm_moe_dsa` | DeepSeek-V3's layers plus sparse attention: an indexer picks each query's top-k positions, its keys cached beside the latent |
 """
 
 from dflash_jax.families.registry import FAMILIES, Family, family, register  # noqa: F401
 from dflash_jax.families.hf import model_config, model_config_from_json, read_config_json  # noqa: F401
-from dflash_jax.families import dense, gemma4, gpt_oss, qwen3_5, qwen3_moe  # noqa: E402,F401  (they register)
+from dflash_jax.families import deepseek_v3, dense, gemma4, glm_moe_dsa, gpt_oss, qwen3_5, qwen3_moe  # noqa: E402,F401  (they register)

@@ -26,6 +26,8 @@ class Family:
     ignore: regexes of checkpoint tensors that are not the text decoder's (a vision tower,
         a multi-token-prediction head); they are skipped.
     text_config: the decoder's config is config.json's `text_config` (a multimodal checkpoint).
+    extra_layers: tensors of layers past `num_hidden_layers` (DeepSeek-V3's multi-token-prediction
+        layer, `model.layers.61.*`) are not the decoder's; they are skipped.
     """
 
     model_type: str
@@ -36,6 +38,7 @@ class Family:
     quantizations: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     text_config: bool = False
+    extra_layers: bool = False
 
 
 FAMILIES: dict[str, Family] = {}

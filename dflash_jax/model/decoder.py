@@ -37,6 +37,7 @@ from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.model.layers import ACTIVATIONS, MLP, Attention, norm, rope_angles
 from dflash_jax.model.delta_rule import GatedDeltaNet, Pending
 from dflash_jax.model.delta_rule import settle_state
+from dflash_jax.model.mla import LatentAttention
 from dflash_jax.model.moe import MoE
 
 
@@ -58,9 +59,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, cache: KVCache, query_pos, rows, valid=None, defer=False, per_layer_input=None,
-                 tree_mask=None):
-        """Returns (x, cache, pending): pending is the linear layer's deferred `Pending`
-        (defer), else None. tree_mask: a draft tree's ancestor mask (`forward`'s `tree`)."""
+                 tree_mask=None, selected=None):
+        """Returns (x, cache, pending, selected): pending is the linear layer's deferred `Pending`
+        (defer), else None; selected the positions sparse attention saw (`mla.LatentAttention`: the
+        next shared layer's), else None. tree_mask: a draft tree's ancestor mask (`forward`'s `tree`)."""
         c = self.config
         slot = c.cache_slot(self.layer)
         pending = None
@@ -73,6 +75,9 @@ class DecoderLayer(nn.Module):
                 put = ((lambda a, new: a[:slot] + (new,) + a[slot + 1:]) if rows is None
                        else (lambda a, new: a[:slot] + (a[slot].at[rows].set(new, mode="drop"),) + a[slot + 1:]))
                 cache = cache.replace(tail=put(cache.tail, tail), state=put(cache.state, state))
+        elif c.mla is not None:
+            h, cache, selected = LatentAttention(c, self.layer, name="self_attn")(h, cos, sin, cache, query_pos, rows,
+                                                                                 tree_mask, selected)
         else:
             h, cache = Attention(c, self.layer, name="self_attn")(h, cos, sin, cache, query_pos, rows, tree_mask)
         if c.block_norms == "sandwich":
@@ -94,7 +99,7 @@ class DecoderLayer(nn.Module):
             x = x + norm(c, "post_per_layer_input_norm")(h)
         if c.layer_scalar:
             x = x * self.param("layer_scalar", nn.initializers.ones, (1,), jnp_dtype(c.dtype))
-        return x, cache, pending
+        return x, cache, pending, selected
 
 
 class Decoder(nn.Module):
@@ -124,11 +129,12 @@ class Decoder(nn.Module):
                   for kind in {c.is_global(i) for i in range(c.num_hidden_layers)}}
         x = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, x) if c.per_layer_input_size else None
-        tapped, pending = {}, []
+        tapped, pending, selected = {}, [], None
         for i, layer in enumerate(self.layers):
             cos, sin = angles[c.is_global(i)]
-            x, cache, p = layer(x, cos, sin, cache, query_pos, rows, valid, defer,
-                                None if per_layer is None else per_layer[:, :, i], None if tree is None else tree[1])
+            x, cache, p, selected = layer(x, cos, sin, cache, query_pos, rows, valid, defer,
+                                          None if per_layer is None else per_layer[:, :, i],
+                                          None if tree is None else tree[1], selected)
             if p is not None:
                 pending.append(p)
             if i in taps:
@@ -278,6 +284,8 @@ def forward(
         raise ConfigError(f"tap layer(s) {bad} outside the target's {config.num_hidden_layers} layers")
     if tree is not None and config.num_linear_layers:
         raise ConfigError("a tree verify needs attention layers only: recurrent layers cannot run several branches")
+    if tree is not None and config.mla is not None and config.mla.indexer is not None:
+        raise ConfigError("a tree verify cannot run sparse attention: its indexer picks positions by query position")
     return _forward(params, config, tokens, cache, num_tokens, taps, logits_indices, return_logits, rows,
                     defer_recurrent, tree)
 

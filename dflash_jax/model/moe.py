@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP block (Qwen3-MoE, gpt-oss).
+"""The sparse mixture-of-experts MLP block (Qwen3-MoE, gpt-oss, Gemma 4, Qwen3.5, DeepSeek-V3).
 
 A router scores every token against every expert and keeps the top k (`route`). Tokens are
 then dispatched by sorting their k (token, expert) assignments by expert, so each expert's
@@ -30,8 +30,11 @@ from dflash_jax.config import jnp_dtype
 from dflash_jax.model.layers import MLP, RMSNorm
 
 
-def route(logits, moe: MoeConfig):
-    """Router logits [N, experts] -> (weights [N, k] float32, expert ids [N, k] int32)."""
+def route(logits, moe: MoeConfig, correction=None):
+    """Router logits [N, experts] -> (weights [N, k] float32, expert ids [N, k] int32).
+    correction: "sigmoid_grouped"'s score correction bias [experts] (`e_score_correction_bias`)."""
+    if moe.router == "sigmoid_grouped":
+        return _grouped_sigmoid(logits.astype(jnp.float32), moe, correction)
     if moe.router == "softmax_topk":
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, moe.top_k)
@@ -44,6 +47,27 @@ def route(logits, moe: MoeConfig):
     else:
         raise ValueError(f"unknown router {moe.router!r}")
     return weights.astype(jnp.float32), experts.astype(jnp.int32)
+
+
+def _grouped_sigmoid(logits, moe: MoeConfig, correction):
+    """DeepSeek-V3's routing (noaux_tc): sigmoid scores; the choice adds the correction bias, and with
+    n_group > 1 keeps only the `topk_group` groups whose two best corrected scores sum highest; the
+    chosen experts weigh by their uncorrected scores, renormalised (`norm_topk_prob`) and times
+    `routed_scaling_factor`."""
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction is None else scores + correction.astype(jnp.float32)
+    if moe.n_group > 1:
+        n, e = choice.shape
+        grouped = choice.reshape(n, moe.n_group, e // moe.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, groups]
+        _, best = jax.lax.top_k(group_scores, moe.topk_group)
+        keep = jnp.zeros((n, moe.n_group), bool).at[jnp.arange(n)[:, None], best].set(True)
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
+    _, experts = jax.lax.top_k(choice, moe.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
 def dispatch(experts, num_experts: int):
@@ -176,9 +200,13 @@ class MoE(nn.Module):
         if moe.router_input_norm:
             scale = self.param("router_scale", nn.initializers.ones, (shape[-1],), dtype)
             scored = RMSNorm(c.rms_norm_eps, dtype, with_weight=False)(scored) * scale * shape[-1] ** -0.5
-        logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias, dtype=dtype, param_dtype=dtype,
+        correction = None
+        if moe.router == "sigmoid_grouped":  # scored in float32, as transformers keeps this router
+            correction = self.param("e_score_correction_bias", nn.initializers.zeros, (moe.num_experts,), jnp.float32)
+        logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias,
+                          dtype=jnp.float32 if correction is not None else dtype, param_dtype=dtype,
                           name="router")(scored)
-        weights, experts = route(logits, moe)
+        weights, experts = route(logits, moe, correction)
         if moe.per_expert_scale:
             per_expert = self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), dtype)
             weights = weights * jnp.take(per_expert, experts).astype(jnp.float32)
@@ -189,6 +217,8 @@ class MoE(nn.Module):
         out = (ys.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
         if moe.shared_expert_size:
             shared = MLP(c, moe.shared_expert_size, name="shared_expert")(tokens)
-            gate = nn.Dense(1, use_bias=False, dtype=dtype, param_dtype=dtype, name="shared_expert_gate")(tokens)
-            out = out + jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype) * shared
+            if moe.shared_expert_gated:
+                gate = nn.Dense(1, use_bias=False, dtype=dtype, param_dtype=dtype, name="shared_expert_gate")(tokens)
+                shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype) * shared
+            out = out + shared
         return out.reshape(shape)
