@@ -146,6 +146,8 @@ def attention_layers(config):
         if config.is_linear(i):
             continue
         head_dim, kv_heads = config.attention_shape(i)
+        if config.mla is not None:  # one latent a position, keys and values both: half of it "each"
+            head_dim, kv_heads = config.mla.latent_dim, 0.5
         window = config.sliding_windows[i] if config.sliding_windows else None
         out.append((kv_heads * head_dim * _dtype_bytes(config), head_dim, window, config.kv_producer(i) == i))
     return out
@@ -188,9 +190,14 @@ def loop_correction(spec, batch: int, context: int, max_len: int) -> dict:
 
 
 def kv_in_use(config, batch: int, context: int) -> int:
-    """K and V every attention layer reads at `context`, once (a sliding layer: its window)."""
-    return sum(batch * min(context, window or context) * kv_position * 2
-               for kv_position, _, window, _ in attention_layers(config))
+    """K and V every attention layer reads at `context`, once (a sliding layer: its window; a latent
+    cache: the latent, and a sparse-attention indexer's keys)."""
+    kv = sum(batch * min(context, window or context) * kv_position * 2
+             for kv_position, _, window, _ in attention_layers(config))
+    if config.mla is not None and config.mla.indexer is not None:
+        ix = config.mla.indexer
+        kv += ix.num_slots(config.num_hidden_layers) * batch * context * ix.head_dim * _dtype_bytes(config)
+    return int(kv)
 
 
 def recurrent_state_bytes(config, batch: int) -> int:

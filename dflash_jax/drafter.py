@@ -170,13 +170,17 @@ def dense_drafter_model(target: ModelConfig, num_layers: int, intermediate_size:
     widths, not copied from its config), with the target's sliding-layer head shape and RoPE
     (positions are the target's) rotating whole heads: a Qwen3 layer, as vLLM and SGLang serve
     it, has no partial rotary (Gemma's proportional type is a frequency table any RoPE layer
-    reads, so it stays)."""
+    reads, so it stays). For an MLA target (DeepSeek-V3, GLM-5): its query heads of its RoPE width
+    (qk_rope_head_dim), and at most 8 K/V heads."""
     rope = target.rope if target.rope.type == "proportional" else dataclasses.replace(target.rope,
                                                                                      partial_rotary_factor=1.0)
+    kv_heads = target.num_key_value_heads
+    if target.mla is not None:  # an MLA target's "K/V heads" are its query heads: grouped-query instead
+        kv_heads = max(k for k in range(1, min(8, target.num_attention_heads) + 1) if target.num_attention_heads % k == 0)
     return ModelConfig(
         model_type="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+        num_attention_heads=target.num_attention_heads, num_key_value_heads=kv_heads,
         head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope=rope,
         max_position_embeddings=target.max_position_embeddings, qk_norm=True, sliding_windows=(None,) * num_layers,
         dtype=dtype or target.dtype)

@@ -1,6 +1,6 @@
 """Published models' shapes, for compiling or timing them without their weights: Qwen3-8B with
 the z-lab Qwen3-8B-DFlash-b16 drafter, the config.json fields of other published targets
-(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B) with the drafter the z-lab recipe gives them,
+(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B, DeepSeek-V3, Kimi-K2.5, GLM-5.1) with the drafter the z-lab recipe gives them,
 and published DFlash2 pairs (`PUBLISHED_DFLASH2`: Qwen3.8-27B with its DFlash2 drafter).
 `published_configs(scale, dtype, shape)` scales them down for tests and small machines.
 (`python -m bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
@@ -48,6 +48,35 @@ PUBLISHED_MOE["gpt-oss-120b"] = dict(
     layer_types=["sliding_attention", "full_attention"] * 18)
 
 PUBLISHED_TARGETS.update({name.lower(): hf for name, hf in PUBLISHED_MOE.items()})
+# Multi-head latent attention targets (config.json fields): DeepSeek-V3, Kimi-K2.5's text model (DeepSeek-V3's
+# layers with 64 heads, 384 experts, one dense layer) and GLM-5.1 (sparse attention: an indexer picks 2048
+# positions a query).
+PUBLISHED_MLA = {
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=163840, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+}
+PUBLISHED_MLA["kimi-k2.5"] = dict(
+    PUBLISHED_MLA["deepseek-v3"], vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+    n_routed_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
+    max_position_embeddings=262144, rope_parameters=dict(
+        rope_type="yarn", rope_theta=50000.0, factor=64.0, original_max_position_embeddings=4096, beta_fast=1.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+PUBLISHED_MLA["glm-5.1"] = dict(
+    model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+    moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64,
+    n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1,
+    routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=2048,
+    qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, index_topk=2048, index_head_dim=128,
+    index_n_heads=32, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=202752,
+    rope_parameters=dict(rope_type="default", rope_theta=1e6))
+PUBLISHED_TARGETS.update(PUBLISHED_MLA)
 # Published DFlash2 drafters (`dflash_jax.dflash2`) and the target shape each is compiled against.
 # Qwen3.8-27B-DFlash2: hidden 5120, block 8, taps [5, 19, 33, 47, 61] of a 64-layer target, and its
 # dflash_config's DFlash2 keys. Qwen3.8-27B's config.json is not available here; the qwen3.5-27b

@@ -67,14 +67,15 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
     value_dim (a latent cache, v_ref None): the values are the keys' first value_dim dimensions."""
     for h in range(kv_heads):
         q = q_ref[h]  # [rows, d]
-        k = k_ref[:, h, :].astype(q.dtype)  # [keys, d]
+        k = (k_ref[...] if len(k_ref.shape) == 2 else k_ref[:, h, :]).astype(q.dtype)  # [keys, d]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(mask, s, -jnp.inf)
         m_prev = m_scr[h]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        v = k_ref[:, h, :value_dim] if v_ref is None else v_ref[:, h, :]
+        v = (k_ref[:, :value_dim] if len(k_ref.shape) == 2 else k_ref[:, h, :value_dim]) if v_ref is None else \
+            v_ref[:, h, :]
         m_scr[h] = m_new
         l_scr[h] = l_scr[h] * alpha + p.sum(axis=-1, keepdims=True)
         acc_scr[h] = acc_scr[h] * alpha + jax.lax.dot_general(
@@ -171,7 +172,7 @@ def _geometry(q, k_buf, page_size, pages):
     kv_heads, d = q.shape[2], q.shape[4]
     itemsize = jnp.dtype(k_buf.dtype).itemsize
     if pages is None:
-        _, batch, max_len, _, _ = k_buf.shape
+        batch, max_len = k_buf.shape[1:3]
         page = page_size_of(max_len, page_size)
         # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
         # rows of bfloat16, 8 of float32).
@@ -252,9 +253,10 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         tile = b * n_tiles + t_
         last = jnp.maximum(hi_ref[tile] - 1, lo_ref[tile])
         blk = jnp.minimum(lo_ref[tile] + j, last)
+        tail = (0,) * (2 if v_buf is not None else 1)  # (head, dim) blocks, or a latent's (dim)
         if table_ref:
-            return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, 0, 0)
-        return (layer, rows_ref[b], blk % ring_blocks if ring else blk, 0, 0)
+            return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, *tail)
+        return (layer, rows_ref[b], blk % ring_blocks if ring else blk, *tail)
 
     q_spec = pl.BlockSpec((None, kv_heads, rows_per_tile, d), lambda b, t_, j, *_: (b, 0, t_, 0))
     col_spec = pl.BlockSpec((None, rows_per_tile, 1), lambda b, t_, j, *_: (b, t_, 0))
@@ -273,9 +275,15 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         in_specs[-2] = pl.BlockSpec((None, n_chunk, kv_heads, dv), lambda b, t_, j, *_: (b, 0, 0, 0))
         inputs += [ck.astype(q.dtype), cv.astype(k_buf.dtype if v_buf is None else v_buf.dtype),
                    jnp.repeat(cmask, groups, axis=1)]
-    buffers = [k_buf] if v_buf is None else [k_buf, v_buf]
-    in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * len(buffers)
-    inputs += buffers
+    if v_buf is None:  # a latent cache (one K/V head): its blocks as [positions, d], the unit head axis
+        # squeezed out (a bitcast), so the buffer can keep the layout its writes use: a tile over the
+        # unit axis would pad it eightfold, and a second layout is a copy of the cache each step
+        assert kv_heads == 1, kv_heads
+        in_specs.append(pl.BlockSpec((None, None, block, d), kv_index))
+        inputs.append(k_buf.reshape(*k_buf.shape[:3], d))
+    else:
+        in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
+        inputs += [k_buf, v_buf]
 
     # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans).
     live = min(expected_live, max_len) if expected_live is not None else max_len

@@ -18,10 +18,17 @@ from dflash_jax.kv import page_size_of
 
 
 def _page(buf, layer, start, size, rows):
-    """Keys or values of one page: [batch or len(rows), size, kv_heads, head_dim]."""
-    _, batch, _, heads, dim = buf.shape
-    page = jax.lax.dynamic_slice(buf, (layer, 0, start, 0, 0), (1, batch, size, heads, dim))[0]
-    return page if rows is None else jnp.take(page, rows, axis=0, mode="clip")
+    """Keys or values of one page: [batch or len(rows), size, kv_heads, head_dim] (a latent buffer,
+    [layers, batch, len, dim]: with a unit head axis)."""
+    _, batch, _, *tail = buf.shape
+    page = jax.lax.dynamic_slice(buf, (layer, 0, start) + (0,) * len(tail), (1, batch, size, *tail))[0]
+    page = page if rows is None else jnp.take(page, rows, axis=0, mode="clip")
+    return page[..., None, :] if buf.ndim == 4 else page
+
+
+def _heads(page, buf):
+    """A page of a latent buffer (no head axis) with a unit one."""
+    return page[..., None, :] if buf.ndim == 4 else page
 
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata):
@@ -42,7 +49,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         page = k_buf.shape[2]
         max_len = pages.shape[1] * page
         table = jnp.clip(pages if rows is None else jnp.take(pages, rows, axis=0, mode="clip"), 0, k_buf.shape[1] - 1)
-        load = lambda buf, j: buf[layer, jnp.take(table, j, axis=1)]  # noqa: E731
+        load = lambda buf, j: _heads(buf[layer, jnp.take(table, j, axis=1)], buf)  # noqa: E731
     assert max_len % page == 0, (max_len, page)
     dv = d if value_dim is None else value_dim
     if value_dim is not None:  # a latent cache: a page's values are its keys' leading dimensions

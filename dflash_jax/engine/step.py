@@ -152,14 +152,15 @@ def _map_cache(cache: KVCache | None, f) -> KVCache | None:
         return None
     pooled = CACHE_AXES if cache.pages is None else POOL_AXES
     axes = CACHE_AXES if cache.ring else pooled  # a ring is per row
-    cache = cache.replace(k=f(cache.k, axes), v=None if cache.v is None else f(cache.v, axes),
-                          lengths=f(cache.lengths, ("batch",)))
+    latent = axes[:3] + axes[4:]  # a latent cache has no head axis
+    cache = cache.replace(k=f(cache.k, axes if cache.k.ndim == 5 else latent),
+                          v=None if cache.v is None else f(cache.v, axes), lengths=f(cache.lengths, ("batch",)))
     if cache.pages is not None:
         cache = cache.replace(pages=f(cache.pages, ("batch", None)))
     if cache.k_global is not None:
         cache = cache.replace(k_global=f(cache.k_global, pooled), v_global=f(cache.v_global, pooled))
     if cache.index_k is not None:
-        cache = cache.replace(index_k=f(cache.index_k, axes))
+        cache = cache.replace(index_k=f(cache.index_k, latent))
     if cache.state is not None:
         cache = cache.replace(state=tuple(f(s, STATE_AXES) for s in cache.state),
                               tail=tuple(f(t, TAIL_AXES) for t in cache.tail))

@@ -32,7 +32,8 @@ SWITCHES = dict(qkv_bias="attention_bias", o_bias="attention_bias")
 def mla_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
     attn, flax = f"{hf_prefix}self_attn.", f"{flax_prefix}self_attn/"
     rows = [Row(f"{attn}{p}.weight", f"{flax}{p}/kernel", True)
-            for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+            for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")]
+    rows.append(Row(f"{attn}kv_b_proj.weight", f"{flax}kv_b_proj/kernel"))  # HF layout: [heads x (nope + v), latent]
     rows += [Row(f"{attn}{p}.bias", f"{flax}{p}/bias") for p in ("q_a_proj", "kv_a_proj_with_mqa")]
     return rows + [Row(f"{attn}{n}.weight", f"{flax}{n}/weight") for n in ("q_a_layernorm", "kv_a_layernorm")]
 

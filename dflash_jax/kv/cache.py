@@ -29,8 +29,9 @@ class KVCache:
 
     k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages.
              A latent cache (multi-head latent attention, `ModelConfig.mla`): k holds each position's
-             latent [.., 1, kv_lora_rank + rope dims], and v is None (the values are the latent's first
-             kv_lora_rank dimensions, `AttentionMetadata.value_dim`)
+             latent, [layers, batch, max_len, kv_lora_rank + rope dims]: no head axis, which on a TPU
+             would sit inside a tile and pad it eightfold (the writes and reads take a unit one), and v is None (the values are the
+             latent's first kv_lora_rank dimensions, `AttentionMetadata.value_dim`)
     k_global, v_global: the same for the full-attention layers with their own head_dim and KV
              heads (Gemma 4's global layers), None when there are none. A layer that shares
              another's K/V has no slot of its own.
@@ -41,7 +42,7 @@ class KVCache:
              buffer that reads the same slice is copied whole by XLA.
     tail:    per linear layer [batch, conv_kernel - 1, conv_dim], their convolutions' last inputs.
     index_k: DeepSeek sparse attention (GLM-5): the indexer's key of each position, per indexer layer,
-             laid out as k [indexer layers, batch or pages, positions, 1, indexer head_dim]; None without.
+             laid out as a latent k [indexer layers, batch or pages, positions, indexer head_dim]; None without.
     pages:   None (each row owns max_len positions of the buffers), or a page pool's table
              [batch, pages per row] int32: k, v (and k_global, v_global) are then
              [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
@@ -131,6 +132,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
     ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
     shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), *config.cache_shape())
+    if config.mla is not None:  # a latent: one vector a position, no head axis
+        shape = shape[:3] + shape[4:]
     k_global = v_global = None
     if config.num_kv_slots(True):
         global_shape = (config.num_kv_slots(True), *dims, *config.cache_shape(True))
@@ -144,7 +147,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     index_k = None
     if config.mla is not None and config.mla.indexer is not None:
         ix = config.mla.indexer
-        index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], 1, ix.head_dim), dtype)
+        index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], ix.head_dim), dtype)
     return KVCache(k=jnp.zeros(shape, dtype), v=v, lengths=jnp.zeros((batch,), jnp.int32),
                    k_global=k_global, v_global=v_global, state=state, tail=tail, index_k=index_k, pages=pages,
                    ring=ring is not None,

@@ -25,19 +25,24 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: 
     With a page table (`pages` [batch, pages per row]; buf a pool [layers, num_pages, page,
     ...]) it is one scatter of every (row, position) into its page, positions in no page of
     the row (padding rows, pages past its reservation) dropped. A ring (`ring`) is one scatter
-    too, position p at p % the buffer's length."""
+    too, position p at p % the buffer's length.
+
+    A latent buffer ([layers, batch or pages, len, dim]: no head axis, `KVCache.k` under multi-head
+    latent attention) takes new with a unit head axis, which is dropped."""
+    if buf.ndim == 4:
+        new = new[..., 0, :]
     if pages is not None:
         return _write_pool(buf, layer, new, offsets, rows, pages)
     if ring:
         return _write_ring(buf, layer, new, offsets, rows)
-    n = new.shape[-4]
+    n = new.shape[-buf.ndim + 1]
     batch = buf.shape[1]
     new = new.astype(buf.dtype)
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
 
     def one(i, buf):
         row = rows[i]
-        start = (0 if layer is None else layer, jnp.minimum(row, batch - 1), offsets[i], 0, 0)
+        start = (0 if layer is None else layer, jnp.minimum(row, batch - 1), offsets[i]) + (0,) * (buf.ndim - 3)
         if layer is None:  # [layers, 1, T, kv, d]
             update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=1)
         else:  # [1, 1, T, kv, d]
@@ -49,8 +54,8 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: 
 
 
 def _write_pool(buf, layer, new, offsets, rows, pages):
-    layers, num_pages, page, heads, dim = buf.shape
-    n, t = new.shape[-4], new.shape[-3]
+    layers, num_pages, page, *tail = buf.shape
+    n, t = new.shape[-len(tail) - 2], new.shape[-len(tail) - 1]
     batch, per_row = pages.shape
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     pos = offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [n, T]
@@ -59,12 +64,12 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     phys = jnp.take_along_axis(table, jnp.clip(logical, 0, per_row - 1), axis=1)
     ok = (rows < batch)[:, None] & (logical < per_row) & (phys >= 0) & (phys < num_pages)
     flat = (jnp.where(ok, phys, num_pages) * page + pos % page).reshape(-1)  # no page: past the pool, dropped
-    pool = buf.reshape(layers, num_pages * page, heads, dim)
+    pool = buf.reshape(layers, num_pages * page, *tail)
     new = new.astype(buf.dtype)
     if layer is None:  # [layers, n, T, kv, d]
-        pool = pool.at[:, flat].set(new.reshape(layers, n * t, heads, dim), mode="drop")
+        pool = pool.at[:, flat].set(new.reshape(layers, n * t, *tail), mode="drop")
     else:
-        pool = pool.at[layer, flat].set(new.reshape(n * t, heads, dim), mode="drop")
+        pool = pool.at[layer, flat].set(new.reshape(n * t, *tail), mode="drop")
     return pool.reshape(buf.shape)
 
 
@@ -83,19 +88,22 @@ def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool
     """The keys or values at positions [n, T] of batch rows rows[i] (default row i) -> [n, T,
     kv_heads, head_dim] from layer `layer` of buf (layer None: every layer, [layers, n, T, ...]),
     through each row's page table (`pages`) or a ring's modulo, as `write_kv` wrote them.
-    Positions past a row's pages read page 0 (the caller never uses them)."""
+    Positions past a row's pages read page 0 (the caller never uses them). A latent buffer (no head
+    axis) reads with a unit head axis."""
     n = positions.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
     view = buf if layer is None else buf[layer][None]
-    layers, _, length, heads, dim = view.shape
+    layers, _, length, *tail = view.shape
     if pages is not None:
         num_pages, page = view.shape[1], length
         table = jnp.take(pages, rows, axis=0, mode="clip")
         phys = jnp.take_along_axis(table, jnp.clip(positions // page, 0, table.shape[1] - 1), axis=1)
         flat = jnp.clip(phys, 0, num_pages - 1) * page + positions % page
-        out = view.reshape(layers, num_pages * page, heads, dim)[:, flat]
+        out = view.reshape(layers, num_pages * page, *tail)[:, flat]
     else:
         where = positions % length if ring else jnp.clip(positions, 0, length - 1)
         out = view[:, jnp.clip(rows, 0, view.shape[1] - 1)[:, None], where]
+    if buf.ndim == 4:  # a latent: the unit head axis
+        out = out[..., None, :]
     return out if layer is None else out[0]

@@ -130,10 +130,10 @@ class LatentAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope[:, :, None, :], cos, sin)[:, :, 0]
 
-        kv_b = Kernel((m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)), dtype, name="kv_b_proj")()
-        kv_b = kv_b.reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
-        w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
-        q_absorbed = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dtype)
+        kv_b = Kernel((heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dtype, name="kv_b_proj")()
+        kv_b = kv_b.reshape(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
+        q_absorbed = jnp.einsum("bthn,hnl->bthl", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dtype)
         q = jnp.concatenate([q_absorbed, q_rope.astype(dtype)], axis=-1)[:, :, None]  # [n, T, 1, heads, latent]
         k = jnp.concatenate([c_kv, k_rope.astype(dtype)], axis=-1)[:, :, None]  # [n, T, 1, latent]
 
@@ -147,5 +147,5 @@ class LatentAttention(nn.Module):
         out, kv = attend(q, k, None, LayerKV(cache.k, None, c.cache_slot(self.layer)), meta)
         cache = cache.replace(k=kv.k)
         out = out.astype(dtype).reshape(b, t, heads, m.kv_lora_rank)
-        out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+        out = jnp.einsum("bthl,hvl->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(dtype)
         return dense(c.hidden_size, "o_proj", c.o_bias)(out.reshape(b, t, heads * m.v_head_dim)), cache, selected
