@@ -120,9 +120,10 @@ def per_layer(shape: str, topology_name: str, mesh_text: str | None, layers: tup
     for name in programs:
         fa, fb = out[a][name], out[b][name]
         if not (fa.get("compiled") and fb.get("compiled")):
-            inc[name] = dict(compiled=False, error=fa.get("error") or fb.get("error"), asked=fa.get("asked") or fb.get("asked"))
+            inc[name] = dict(compiled=False, error=fa.get("error") or fb.get("error"),
+                             asked=fa.get("asked") or fb.get("asked"))
             continue
-        per = lambda key: (fb[key] - fa[key]) / (b - a)  # noqa: E731
+        per = lambda key, fa=fa, fb=fb: (fb[key] - fa[key]) / (b - a)  # noqa: E731
         inc[name] = dict(seconds=per("seconds") if fa["seconds"] and fb["seconds"] else None, bytes=per("bytes"),
                          prefetched=per("prefetched"), hbm=(fb["memory"]["total"] - fa["memory"]["total"]) / (b - a),
                          ideal=(fb["ideal"]["bytes"] - fa["ideal"]["bytes"]) / (b - a) if "ideal" in fa else None,
