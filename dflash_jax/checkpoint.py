@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import safetensors_io
-from dflash_jax.config import VERSION, ModelConfig
+from dflash_jax.config import VERSION, ModelConfig, jnp_dtype
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
 from dflash_jax.families.table import Row, layer_rows
+from dflash_jax.fp8 import fp8_format, pair_scales
 
 # ---------------------------------------------------------------------------- tables
 
@@ -126,6 +127,9 @@ def iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[str, "safetensors_io.LazyTen
         raise CheckpointError(f"no weights in {hf_dir} (expected {WEIGHT_FILES})")
 
 
+TORCH_FLOAT8 = {"torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2", "torch.float8_e8m0fnu": "F8_E8M0"}
+
+
 def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     try:
         import torch
@@ -143,6 +147,8 @@ def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         t = state.pop(name)
         if t.dtype == torch.bfloat16:
             arr = t.view(torch.int16).numpy().view(safetensors_io.SAFETENSORS_DTYPES["BF16"])
+        elif str(t.dtype) in TORCH_FLOAT8:
+            arr = t.view(torch.uint8).numpy().view(safetensors_io.SAFETENSORS_DTYPES[TORCH_FLOAT8[str(t.dtype)]])
         else:
             arr = t.numpy()
         yield name, safetensors_io.ArrayTensor(arr)
@@ -205,7 +211,9 @@ def load_hf_params(
     training), and for each device only its block is read. Two kinds of parameter are built
     from several tensors on the host, then placed: an expert-stacked one (one HF tensor per
     expert, e.g. Qwen3-MoE), held until its last expert is read; and one stored in parts (MXFP4
-    blocks and scales), built by the family's `combine` when its parts are read.
+    blocks and scales), built by the family's `combine` when its parts are read. An FP8
+    checkpoint's float8 tensors are paired with their scales first and dequantized into the
+    model's dtype as they are read (`dflash_jax.fp8`).
     """
     hf_dir = Path(hf_dir)
     table = target_table(config.model_type) if table is None else table
@@ -227,6 +235,9 @@ def load_hf_params(
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
     tensors = iter_hf_tensors(hf_dir)
+    fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
+    if fmt is not None:  # each float8 tensor and its scale become one tensor, dequantized as it is read
+        tensors = pair_scales(tensors, fmt, jnp_dtype(config.dtype))
     if progress:
         from tqdm import tqdm
 
@@ -365,6 +376,8 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
     ckptr.save((out / "params").absolute(), params)
     ckptr.wait_until_finished()
     ckptr.close()
+    # the weights written are dequantized (FP8, MXFP4): the copy of config.json says no quantization
+    config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     for name in SIDE_FILES:
         if (hf_dir / name).is_file():

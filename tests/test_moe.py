@@ -246,7 +246,7 @@ GOOD = dict(model_type="qwen3_moe", vocab_size=16, hidden_size=8, intermediate_s
     (dict(mlp_only_layers=[2]), r"mlp_only_layers \[2\] are not layers of a 2-layer model"),
     (dict(decoder_sparse_step=0), "'decoder_sparse_step' must be a positive integer"),
     (dict(moe_intermediate_size="wide"), "'moe_intermediate_size' must be a positive integer"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization 'fp8' is not supported for qwen3_moe"),
+    (dict(quantization_config={"quant_method": "awq"}), r"quantization 'awq' is not supported for qwen3_moe \(only fp8\)"),
     (dict(model_type="gpt_oss", num_experts=None, num_local_experts=None), "missing required field 'num_local_experts'"),
 ])
 def test_bad_moe_config_is_a_one_line_error(change, message):

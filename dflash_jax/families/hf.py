@@ -12,6 +12,7 @@ from typing import Any
 from dflash_jax.config import DTYPES, ModelConfig, MoeConfig, RopeConfig
 from dflash_jax.errors import ConfigError
 from dflash_jax.families.registry import family as find_family
+from dflash_jax.fp8 import fp8_format
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -25,7 +26,7 @@ def model_config(cfg: dict[str, Any], *, dtype: str | None = None) -> ModelConfi
         text = cfg.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError(f"config.json ({model_type}) is missing required field 'text_config'")
-        top = {k: cfg[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype") if k in cfg}
+        top = {k: cfg[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype", "quantization_config") if k in cfg}
         cfg = {**text, **top, "model_type": model_type}
 
     def need(key):
@@ -49,9 +50,11 @@ def model_config(cfg: dict[str, Any], *, dtype: str | None = None) -> ModelConfi
         raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
 
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
-    if quant is not None and quant not in family.quantizations:
+    if quant == "fp8":  # block-scaled float8 Linear weights: any family, dequantized at load
+        fp8_format(cfg)
+    elif quant is not None and quant not in family.quantizations:
         raise ConfigError(f"quantization {quant!r} is not supported for {model_type}"
-                          + (f" (only {', '.join(family.quantizations)})" if family.quantizations else ""))
+                          + f" (only {', '.join(('fp8',) + family.quantizations)})")
     extra = family.parse(cfg, layers) if family.parse else {}
     fields = dict(
         model_type=model_type,

@@ -22,7 +22,8 @@ class Family:
     combine: (parameter path, {part: tensor}, dtype) -> the parameter, for rows with a `part`
         (a parameter stored as several tensors, e.g. MXFP4 blocks and scales), or None
         while parts are still missing.
-    quantizations: the `quantization_config.quant_method`s whose tensors it can read.
+    quantizations: the `quantization_config.quant_method`s whose tensors it can read besides
+        `fp8` (block-scaled float8 Linear weights, `dflash_jax.fp8`), which every family reads.
     ignore: regexes of checkpoint tensors that are not the text decoder's (a vision tower,
         a multi-token-prediction head); they are skipped.
     text_config: the decoder's config is config.json's `text_config` (a multimodal checkpoint).
