@@ -175,6 +175,11 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     qk_norm: bool = False
+    # With qk_norm: q_norm / k_norm are one RMSNorm over the whole projection (every head's
+    # dimensions at once, a weight per element: heads * head_dim), applied before the split into
+    # heads (MiniMax-M2's "per_layer" norm), not one per head. Under a mesh that splits heads over
+    # `model` the norm's sum of squares spans the devices: XLA adds the all-reduce.
+    qk_norm_whole: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -1,6 +1,7 @@
 """Published models' shapes, for compiling or timing them without their weights: Qwen3-8B with
 the z-lab Qwen3-8B-DFlash-b16 drafter, the config.json fields of other published targets
-(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B, DeepSeek-V3, Kimi-K2.5, GLM-5.1) with the drafter the z-lab recipe gives them,
+(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B, MiniMax-M2, DeepSeek-V3, Kimi-K2.5, GLM-5.1) with the
+drafter the z-lab recipe gives them,
 and published DFlash2 pairs (`PUBLISHED_DFLASH2`: Qwen3.8-27B with its DFlash2 drafter).
 `published_configs(scale, dtype, shape)` scales them down for tests and small machines.
 (`python -m bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
@@ -42,6 +43,13 @@ PUBLISHED_MOE = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1e6, dtype="bfloat16"),
+    # MiniMax-M2 (M2.1 and M2.5 share its shape): bfloat16 here (the released weights are FP8 blocks).
+    "MiniMax-M2": dict(
+        model_type="minimax_m2", vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+        num_attention_heads=48, num_key_value_heads=8, head_dim=128, rotary_dim=64, num_local_experts=256,
+        num_experts_per_tok=8, use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid",
+        use_routing_bias=True, shared_intermediate_size=0, tie_word_embeddings=False, max_position_embeddings=196608,
+        rope_theta=5e6, rms_norm_eps=1e-6, dtype="bfloat16"),
 }
 PUBLISHED_MOE["gpt-oss-120b"] = dict(
     PUBLISHED_MOE["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128,

@@ -72,6 +72,12 @@ FAMILIES = {
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, moe_intermediate_size=32, kv_lora_rank=32,
         q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
         num_experts_per_tok=2, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=16)),
+    # MiniMax-M2: q/k norms over the whole projection (all heads at once), RoPE on the first 8 of each
+    # head's 16 dimensions (`rotary_dim`), every layer 2 of 6 experts by sigmoid scores plus a correction
+    # bias, renormalised. Its bos/eos defaults (ids 200034/200020) are out of a tiny vocabulary: none.
+    "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM, dict(
+        head_dim=16, rotary_dim=8, num_local_experts=6, num_experts_per_tok=2, intermediate_size=32,
+        bos_token_id=None, eos_token_id=None)),
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")

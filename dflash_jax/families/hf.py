@@ -70,6 +70,7 @@ def model_config(cfg: dict[str, Any], *, dtype: str | None = None) -> ModelConfi
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=switch("qk_norm"),
+        qk_norm_whole=switch("qk_norm_whole"),
         qkv_bias=switch("qkv_bias"),
         o_bias=switch("o_bias"),
         mlp_bias=switch("mlp_bias"),

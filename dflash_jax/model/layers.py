@@ -101,7 +101,8 @@ class Attention(nn.Module):
     shares an earlier layer's K/V (Gemma 4) has no k/v projections: it writes nothing and
     attends over its producer's slot. Gemma 4's global layers keep their K/V in the cache's
     second group (`k_global`, `v_global`); with `attention_k_eq_v` their values are the key
-    projection (normed by the weightless value norm, not rotated)."""
+    projection (normed by the weightless value norm, not rotated). With `qk_norm_whole`
+    (MiniMax-M2) q_norm and k_norm each norm the whole projection before it splits into heads."""
 
     config: ModelConfig
     layer: int
@@ -119,10 +120,14 @@ class Attention(nn.Module):
         head_dim, kv_heads = c.attention_shape(i)
         heads, window = c.num_attention_heads, c.sliding_windows[i] if c.sliding_windows else None
         gated = 2 if c.attention_output_gate else 1
-        q = unfused(dense(heads * head_dim * gated, "q_proj", c.qkv_bias)(x)).reshape(b, t, heads, head_dim * gated)
+        whole = c.qk_norm and c.qk_norm_whole  # one norm over every head (MiniMax-M2), before the split
+        q = unfused(dense(heads * head_dim * gated, "q_proj", c.qkv_bias)(x))
+        if whole:
+            q = norm(c, "q_norm")(q)
+        q = q.reshape(b, t, heads, head_dim * gated)
         if gated == 2:
             q, gate = q[..., :head_dim], q[..., head_dim:].reshape(b, t, -1)
-        if c.qk_norm:
+        if c.qk_norm and not whole:
             q = norm(c, "q_norm")(q)
         q = apply_rope(q, cos, sin)
         sinks = None
@@ -134,12 +139,13 @@ class Attention(nn.Module):
         pages, ring = cache.layout(c.is_global(i))
         k = v = None
         if c.kv_producer(i) == i:
-            k = unfused(dense(kv_heads * head_dim, "k_proj", c.qkv_bias)(x)).reshape(b, t, kv_heads, head_dim)
+            projected = unfused(dense(kv_heads * head_dim, "k_proj", c.qkv_bias)(x))
+            k = (norm(c, "k_norm")(projected) if whole else projected).reshape(b, t, kv_heads, head_dim)
             if c.attention_k_eq_v and window is None:
-                v = k
+                v = projected.reshape(b, t, kv_heads, head_dim)
             else:
                 v = unfused(dense(kv_heads * head_dim, "v_proj", c.qkv_bias)(x)).reshape(b, t, kv_heads, head_dim)
-            if c.qk_norm:
+            if c.qk_norm and not whole:
                 k = norm(c, "k_norm")(k)
             if c.value_norm:
                 v = RMSNorm(c.rms_norm_eps, dtype, with_weight=False, name="v_norm")(v)
