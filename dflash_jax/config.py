@@ -89,6 +89,9 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # The router's logits computed in float32 from a float32 copy of its weight (DeepSeek-V3, GLM-5, as
+    # transformers keeps that router), rather than in the model's dtype.
+    router_float32: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,8 @@ def routed_moe(cfg: dict, model_type: str, layers: int) -> dict:
     groups, top_groups = positive(cfg, "n_group", model_type, 1), positive(cfg, "topk_group", model_type, 1)
     moe = moe_config(cfg, model_type, experts=("n_routed_experts", "num_local_experts"), router="sigmoid_grouped",
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_group=groups, topk_group=top_groups,
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), shared_expert_gated=False)
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
+                     router_float32=True)
     if moe.num_experts % groups or moe.num_experts // groups < 2:
         raise ConfigError(f"config.json ({model_type}): {moe.num_experts} experts do not split into n_group {groups} "
                           "groups of at least 2")

@@ -201,10 +201,10 @@ class MoE(nn.Module):
             scale = self.param("router_scale", nn.initializers.ones, (shape[-1],), dtype)
             scored = RMSNorm(c.rms_norm_eps, dtype, with_weight=False)(scored) * scale * shape[-1] ** -0.5
         correction = None
-        if moe.router == "sigmoid_grouped":  # scored in float32, as transformers keeps this router
+        if moe.router == "sigmoid_grouped":
             correction = self.param("e_score_correction_bias", nn.initializers.zeros, (moe.num_experts,), jnp.float32)
         logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias,
-                          dtype=jnp.float32 if correction is not None else dtype, param_dtype=dtype,
+                          dtype=jnp.float32 if moe.router_float32 else dtype, param_dtype=dtype,
                           name="router")(scored)
         weights, experts = route(logits, moe, correction)
         if moe.per_expert_scale:
