@@ -138,6 +138,35 @@ def weight_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
 
 
+def whole_model(shape: str, timing_topology: str, memory_topology: str, memory_mesh: str | None, batch: int,
+                context: int, layers: tuple[int, int]) -> dict:
+    """A published shape scaled from two cut-down compiles to its whole depth: per program, the one-chip
+    estimate of a step or cycle (`timing_topology`) and the HBM per chip over `memory_topology` (its
+    caches in a page pool of `context` positions a row), each as the first `layers[0]` layers plus
+    (layers - layers[0]) times the increment of one more (a sparse layer: the cut keeps the first
+    dense ones whole)."""
+    from dflash_jax.shapes import PUBLISHED_TARGETS
+
+    full = PUBLISHED_TARGETS[shape]["num_hidden_layers"]
+    out = dict(shape=shape, layers=full, measured=layers, batch=batch, context=context)
+    for key, topo, mesh_text, pool in (("timing", timing_topology, None, False),
+                                       ("memory", memory_topology, memory_mesh, True)):
+        r = per_layer(shape, topo, mesh_text, layers, batch, context, kv_pages=pool)
+        scaled = {}
+        for name, inc in r["increments"].items():
+            if not inc.get("compiled", True) or "base" not in inc:
+                scaled[name] = dict(compiled=False, error=inc.get("error"), asked=inc.get("asked"))
+                continue
+            base, extra = inc["base"], full - layers[0]
+            scaled[name] = dict(
+                seconds=base["seconds"] + extra * inc["seconds"] if base["seconds"] and inc["seconds"] else None,
+                hbm=base["memory"]["total"] + extra * inc["hbm"],
+                ideal=base["ideal"]["bytes"] + extra * inc["ideal"] if inc["ideal"] is not None else None,
+                per_layer=dict(seconds=inc["seconds"], hbm=inc["hbm"], ideal=inc["ideal"], bytes=inc["bytes"]))
+        out[key] = dict(topology=topo, chips=r["chips"], chip_hbm=r["chip_hbm"], mesh=r["mesh"], programs=scaled)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.mla_tpu", description=__doc__.splitlines()[0])
     p.add_argument("--topology", default="v5p:1x1x1", help="a one-chip TPU topology (v5p:1x1x1, v5e:1x1, v6e:1x1)")
