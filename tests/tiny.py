@@ -48,6 +48,11 @@ FAMILIES = {
     # ... and its MoE variant: every layer sparse, top-2 of 6 experts plus a gated shared expert.
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(
         LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    # Qwen3-Next: the same layers as Qwen3.5-MoE in a fused checkpoint layout (in_proj_qkvz, in_proj_ba),
+    # with a dense layer (mlp_only_layers) among the sparse ones.
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
     # Gemma 4: sliding (window 8) and global layers of their own head shape (32 x 1 KV head, k = v,
     # proportional RoPE), the last two layers sharing K/V, per-layer inputs, experts beside the
     # MLP, soft-capped logits.
@@ -154,8 +159,9 @@ def assert_plain_greedy_equals_generate(model, path: Path, lengths=(3, 19, 11), 
     ours = sorted(gen.generate(prompts), key=lambda r: r.index)
     for prompt, result in zip(prompts, ours):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            ids = torch.tensor([prompt])  # the mask says every token is real (generate would mask pad_token_id's)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         assert result.output_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
 
 
