@@ -1,14 +1,13 @@
 """Qwen3-Next (`qwen3_next`) targets: Qwen3.5-MoE's layers read from Qwen3-Next's checkpoint layout
 (fused `in_proj_qkvz` / `in_proj_ba` cut at load; MoE on the layers Qwen3-MoE's rule picks).
 
-- Logits equal transformers' for a prompt longer than one delta-rule chunk, prefilled whole and
-  in right-padded pieces.
 - Six tiny random configs (dense and sparse layers mixed, the published config.json's style with
   `full_attention_interval` and top-level RoPE fields, partial RoPE 0.5 and tied embeddings,
   no experts at all, one q/k head for four value heads, biases and whole-head RoPE): logits equal
-  transformers', plain greedy decoding equals transformers' `generate`, and DFlash with a random
-  drafter equals plain decoding, greedy on per-slot caches and seeded sampled on the page pool.
-  The first config everyday, the other five under `-m heavy`.
+  transformers' for a prompt longer than one delta-rule chunk, prefilled whole and in right-padded
+  pieces; plain greedy decoding equals transformers' `generate`, and DFlash with a random
+  drafter equals plain greedy decoding. The first config everyday, the other five under `-m heavy`.
+- DFlash sampled (seeded) on a page pool equals plain sampling (two configs, `-m heavy`).
 - `python -m infer` with a random drafter on a 2-device mesh (model=2) and the page pool, greedy
   and sampled, equals plain decoding on one device (`-m heavy`).
 - A bad config is a one-line error.
@@ -56,7 +55,7 @@ CONFIGS = {
                     rms_norm_eps=1e-5, shared_expert_intermediate_size=96), (0, 3), None),
 }
 VOCAB = 8
-PROMPT_LENGTHS = (3, 19, 11, 6, 23)
+PROMPT_LENGTHS = (3, 13, 11, 6, 16)
 SAMPLED = Sampling(temperature=1.0)
 
 
@@ -124,36 +123,27 @@ def outputs(results):
 # --------------------------------------------------------------------------- the model
 
 
-def test_a_prompt_longer_than_a_chunk_whole_and_in_padded_pieces_equals_transformers(tmp_path):
-    """150 tokens (three delta-rule chunks of 64, a ragged end), whole; then as two right-padded
-    pieces per row, rows of different lengths, whose padding must not touch the states."""
-    model = make_model("qwen3_next", seed=5)
-    config, params = load_target(save_model(model, tmp_path))
-    assert config.sparse_layers == (True, False, True, True) and config.moe.shared_expert_size == 48
-    ids = np.random.RandomState(2).randint(0, 160, (2, 150))
-    ref = torch_logits(model, ids)
-    out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 2, 160))
-    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
-    pieces = prefill_in_pieces(params, config, ids, [[70, 80], [60, 80]], width=80, cache_len=192)
-    for r, got in enumerate(pieces):  # causal: a prefix's logits are the whole prompt's first ones
-        np.testing.assert_allclose(got, ref[r, :len(got)], atol=1e-4, rtol=0, err_msg=f"row {r}")
-
-
 EVERYDAY = [next(iter(CONFIGS))] + [pytest.param(n, marks=pytest.mark.heavy) for n in list(CONFIGS)[1:]]
 
 
 @pytest.mark.parametrize("name", EVERYDAY)
 def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name, pair):
-    """Logits equal transformers'; plain greedy decoding equals `generate`; DFlash (block 4, a random
+    """Logits equal transformers' for 150 tokens (three delta-rule chunks of 64, a ragged end),
+    prefilled whole and as two right-padded pieces per row (rows of different lengths, whose padding
+    must not touch the states); plain greedy decoding equals `generate`; DFlash (block 4, a random
     drafter) on per-slot caches equals plain greedy decoding, and some of its cycles kept drafts (a
     verify's rollback kept a prefix)."""
     model, target_dir, drafter_dir = pair(name)
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     config, params = target
     assert config.model_type == "qwen3_next"
-    ids = np.random.RandomState(4).randint(0, VOCAB, (2, 40))
-    out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 2, 48))
-    np.testing.assert_allclose(np.asarray(out.logits), torch_logits(model, ids), atol=1e-4, rtol=0)
+    ids = np.random.RandomState(2).randint(0, VOCAB, (2, 150))
+    ref = torch_logits(model, ids)
+    out = forward(params, config, jnp.asarray(ids, jnp.int32), init_cache(config, 2, 160))
+    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
+    pieces = prefill_in_pieces(params, config, ids, [[70, 80], [60, 80]], width=80, cache_len=192)
+    for r, got in enumerate(pieces):  # causal: a prefix's logits are the whole prompt's first ones
+        np.testing.assert_allclose(got, ref[r, :len(got)], atol=1e-4, rtol=0, err_msg=f"row {r}")
     assert_plain_greedy_equals_generate(model, target_dir)
     spec = decode(target, drafter)
     assert outputs(spec) == outputs(decode(target))
@@ -161,7 +151,7 @@ def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["mixed", "one_kq_head"])
 def test_dflash_sampled_on_a_page_pool_equals_plain_sampling(name, pair):
     """Seeded sampling (temperature 1): DFlash on a pool of 8 pages for 2 slots gives plain
     decoding's tokens (each position's key is the row's and the position's, whatever was drafted)."""
@@ -211,3 +201,23 @@ def test_infer_cli_on_a_two_device_mesh_with_a_page_pool_equals_plain_decoding(p
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = {int(r["id"]): r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
         assert got == outputs(decode(target, sampling=sampling)), sampling
+
+
+def test_published_qwen3_coder_next_shape():
+    """`--shape qwen3-coder-next` (bench --aot / --cost): 48 layers, 36 gated delta-net (16 q/k heads,
+    32 value heads, x 128) and 12 gated attention (16 heads, 2 KV heads, x 256, a quarter rotating), every
+    layer 512 experts top-10 of width 512 plus a shared expert of 512; scaled, the pattern stays whole."""
+    from dflash_jax.shapes import published_configs
+
+    target, drafter = published_configs(1.0, shape="qwen3-coder-next")
+    assert (target.model_type, target.hidden_size, target.num_hidden_layers, target.num_attention_heads,
+            target.num_key_value_heads, target.head_dim, target.vocab_size) == ("qwen3_next", 2048, 48, 16, 2, 256,
+                                                                                151936)
+    assert target.num_linear_layers == 36 and target.linear_layers[:4] == (True, True, True, False)
+    lin, moe = target.linear_attention, target.moe
+    assert (lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim) == (16, 32, 128, 128)
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_size) == (512, 10, 512, 512)
+    assert all(target.sparse_layers) and target.rope.rotary_dim(256) == 64
+    assert drafter.model.num_hidden_layers == 5 and drafter.model.hidden_size == 2048
+    small, _ = published_configs(0.25, shape="qwen3-coder-next")
+    assert small.num_hidden_layers == 12 and small.linear_layers == (True, True, True, False) * 3
