@@ -213,7 +213,8 @@ def load_hf_params(
     expert, e.g. Qwen3-MoE), held until its last expert is read; and one stored in parts (MXFP4
     blocks and scales), built by the family's `combine` when its parts are read. An FP8
     checkpoint's float8 tensors are paired with their scales first and dequantized into the
-    model's dtype as they are read (`dflash_jax.fp8`).
+    model's dtype as they are read (`dflash_jax.fp8`). The other way
+    round, a tensor several parameters are cut from (`_place_pieces`) is read whole on the host.
     """
     hf_dir = Path(hf_dir)
     table = target_table(config.model_type) if table is None else table
@@ -251,6 +252,9 @@ def load_hf_params(
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
         path, row, expert = hit
+        if row.piece is not None:
+            _place_pieces(name, tensor, config, table, expected, filled, place)
+            continue
         if path not in expected and _past_last_layer(config, path):
             continue  # a multi-token-prediction layer (its family's `extra_layers`)
         if path not in expected:
@@ -306,6 +310,34 @@ def load_hf_params(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint in {hf_dir} is missing tensor {missing[0]!r}{more}")
     return _unflatten(filled)
+
+
+def _place_pieces(name, tensor, config: ModelConfig, table, expected, filled, place):
+    """An HF tensor several parameters are cut from (rows with a `piece`, e.g. Qwen3-Next's fused
+    `in_proj_qkvz`): read whole, transformed, cut by its family's `split`, each piece placed. The
+    pieces split the Flax layout's last axis, so the tensor's shape is checked against their sum."""
+    pieces = {}
+    for row in table:
+        m = row.regex.match(name) if row.piece is not None else None
+        if m:
+            pieces[row.piece] = (tuple(row.flax.format(**m.groupdict()).split("/")), row.transpose)
+    for path, _ in pieces.values():
+        if path not in expected:
+            raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
+        if path in filled:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+    first, transpose = next(iter(pieces.values()))
+    want = expected[first]
+    shape = tuple(want.shape[:-1]) + (sum(expected[p].shape[-1] for p, _ in pieces.values()),)
+    hf_shape = _swap_last_two(shape) if transpose else shape
+    if tuple(tensor.shape) != hf_shape:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
+    cut = FAMILIES[config.model_type].split(config, name, _read_transformed(tensor, transpose, want.dtype))
+    for piece, (path, _) in pieces.items():
+        if tuple(cut[piece].shape) != tuple(expected[path].shape):
+            raise CheckpointError(f"tensor {name!r} gives {piece} of shape {tuple(cut[piece].shape)}, "
+                                  f"expected {tuple(expected[path].shape)}")
+        place(path, cut[piece])
 
 
 def save_hf_params(params, path: str | Path, *, table, dtype=None):

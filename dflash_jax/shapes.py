@@ -1,7 +1,7 @@
 """Published models' shapes, for compiling or timing them without their weights: Qwen3-8B with
 the z-lab Qwen3-8B-DFlash-b16 drafter, the config.json fields of other published targets
-(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B, MiniMax-M2, DeepSeek-V3, Kimi-K2.5, GLM-5.1) with the
-drafter the z-lab recipe gives them,
+(Qwen3.5-27B, Gemma 4 31B, gpt-oss, Qwen3-30B-A3B, MiniMax-M2, Qwen3-Coder-Next, DeepSeek-V3, Kimi-K2.5,
+GLM-5.1) with the drafter the z-lab recipe gives them,
 and published DFlash2 pairs (`PUBLISHED_DFLASH2`: Qwen3.8-27B with its DFlash2 drafter).
 `published_configs(scale, dtype, shape)` scales them down for tests and small machines.
 (`python -m bench --aot / --published-shapes / --cost`, `python -m train --aot --shape`.)"""
@@ -51,6 +51,17 @@ PUBLISHED_MOE = {
         use_routing_bias=True, shared_intermediate_size=0, tie_word_embeddings=False, max_position_embeddings=196608,
         rope_theta=5e6, rms_norm_eps=1e-6, dtype="bfloat16"),
 }
+# Qwen3-Coder-Next (and Qwen3-Next-80B-A3B, the same shape): a hybrid MoE, 3 gated delta-net layers to 1
+# gated attention layer, every layer sparse (512 experts, top 10) with a shared expert; rope_theta and the
+# (unused: no dense layer) intermediate_size are Qwen3-Next-80B-A3B's config.json values.
+PUBLISHED_MOE["Qwen3-Coder-Next"] = dict(
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12, full_attention_interval=4, num_experts=512,
+    num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
+    max_position_embeddings=262144, rope_theta=1e7, partial_rotary_factor=0.25, dtype="bfloat16")
 PUBLISHED_MOE["gpt-oss-120b"] = dict(
     PUBLISHED_MOE["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128,
     layer_types=["sliding_attention", "full_attention"] * 18)

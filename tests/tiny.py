@@ -48,6 +48,11 @@ FAMILIES = {
     # ... and its MoE variant: every layer sparse, top-2 of 6 experts plus a gated shared expert.
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(
         LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    # Qwen3-Next: the same layers as Qwen3.5-MoE in a fused checkpoint layout (in_proj_qkvz, in_proj_ba),
+    # with a dense layer (mlp_only_layers) among the sparse ones.
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
     # Gemma 4: sliding (window 8) and global layers of their own head shape (32 x 1 KV head, k = v,
     # proportional RoPE), the last two layers sharing K/V, per-layer inputs, experts beside the
     # MLP, soft-capped logits.

@@ -15,9 +15,10 @@ table. Adding a family that reuses existing layers is a module here, not a new d
 | deepseek_v3 (Kimi-K2) | `deepseek_v3` | multi-head latent attention over a latent cache, sigmoid group-limited routing with a correction bias, shared experts, first layers dense |
 | glm_moe_dsa (GLM-5) | `glm_moe_dsa` | DeepSeek-V3's layers plus sparse attention: an indexer picks each query's top-k positions, its keys cached beside the latent |
 | minimax_m2 (MiniMax-M2, M2.1, M2.5) | `minimax_m2` | q/k norms over the whole projection (all heads at once), partial RoPE (`rotary_dim`), MoE on every layer with sigmoid routing and a correction bias |
+| qwen3_next | `qwen3_next` | Qwen3.5-MoE's layers; fused delta-net input projections cut at load (`split`), MoE placed as Qwen3-MoE's |
 """
 
 from dflash_jax.families.registry import FAMILIES, Family, family, register  # noqa: F401
 from dflash_jax.families.hf import model_config, model_config_from_json, read_config_json  # noqa: F401
 from dflash_jax.families import (  # noqa: E402,F401  (they register)
-    deepseek_v3, dense, gemma4, glm_moe_dsa, gpt_oss, minimax_m2, qwen3_5, qwen3_moe)
+    deepseek_v3, dense, gemma4, glm_moe_dsa, gpt_oss, minimax_m2, qwen3_5, qwen3_moe, qwen3_next)

@@ -20,19 +20,26 @@ def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
     return rows
 
 
-def parse(cfg: dict, layers: int) -> dict:
-    moe = moe_config(cfg, "qwen3_moe", experts=("num_experts", "num_local_experts"), router="softmax_topk",
-                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+def sparse_layers(cfg: dict, layers: int, model_type: str) -> tuple[bool, ...]:
+    """Per layer whether it has the sparse block: not in `mlp_only_layers`, and `(i + 1) %
+    decoder_sparse_step == 0` (Qwen3-MoE, Qwen3-Next)."""
     step = cfg.get("decoder_sparse_step", 1)
-    if not isinstance(step, int) or step <= 0:
-        raise ConfigError(f"config.json (qwen3_moe) field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise ConfigError(f"config.json ({model_type}) field 'decoder_sparse_step' must be a positive integer, "
+                          f"got {step!r}")
     dense = cfg.get("mlp_only_layers") or []
     bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < layers]
     if bad:
-        raise ConfigError(f"config.json (qwen3_moe) mlp_only_layers {bad} are not layers of a {layers}-layer model")
+        raise ConfigError(f"config.json ({model_type}) mlp_only_layers {bad} are not layers of a {layers}-layer model")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+
+def parse(cfg: dict, layers: int) -> dict:
+    moe = moe_config(cfg, "qwen3_moe", experts=("num_experts", "num_local_experts"), router="softmax_topk",
+                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json (qwen3_moe) hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
-    return dict(moe=moe, sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+    return dict(moe=moe, sparse_layers=sparse_layers(cfg, layers, "qwen3_moe"))
 
 
 register(Family("qwen3_moe", dict(qk_norm=True, qkv_bias="attention_bias", o_bias="attention_bias"),

@@ -22,6 +22,9 @@ class Family:
     combine: (parameter path, {part: tensor}, dtype) -> the parameter, for rows with a `part`
         (a parameter stored as several tensors, e.g. MXFP4 blocks and scales), or None
         while parts are still missing.
+    split: (ModelConfig, HF tensor name, the tensor in Flax layout) -> {piece: parameter}, for
+        rows with a `piece` (one tensor several parameters are cut from along their last axis, e.g.
+        Qwen3-Next's fused `in_proj_qkvz`).
     quantizations: the `quantization_config.quant_method`s whose tensors it can read besides
         `fp8` (block-scaled float8 Linear weights, `dflash_jax.fp8`), which every family reads.
     ignore: regexes of checkpoint tensors that are not the text decoder's (a vision tower,
@@ -36,6 +39,7 @@ class Family:
     table: tuple[Row, ...]
     parse: Callable[[dict, int], dict] | None = None
     combine: Callable[[tuple[str, ...], dict, Any], Any] | None = None
+    split: Callable[[Any, str, Any], dict] | None = None
     quantizations: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     text_config: bool = False

@@ -19,6 +19,7 @@ class Row:
     flax: str  # "/"-joined Flax path, same `{i}`
     transpose: bool = False  # HF Linear [out, in] <-> Flax kernel [in, out] (the last two axes)
     part: str | None = None  # one of several tensors a parameter is built from (e.g. "blocks")
+    piece: str | None = None  # one of several parameters an HF tensor is cut into (e.g. "qkv")
 
     @property
     def stacked(self) -> bool:
