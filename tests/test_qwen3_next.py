@@ -6,7 +6,7 @@
   no experts at all, one q/k head for four value heads, biases and whole-head RoPE): logits equal
   transformers' for a prompt longer than one delta-rule chunk, prefilled whole and in right-padded
   pieces; plain greedy decoding equals transformers' `generate`, and DFlash with a random
-  drafter equals plain greedy decoding. The first config everyday, the other five under `-m heavy`.
+  drafter equals plain greedy decoding (`-m heavy`; everyday: the first config's logits).
 - DFlash sampled (seeded) on a page pool equals plain sampling (two configs, `-m heavy`).
 - `python -m infer` with a random drafter on a 2-device mesh (model=2) and the page pool, greedy
   and sampled, equals plain decoding on one device (`-m heavy`).
@@ -123,10 +123,15 @@ def outputs(results):
 # --------------------------------------------------------------------------- the model
 
 
-EVERYDAY = [next(iter(CONFIGS))] + [pytest.param(n, marks=pytest.mark.heavy) for n in list(CONFIGS)[1:]]
+def test_the_first_config_equals_transformers_logits(pair):
+    """The everyday sibling of the next test: its logits checks, on the first config."""
+    name = next(iter(CONFIGS))
+    model, target_dir, _ = pair(name)
+    check_logits(model, load_target(target_dir))
 
 
-@pytest.mark.parametrize("name", EVERYDAY)
+@pytest.mark.heavy  # the engines compile for most of a minute per config
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name, pair):
     """Logits equal transformers' for 150 tokens (three delta-rule chunks of 64, a ragged end),
     prefilled whole and as two right-padded pieces per row (rows of different lengths, whose padding
@@ -135,6 +140,14 @@ def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name
     verify's rollback kept a prefix)."""
     model, target_dir, drafter_dir = pair(name)
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    check_logits(model, target)
+    assert_plain_greedy_equals_generate(model, target_dir)
+    spec = decode(target, drafter)
+    assert outputs(spec) == outputs(decode(target))
+    assert max(a for _, acc in spec.values() for a in acc) > 1
+
+
+def check_logits(model, target):
     config, params = target
     assert config.model_type == "qwen3_next"
     ids = np.random.RandomState(2).randint(0, VOCAB, (2, 150))
@@ -144,10 +157,6 @@ def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name
     pieces = prefill_in_pieces(params, config, ids, [[70, 80], [60, 80]], width=80, cache_len=192)
     for r, got in enumerate(pieces):  # causal: a prefix's logits are the whole prompt's first ones
         np.testing.assert_allclose(got, ref[r, :len(got)], atol=1e-4, rtol=0, err_msg=f"row {r}")
-    assert_plain_greedy_equals_generate(model, target_dir)
-    spec = decode(target, drafter)
-    assert outputs(spec) == outputs(decode(target))
-    assert max(a for _, acc in spec.values() for a in acc) > 1
 
 
 @pytest.mark.heavy
