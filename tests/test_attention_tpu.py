@@ -305,6 +305,20 @@ for kw in (dict(), dict(window=5, sinks=jnp.asarray(sinks)), dict(chunk=tuple(jn
                                   meta(jnp.asarray(q_pos), jnp.asarray(q_pos + 1))))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print("ok", sorted(kw))
+# A latent cache (MLA: no head axis, one K/V head): the latent whole on each device, the 8 query heads split
+latent = rs.randn(2, n, length, d).astype(np.float32)
+q1 = rs.randn(n, t, 1, 8, d).astype(np.float32)
+lat_meta = lambda pos, lim: AttentionMetadata(q_pos=pos, kv_limit=lim, page_size=8, value_dim=48)
+@jax.jit
+def run_latent(q1, pos, lat, lim):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), override("pallas"):
+        return selection.run(q1, LayerKV(lat, None, 1), lat_meta(pos, lim), "tpu")
+got = np.asarray(run_latent(put(q1, P("data")), put(q_pos, P("data")), put(latent, P(None, "data")),
+                            put(q_pos + 1, P("data"))))
+want = np.asarray(walk.attend(jnp.asarray(q1), LayerKV(jnp.asarray(latent), None, 1),
+                              lat_meta(jnp.asarray(q_pos), jnp.asarray(q_pos + 1))))
+np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+print("ok latent")
 """
 
 
@@ -312,14 +326,15 @@ for kw in (dict(), dict(window=5, sinks=jnp.asarray(sinks)), dict(chunk=tuple(jn
 def test_on_a_mesh_the_kernel_runs_per_device():
     """On 8 CPU devices (data=2, model=4), traced under the mesh as the engine traces: the kernel
     in a shard_map (heads over model, rows over data) equals the walk on one device, for the
-    target's verify, a window with sinks, the drafter's block, and admission rows (the walk)."""
+    target's verify, a window with sinks, the drafter's block, and admission rows (the walk); and
+    over a latent cache, its query heads split over model."""
     import subprocess
     import sys
 
     env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MESH_CHECK], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert p.stdout.count("ok") == 4, p.stdout
+    assert p.stdout.count("ok") == 5, p.stdout
 
 
 @pytest.mark.parametrize("kind", ["verify", "tree"])
@@ -331,7 +346,7 @@ def test_a_latent_cache_kernel_equals_the_walk_and_dense_attention(small_blocks,
     n, t, groups, d, dv, length = 3, 5, 8, 40, 32, 8 * PAGE
     offsets = np.array([0, 37, 21])
     q_pos = offsets[:, None] + np.arange(t)[None, :]
-    k = jnp.asarray(rs.randn(LAYERS, n, length, 1, d), jnp.float32)
+    k = jnp.asarray(rs.randn(LAYERS, n, length, d), jnp.float32)  # the latent cache's layout: no head axis
     q = jnp.asarray(rs.randn(n, t, 1, groups, d), jnp.float32)
     kw, kv_limit = dict(value_dim=dv, scale=0.2), q_pos + 1
     if kind == "tree":
@@ -343,7 +358,7 @@ def test_a_latent_cache_kernel_equals_the_walk_and_dense_attention(small_blocks,
     walked, kernel = both(q, jnp.asarray(q_pos), k, None, 1, jnp.asarray(kv_limit), **kw)
     assert kernel.shape == (n, t, groups * dv) and np.isfinite(kernel).all()
     np.testing.assert_allclose(kernel, walked, atol=2e-5, rtol=1e-5)
-    keys, visible = np.asarray(k[1]), np.arange(length)[None, None, :] < np.asarray(kv_limit)[:, :, None]
+    keys, visible = np.asarray(k[1])[:, :, None], np.arange(length)[None, None, :] < np.asarray(kv_limit)[:, :, None]
     if kind == "tree":
         keys, visible = np.concatenate([keys, np.asarray(ck)], 1), np.concatenate([visible, mask], -1)
     want = dense_reference(np.asarray(q) * 0.2 * np.sqrt(d), keys, keys[..., :dv], visible)

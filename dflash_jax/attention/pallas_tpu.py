@@ -154,7 +154,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
     row_heads = P(data, None, heads, None)
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
                                                sinks=P(heads, query_heads), rows=P(), pages=P()).items() if k in extra}
-    cache_spec = P(None, data, None, heads, None)
+    cache_spec = P(None, data, None, heads, None) if k_buf.ndim == 5 else P(None, data, None, None)  # a latent: no head axis
     buffers = (k_buf,) if v_buf is None else (k_buf, v_buf)
 
     def local(q, q_pos, buffers, kv_limit, extra):
