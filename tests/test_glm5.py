@@ -7,6 +7,8 @@ transformers, on tiny random checkpoints (the checks of tests/test_mla.py, for t
   in right-padded prefill pieces; plain greedy decoding equals `generate`; DFlash with a random
   drafter on a page pool equals plain decoding, greedy and seeded sampled. (Everyday: the first
   config's logits; the rest `-m heavy`.)
+- `python -m infer` equals transformers, and on a 2-device mesh with a page pool equals one device,
+  greedy and sampled (`-m heavy`).
 - Sparse attention matters: the same weights attending densely give other logits; the cache holds
   the indexer's keys beside the latent; a draft tree is refused.
 """
@@ -23,7 +25,8 @@ from dflash_jax import forward, init_cache, load_target
 from dflash_jax.engine.tree import check_tree
 from dflash_jax.errors import ConfigError, InputError
 from dflash_jax.families import model_config
-from test_mla import VOCAB, build, case_params, check_against_transformers, check_decoding, tiny_config
+from test_mla import (VOCAB, build, case_params, check_against_transformers, check_cli_on_two_devices,
+                      check_decoding, tiny_config)
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
@@ -86,3 +89,8 @@ def test_bad_glm5_config_is_a_one_line_error(change, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         model_config(cfg)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.heavy  # four `python -m infer` runs
+def test_infer_cli_equals_transformers_and_on_two_devices_equals_one(tmp_path):
+    check_cli_on_two_devices(*build("glm_moe_dsa", tmp_path, CASES), tmp_path)

@@ -10,8 +10,9 @@ against transformers, on tiny random checkpoints.
 - The cache holds one latent per position and layer (kv_lora_rank + qk_rope_head_dim values, no
   value buffer), and the decode step's HLO holds no per-head key or value of a cached position: it
   attends over the latent (a positive control shows the check sees the expanded form).
-- On a 2-device mesh (query heads split over `model`, the latent whole on each device) the pair
-  decodes as on one device (`-m heavy`: a subprocess).
+- `python -m infer`: plain greedy equals transformers' `generate`; the pair on a 2-device mesh (query
+  heads split over `model`, the latent whole on each device) with a page pool decodes the same tokens,
+  greedy, and sampled as plain sampling on one device (`-m heavy`: subprocesses).
 - Bad configs are one-line errors; the MTP layer of a real checkpoint is skipped.
 """
 
@@ -214,42 +215,44 @@ def test_the_multi_token_prediction_layer_is_skipped(tmp_path):
     assert config.num_hidden_layers == 2 and "layers_2" not in params["model"]
 
 
-# --------------------------------------------------------------------------- a 2-device mesh
+# --------------------------------------------------------------------------- python -m infer, 2 devices
 
 
-@pytest.mark.heavy
-def test_on_a_2_device_mesh_the_pair_decodes_as_on_one(tmp_path):
-    build("deepseek_v3", tmp_path)
+def infer_cli(target: Path, out: Path, rows: Path, *extra, devices: int = 1) -> list[list[int]]:
+    """`python -m infer` on `devices` CPU devices: each row's output ids, in input order."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env,
-                          cwd=HERE.parent)
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    cmd = [sys.executable, "-m", "infer", "--target", str(target), "--input", str(rows), "--output", str(out),
+           "--max-new-tokens", "12", "--max-prompt-len", "24", "--batch-size", "2", "--ignore-eos", "--quiet", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["devices"] == 2
-    for mesh in ("model=2", "data=2"):
-        assert out[mesh] == out["single"], mesh
-    assert out["model=2 pool"] == out["single"]
-    assert out["q_b_spec"] == [None, "model"]
+    got = {r["id"]: r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    return [got[str(i)] for i in range(len(got))]
 
 
-def mesh_worker(root: Path) -> dict:
-    from dflash_jax.sharding import make_mesh, shard_params
+def check_cli_on_two_devices(model, target: Path, drafter: Path, tmp_path: Path):
+    """`python -m infer`: plain greedy decoding equals transformers' `generate`; with the drafter on a
+    2-device mesh (query heads and experts split over `model`, the latent whole on each) and a page
+    pool, greedy equals it too, and sampled equals plain sampling on one device at the same seed."""
+    config, _ = load_target(target)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": str(i), "input_ids": p}) + "\n" for i, p in enumerate(prompts(config))))
+    want = []
+    for prompt in prompts(config):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        want.append(ref[0, len(prompt):].tolist())
+    assert infer_cli(target, tmp_path / "plain.jsonl", rows) == want
+    mesh = ("--drafter", str(drafter), "--mesh", "model=2", "--kv-pages", "12")
+    assert infer_cli(target, tmp_path / "mesh.jsonl", rows, *mesh, devices=2) == want
+    sampled = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "5")
+    plain = infer_cli(target, tmp_path / "plain-sampled.jsonl", rows, *sampled)
+    assert plain != want  # it sampled
+    assert infer_cli(target, tmp_path / "mesh-sampled.jsonl", rows, *mesh, *sampled, devices=2) == plain
 
-    config, params = load_target(root / "target")
-    dconfig, dparams = load_drafter(root / "drafter")
-    out = {"devices": jax.device_count()}
-    for spec, pages in ((None, None), ("model=2", None), ("data=2", None), ("model=2", 6)):
-        mesh = make_mesh(spec) if spec else None
-        gen = BatchEngine(config, shard_params(params, mesh), dconfig, shard_params(dparams, mesh), batch_size=2,
-                          max_new_tokens=12, max_prompt_len=24, page_size=16, kv_pages=pages, mesh=mesh)
-        res = sorted(gen.generate(prompts(config)), key=lambda r: r.index)
-        key = (spec or "single") + (" pool" if pages else "")
-        out[key] = [[r.output_ids for r in res], [r.acceptance_lengths for r in res]]
-        if spec == "model=2" and not pages:
-            out["q_b_spec"] = list(gen.tparams["model"]["layers_0"]["self_attn"]["q_b_proj"]["kernel"].sharding.spec)
-    return out
 
-
-if __name__ == "__main__":
-    print(json.dumps(mesh_worker(Path(sys.argv[1]))))
+@pytest.mark.heavy  # four `python -m infer` runs
+def test_infer_cli_equals_transformers_and_on_two_devices_equals_one(tmp_path):
+    check_cli_on_two_devices(*build("deepseek_v3", tmp_path), tmp_path)
