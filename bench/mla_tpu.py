@@ -65,7 +65,7 @@ def expanded(params, config, x, cos, sin, cache, positions):
     b, t, _ = x.shape
     q = (x @ params["q_a_proj"]["kernel"]) @ params["q_b_proj"]["kernel"]
     q = q.reshape(b, t, h, m.qk_head_dim)
-    latent = cache.k[0]  # [batch, S, latent]
+    latent = jnp.concatenate([cache.k[0], cache.v[0]], axis=-1)  # [batch, S, latent]
     kv = jnp.einsum("bsl,xl->bsx", latent[..., :m.kv_lora_rank], params["kv_b_proj"]["kernel"])
     kv = kv.reshape(*kv.shape[:2], h, m.qk_nope_head_dim + m.v_head_dim)
     s = (jnp.einsum("bthn,bshn->bhts", q[..., :m.qk_nope_head_dim], kv[..., :m.qk_nope_head_dim])

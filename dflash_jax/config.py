@@ -274,8 +274,7 @@ class ModelConfig:
 
     def cache_shape(self, global_group: bool = False) -> tuple[int, int]:
         """(KV heads, head_dim) of a K/V group's cache entries: with MLA one latent "head" of
-        `latent_dim` (the values are its first kv_lora_rank dimensions: the cache has no value buffer;
-        it stores no head axis either, `dflash_jax.kv.KVCache`)."""
+        `latent_dim`, stored in two parts without a head axis (`dflash_jax.kv.KVCache`)."""
         if self.mla is not None:
             return 1, self.mla.latent_dim
         if global_group:

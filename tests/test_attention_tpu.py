@@ -305,17 +305,17 @@ for kw in (dict(), dict(window=5, sinks=jnp.asarray(sinks)), dict(chunk=tuple(jn
                                   meta(jnp.asarray(q_pos), jnp.asarray(q_pos + 1))))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print("ok", sorted(kw))
-# A latent cache (MLA: no head axis, one K/V head): the latent whole on each device, the 8 query heads split
-latent = rs.randn(2, n, length, d).astype(np.float32)
+# A latent cache (MLA: two parts, no head axis, one K/V head): whole on each device, the 8 query heads split
+lat_k, lat_v = rs.randn(2, n, length, 48).astype(np.float32), rs.randn(2, n, length, 16).astype(np.float32)
 q1 = rs.randn(n, t, 1, 8, d).astype(np.float32)
-lat_meta = lambda pos, lim: AttentionMetadata(q_pos=pos, kv_limit=lim, page_size=8, value_dim=48)
+lat_meta = lambda pos, lim: AttentionMetadata(q_pos=pos, kv_limit=lim, page_size=8, latent=True)
 @jax.jit
-def run_latent(q1, pos, lat, lim):
+def run_latent(q1, pos, lk, lv, lim):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), override("pallas"):
-        return selection.run(q1, LayerKV(lat, None, 1), lat_meta(pos, lim), "tpu")
-got = np.asarray(run_latent(put(q1, P("data")), put(q_pos, P("data")), put(latent, P(None, "data")),
-                            put(q_pos + 1, P("data"))))
-want = np.asarray(walk.attend(jnp.asarray(q1), LayerKV(jnp.asarray(latent), None, 1),
+        return selection.run(q1, LayerKV(lk, lv, 1), lat_meta(pos, lim), "tpu")
+got = np.asarray(run_latent(put(q1, P("data")), put(q_pos, P("data")), put(lat_k, P(None, "data")),
+                            put(lat_v, P(None, "data")), put(q_pos + 1, P("data"))))
+want = np.asarray(walk.attend(jnp.asarray(q1), LayerKV(jnp.asarray(lat_k), jnp.asarray(lat_v), 1),
                               lat_meta(jnp.asarray(q_pos), jnp.asarray(q_pos + 1))))
 np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 print("ok latent")
@@ -339,26 +339,28 @@ def test_on_a_mesh_the_kernel_runs_per_device():
 
 @pytest.mark.parametrize("kind", ["verify", "tree"])
 def test_a_latent_cache_kernel_equals_the_walk_and_dense_attention(small_blocks, kind):
-    """A latent cache (MLA): one K/V head of 40 dimensions whose values are its first 32, no value
-    buffer; 8 query heads. The kernel and the walk read the values out of the keys, and both equal
-    dense attention over those keys and values (with a tree's block keys for "tree")."""
+    """A latent cache (MLA): one K/V head whose keys are 40 dimensions stored as two parts without a
+    head axis, 32 in k (the values too) and 8 in v; 8 query heads. The kernel and the walk read the
+    values out of the keys, and both equal dense attention over the joined keys and their first 32
+    dimensions (with a tree's block keys for "tree")."""
     rs = np.random.RandomState(len(kind))
     n, t, groups, d, dv, length = 3, 5, 8, 40, 32, 8 * PAGE
     offsets = np.array([0, 37, 21])
     q_pos = offsets[:, None] + np.arange(t)[None, :]
-    k = jnp.asarray(rs.randn(LAYERS, n, length, d), jnp.float32)  # the latent cache's layout: no head axis
+    latent = rs.randn(LAYERS, n, length, d).astype(np.float32)
+    k, v = jnp.asarray(latent[..., :dv]), jnp.asarray(latent[..., dv:])
     q = jnp.asarray(rs.randn(n, t, 1, groups, d), jnp.float32)
-    kw, kv_limit = dict(value_dim=dv, scale=0.2), q_pos + 1
+    kw, kv_limit = dict(latent=True, scale=0.2), q_pos + 1
     if kind == "tree":
         kv_limit = np.broadcast_to(offsets[:, None], (n, t))
         mask = rs.rand(n, t, t) < 0.5
         mask[:, :, 0] = True
         ck = jnp.asarray(rs.randn(n, t, 1, d), jnp.float32)
-        kw["chunk"] = (ck, ck[..., :dv], jnp.asarray(mask))
-    walked, kernel = both(q, jnp.asarray(q_pos), k, None, 1, jnp.asarray(kv_limit), **kw)
+        kw["chunk"] = (ck, ck[..., :dv], jnp.asarray(mask))  # as `attend` sets a latent's block keys
+    walked, kernel = both(q, jnp.asarray(q_pos), k, v, 1, jnp.asarray(kv_limit), **kw)
     assert kernel.shape == (n, t, groups * dv) and np.isfinite(kernel).all()
     np.testing.assert_allclose(kernel, walked, atol=2e-5, rtol=1e-5)
-    keys, visible = np.asarray(k[1])[:, :, None], np.arange(length)[None, None, :] < np.asarray(kv_limit)[:, :, None]
+    keys, visible = latent[1][:, :, None], np.arange(length)[None, None, :] < np.asarray(kv_limit)[:, :, None]
     if kind == "tree":
         keys, visible = np.concatenate([keys, np.asarray(ck)], 1), np.concatenate([visible, mask], -1)
     want = dense_reference(np.asarray(q) * 0.2 * np.sqrt(d), keys, keys[..., :dv], visible)

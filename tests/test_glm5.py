@@ -60,7 +60,7 @@ def test_sparse_attention_selects_and_its_keys_are_cached(tmp_path):
     _, path, _ = build("glm_moe_dsa", tmp_path, CASES)
     config, params = load_target(path)
     cache = init_cache(config, 2, 48, page_size=16)
-    assert cache.index_k.shape == (4, 2, 48, 16) and cache.k.shape == (4, 2, 48, 40) and cache.v is None
+    assert cache.index_k.shape == (4, 2, 48, 16) and cache.k.shape == (4, 2, 48, 32) and cache.v.shape == (4, 2, 48, 8)
     ids = jnp.asarray(np.random.RandomState(2).randint(0, VOCAB, (2, 40)), jnp.int32)
     sparse = np.asarray(forward(params, config, ids, cache).logits)
     import dataclasses

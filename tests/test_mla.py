@@ -174,7 +174,7 @@ def test_the_cache_holds_the_latent_and_decode_attends_over_it():
 
     params = init_params(config)
     cache = init_cache(config, 2, 80, page_size=16)
-    assert cache.k.shape == (3, 2, 80, 38) and cache.v is None  # kv_lora_rank + rope values per position
+    assert cache.k.shape == (3, 2, 80, 28) and cache.v.shape == (3, 2, 80, 10)  # kv_lora_rank + rope a position
     step = jax.jit(lambda p, t, c: forward(p, config, t, c).logits)
     hlo = step.lower(params, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
     assert not per_head_cached(hlo, config, (16, 80)), per_head_cached(hlo, config, (16, 80))[:5]

@@ -21,23 +21,23 @@ def attend(q, k_new, v_new, cache: LayerKV, meta: AttentionMetadata) -> tuple:
     "block" metadata attends them as the block's keys through `meta.block_mask`, uncached; "tree"
     metadata writes them from the root's position and attends them as the block's keys (a layer
     sharing another's K/V reads the block back from the cache).
-    With a latent cache (`meta.value_dim`) v_new is None: the values are the keys' first value_dim
-    dimensions, and the output has value_dim per head.
+    With a latent cache (`meta.latent`) k_new and v_new are a latent's two parts: the keys are
+    [k_new ; v_new], the values k_new, and the output has k_new's width per head.
     out: [n, T, kv_heads * groups * head_dim] float32; cache: with the new K/V written.
     """
     if meta.mask in ("causal", "tree"):
         if k_new is not None:
             offsets = meta.q_pos[:, 0] if meta.mask == "causal" else meta.block_start
             write = lambda buf, new: write_kv(buf, cache.layer, new, offsets, meta.rows, meta.pages, meta.ring)  # noqa: E731
-            cache = cache.replace(k=write(cache.k, k_new), v=None if cache.v is None else write(cache.v, v_new))
+            cache = cache.replace(k=write(cache.k, k_new), v=write(cache.v, v_new))
         if meta.mask == "tree":
             if k_new is None:
                 positions = meta.block_start[:, None] + jnp.arange(q.shape[1])[None, :]
-                k_new, v_new = (None if buf is None else read_kv(buf, cache.layer, positions, meta.rows, meta.pages,
-                                                                 meta.ring) for buf in (cache.k, cache.v))
+                k_new, v_new = (read_kv(buf, cache.layer, positions, meta.rows, meta.pages, meta.ring)
+                                for buf in (cache.k, cache.v))
             meta = meta.replace(block_k=k_new, block_v=v_new)
     else:
         meta = meta.replace(block_k=k_new, block_v=v_new)
-    if meta.value_dim is not None and meta.block_k is not None:
-        meta = meta.replace(block_v=meta.block_k[..., :meta.value_dim])
+    if meta.latent and meta.block_k is not None:
+        meta = meta.replace(block_k=jnp.concatenate([meta.block_k, meta.block_v], axis=-1), block_v=meta.block_k)
     return run(q, cache, meta, target_platform()), cache

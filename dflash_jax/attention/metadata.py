@@ -19,10 +19,10 @@ Mask kinds (`AttentionMetadata.mask`):
 A new kind adds a value here, a branch in `dispatch.attend`, and the rules in `select` that say
 which implementations serve it.
 
-The cache kind is orthogonal to the mask: `value_dim` set means a latent cache (multi-head latent
-attention, `dflash_jax.model.mla`): one K/V "head" whose key is the latent and whose value is the
-key's first `value_dim` dimensions, so the cache keeps no value buffer (`LayerKV.v` is None) and
-every implementation reads the values out of the keys it loads.
+The cache kind is orthogonal to the mask: `latent` means a latent cache (multi-head latent attention,
+`dflash_jax.model.mla`): one K/V "head" whose key is a position's latent [k ; v] (the buffers hold its
+two parts: `kv_lora_rank` values in k, the rotated `qk_rope_head_dim` in v; no head axis) and whose
+value is k, so every implementation reads the values out of the keys it loads.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class AttentionMetadata:
     page_size:  (static) the cache's page, the unit the walk reads.
     scale:      (static) the scores' scale (default head_dim ** -0.5; Gemma 4: 1).
     mask:       (static) "causal", "block" or "tree" (see the module's docstring).
-    value_dim:  (static) a latent cache: the values are the keys' first value_dim dimensions (no
-                value buffer); None: keys and values in their own buffers.
+    latent:     (static) a latent cache: the keys are [k ; v] (the buffers' two parts of each latent),
+                the values k; the new keys/values and the block's likewise. False: keys in k, values in v.
     selected:   optional [n, T, max_len] bool, the cached positions each query may see besides the
                 limits above (DeepSeek sparse attention: its indexer's top-k, `dflash_jax.model.mla`).
     """
@@ -76,7 +76,7 @@ class AttentionMetadata:
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
     scale: float | None = struct.field(pytree_node=False, default=None)
     mask: str = struct.field(pytree_node=False, default="causal")
-    value_dim: int | None = struct.field(pytree_node=False, default=None)
+    latent: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         assert self.mask in MASKS, self.mask
@@ -124,9 +124,9 @@ class AttentionMetadata:
 @struct.dataclass
 class LayerKV:
     """One layer of a cache's K/V: k, v [layers, batch or pages, positions, kv_heads, head_dim]
-    (the whole buffers, so a write updates them in place) and the layer to read and write. v is
-    None for a latent cache (`AttentionMetadata.value_dim`)."""
+    (the whole buffers, so a write updates them in place) and the layer to read and write. A latent
+    cache's are [layers, batch or pages, positions, dim] (`AttentionMetadata.latent`)."""
 
     k: jax.Array
-    v: jax.Array | None
+    v: jax.Array
     layer: int = struct.field(pytree_node=False, default=0)

@@ -61,21 +61,24 @@ def _block_len(max_len: int, page: int, position_bytes: int) -> int:
     return page
 
 
-def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float, value_dim=None):
+def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float, latent: bool = False):
     """One online-softmax step per K/V head over a [keys, kv_heads, d] block: the walk's
     `softmax.online_update`, with masked scores at -inf and the running max from the finite NEG.
-    value_dim (a latent cache, v_ref None): the values are the keys' first value_dim dimensions."""
+    latent (one head; k_ref [keys, dk], v_ref [keys, dr]): the keys are [k ; v], the values k."""
+    dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # noqa: E731
     for h in range(kv_heads):
         q = q_ref[h]  # [rows, d]
-        k = (k_ref[...] if len(k_ref.shape) == 2 else k_ref[:, h, :]).astype(q.dtype)  # [keys, d]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if latent:  # the scores in two dots over the latent's two parts: no joined copy of the block
+            dk = k_ref.shape[-1]
+            s = (dot(q[:, :dk], k_ref[...].astype(q.dtype)) + dot(q[:, dk:], v_ref[...].astype(q.dtype))) * scale
+        else:
+            s = dot(q, k_ref[:, h, :].astype(q.dtype)) * scale
         s = jnp.where(mask, s, -jnp.inf)
         m_prev = m_scr[h]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        v = (k_ref[:, :value_dim] if len(k_ref.shape) == 2 else k_ref[:, h, :value_dim]) if v_ref is None else \
-            v_ref[:, h, :]
+        v = k_ref[...] if latent else v_ref[:, h, :]
         m_scr[h] = m_new
         l_scr[h] = l_scr[h] * alpha + p.sum(axis=-1, keepdims=True)
         acc_scr[h] = acc_scr[h] * alpha + jax.lax.dot_general(
@@ -83,16 +86,13 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
 
 
 def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads: int, window: int | None,
-            scale: float, has_sinks: bool, has_chunk: bool, paged: bool, value_dim: int | None = None):
+            scale: float, has_sinks: bool, has_chunk: bool, paged: bool, latent: bool = False):
     del rows_ref  # used by the index maps only (as is a pool's page table)
     refs = list(refs[1:] if paged else refs)
     q_ref, pos_ref, lim_ref = refs[:3]
     sink_ref = refs.pop(3) if has_sinks else None
     ck_ref, cv_ref, cmask_ref = (refs.pop(3), refs.pop(3), refs.pop(3)) if has_chunk else (None, None, None)
-    if value_dim is None:
-        k_ref, v_ref, out_ref, m_scr, l_scr, acc_scr = refs[3:]
-    else:  # a latent cache: one buffer, the values inside the keys
-        (k_ref, out_ref, m_scr, l_scr, acc_scr), v_ref = refs[3:], None
+    k_ref, v_ref, out_ref, m_scr, l_scr, acc_scr = refs[3:]
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile = b * n_tiles + t
     blk = lo_ref[tile] + j
@@ -115,7 +115,7 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
         mask = key_pos < lim_ref[...]  # [rows, block]
         if window is not None:
             mask &= key_pos > pos_ref[...] - window
-        _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads, scale, value_dim)
+        _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads, scale, latent)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _store():
@@ -135,7 +135,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
     layer, k_buf, v_buf = cache.layer, cache.k, cache.v
     chunk = (meta.block_k, meta.block_v, meta.block_mask) if meta.has_block else None
     kw = dict(window=meta.window, page_size=meta.page_size, scale=meta.scale, ring=meta.ring, interpret=interpret,
-              expected_live=expected_live, value_dim=meta.value_dim)
+              expected_live=expected_live, latent=meta.latent)
     extra = {k: v for k, v in dict(chunk=chunk, sinks=meta.sinks, rows=meta.rows, pages=meta.pages).items()
              if v is not None}
     mesh = jax.sharding.get_abstract_mesh()
@@ -154,17 +154,15 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
     row_heads = P(data, None, heads, None)
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
                                                sinks=P(heads, query_heads), rows=P(), pages=P()).items() if k in extra}
-    cache_spec = P(None, data, None, heads, None) if k_buf.ndim == 5 else P(None, data, None, None)  # a latent: no head axis
-    buffers = (k_buf,) if v_buf is None else (k_buf, v_buf)
+    cache_spec = P(None, data, None, None) if meta.latent else P(None, data, None, heads, None)  # a latent: no heads
 
-    def local(q, q_pos, buffers, kv_limit, extra):
-        k_buf, v_buf = buffers if len(buffers) == 2 else (buffers[0], None)
+    def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
         return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, **extra, **kw)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, query_heads, None), P(data, None),
-                                                     (cache_spec,) * len(buffers), P(data, None), extra_specs),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(data, None, heads, query_heads, None), P(data, None), cache_spec,
+                                                     cache_spec, P(data, None), extra_specs),
                          out_specs=P(data, None, heads or query_heads), check_vma=False)(
-        q, meta.q_pos, buffers, meta.kv_limit, extra)
+        q, meta.q_pos, k_buf, v_buf, meta.kv_limit, extra)
 
 
 def _geometry(q, k_buf, page_size, pages):
@@ -209,7 +207,8 @@ def _block_bounds(q_pos, kv_limit, n_tiles, tq, block, max_len, window, ring):
 
 def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_itemsize, dv=None):
     """The kernel's declared cost: each query tile reads the K/V blocks of `keys` positions once;
-    scores and values for its own rows. dv: a latent cache's value width (one buffer read)."""
+    scores and values for its own rows. dv: a latent cache's value width (its keys, d wide, read once:
+    the values are their first part)."""
     rows_total = n * t_pad * kv_heads * groups
     buffers, dv = (2, d) if dv is None else (1, dv)
     return pl.CostEstimate(
@@ -220,10 +219,10 @@ def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_ite
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None, page_size, sinks=None,
-            scale=None, pages=None, ring=False, interpret=None, expected_live=None, value_dim=None):
-    """The kernel on one device's arrays (value_dim: a latent cache, v_buf None)."""
+            scale=None, pages=None, ring=False, interpret=None, expected_live=None, latent=False):
+    """The kernel on one device's arrays (latent: a latent cache's two parts in k_buf and v_buf)."""
     n, t, kv_heads, groups, d = q.shape
-    dv = d if value_dim is None else value_dim
+    dv = k_buf.shape[-1] if latent else d
     batch, max_len, block, table = _geometry(q, k_buf, page_size, pages)
     n_blocks = ring_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
@@ -253,7 +252,7 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         tile = b * n_tiles + t_
         last = jnp.maximum(hi_ref[tile] - 1, lo_ref[tile])
         blk = jnp.minimum(lo_ref[tile] + j, last)
-        tail = (0,) * (2 if v_buf is not None else 1)  # (head, dim) blocks, or a latent's (dim)
+        tail = (0,) * (1 if latent else 2)  # (head, dim) blocks, or a latent part's (dim)
         if table_ref:
             return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, *tail)
         return (layer, rows_ref[b], blk % ring_blocks if ring else blk, *tail)
@@ -273,14 +272,11 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         in_specs += [pl.BlockSpec((None, n_chunk, kv_heads, d), lambda b, t_, j, *_: (b, 0, 0, 0))] * 2
         in_specs.append(pl.BlockSpec((None, rows_per_tile, n_chunk), lambda b, t_, j, *_: (b, t_, 0)))
         in_specs[-2] = pl.BlockSpec((None, n_chunk, kv_heads, dv), lambda b, t_, j, *_: (b, 0, 0, 0))
-        inputs += [ck.astype(q.dtype), cv.astype(k_buf.dtype if v_buf is None else v_buf.dtype),
-                   jnp.repeat(cmask, groups, axis=1)]
-    if v_buf is None:  # a latent cache (one K/V head): its blocks as [positions, d], the unit head axis
-        # squeezed out (a bitcast), so the buffer can keep the layout its writes use: a tile over the
-        # unit axis would pad it eightfold, and a second layout is a copy of the cache each step
+        inputs += [ck.astype(q.dtype), cv.astype(k_buf.dtype), jnp.repeat(cmask, groups, axis=1)]
+    if latent:  # a latent cache (one K/V head, no head axis): blocks of each part as [positions, width]
         assert kv_heads == 1, kv_heads
-        in_specs.append(pl.BlockSpec((None, None, block, d), kv_index))
-        inputs.append(k_buf.reshape(*k_buf.shape[:3], d))
+        in_specs += [pl.BlockSpec((None, None, block, buf.shape[-1]), kv_index) for buf in (k_buf, v_buf)]
+        inputs += [k_buf, v_buf]
     else:
         in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
         inputs += [k_buf, v_buf]
@@ -291,14 +287,14 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         live = min(live, window + t_pad + block)
     keys = min(n_blocks, -(-live // block)) * block
     cost = _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, jnp.dtype(k_buf.dtype).itemsize,
-                 qk.dtype.itemsize, value_dim)
+                 qk.dtype.itemsize, dv if latent else None)
 
     if interpret is None:
         interpret = False if target_platform() == "tpu" else pltpu.InterpretParams()
     out = pl.pallas_call(
         functools.partial(_kernel, n_tiles=n_tiles, block=block, kv_heads=kv_heads, window=window, scale=scale,
                           has_sinks=sinks is not None, has_chunk=chunk is not None, paged=pages is not None,
-                          value_dim=value_dim),
+                          latent=latent),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3 + (pages is not None),
             grid=(n, n_tiles, n_blocks),

@@ -52,7 +52,7 @@ def override(name: str, /, **options):
 def _cudnn_rules(meta: AttentionMetadata, q, cache: LayerKV, options: dict) -> list[tuple[bool, str]]:
     return [
         (meta.sinks is not None, "cuDNN has no attention sinks"),
-        (meta.value_dim is not None, "a latent cache: cuDNN reads values from their own buffer"),
+        (meta.latent, "a latent cache: cuDNN takes keys whole from one buffer"),
         (meta.selected is not None, "sparse attention's selected positions: cuDNN has no per-key mask"),
         (meta.mask == "block", "cuDNN cannot add uncached block keys with their own mask"),
         (meta.rows is not None, "prefill into chosen rows: a row gather would copy their caches"),

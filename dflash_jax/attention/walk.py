@@ -33,10 +33,9 @@ def _heads(page, buf):
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata):
     """q [n, T, kv_heads, groups, head_dim] over one layer of the cache (and the block's keys,
-    with the "block" kind) -> [n, T, kv_heads * groups * value dim] float32 (a latent cache: the
-    values are the keys' first `meta.value_dim` dimensions, sliced from each page loaded)."""
+    with the "block" kind) -> [n, T, kv_heads * groups * value dim] float32 (a latent cache: each page's
+    keys are its two parts joined, its values the first, `meta.latent`)."""
     k_buf, v_buf, layer = cache.k, cache.v, cache.layer
-    value_dim = meta.value_dim
     q_pos, kv_limit, rows, pages, sinks = meta.q_pos, meta.kv_limit, meta.rows, meta.pages, meta.sinks
     window, ring, scale = meta.window, meta.ring, meta.scale
     n, t, kv_heads, groups, d = q.shape
@@ -51,9 +50,9 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         table = jnp.clip(pages if rows is None else jnp.take(pages, rows, axis=0, mode="clip"), 0, k_buf.shape[1] - 1)
         load = lambda buf, j: _heads(buf[layer, jnp.take(table, j, axis=1)], buf)  # noqa: E731
     assert max_len % page == 0, (max_len, page)
-    dv = d if value_dim is None else value_dim
-    if value_dim is not None:  # a latent cache: a page's values are its keys' leading dimensions
-        load_kv = lambda j: (lambda k: (k, k[..., :value_dim]))(load(k_buf, j))  # noqa: E731
+    dv = k_buf.shape[-1] if meta.latent else d
+    if meta.latent:  # a latent cache: a page's keys are its two parts, its values the first
+        load_kv = lambda j: (lambda k: (jnp.concatenate([k, load(v_buf, j)], axis=-1), k))(load(k_buf, j))  # noqa: E731
     else:
         load_kv = lambda j: (load(k_buf, j), load(v_buf, j))  # noqa: E731
     carry = (jnp.full((n, kv_heads, groups, t), NEG, jnp.float32), jnp.zeros((n, kv_heads, groups, t), jnp.float32),
@@ -65,7 +64,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         carry = (m0, jnp.ones_like(m0), carry[2])
     if meta.has_block:
         carry = _update(carry, _scores(q, meta.block_k.astype(q.dtype), scale), meta.block_mask,
-                        meta.block_v.astype(k_buf.dtype if v_buf is None else v_buf.dtype))
+                        meta.block_v.astype(v_buf.dtype))
 
     # Pages that can hold a visible key: key positions < kv_limit, and (sliding window)
     # > q_pos - window. Bounds over the whole batch; the mask does the per-row work.

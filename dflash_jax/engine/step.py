@@ -154,7 +154,7 @@ def _map_cache(cache: KVCache | None, f) -> KVCache | None:
     axes = CACHE_AXES if cache.ring else pooled  # a ring is per row
     latent = axes[:3] + axes[4:]  # a latent cache has no head axis
     cache = cache.replace(k=f(cache.k, axes if cache.k.ndim == 5 else latent),
-                          v=None if cache.v is None else f(cache.v, axes), lengths=f(cache.lengths, ("batch",)))
+                          v=f(cache.v, axes if cache.v.ndim == 5 else latent), lengths=f(cache.lengths, ("batch",)))
     if cache.pages is not None:
         cache = cache.replace(pages=f(cache.pages, ("batch", None)))
     if cache.k_global is not None:

@@ -28,10 +28,13 @@ class KVCache:
     """Static-shape paged KV cache with a length per row.
 
     k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages.
-             A latent cache (multi-head latent attention, `ModelConfig.mla`): k holds each position's
-             latent, [layers, batch, max_len, kv_lora_rank + rope dims]: no head axis, which on a TPU
-             would sit inside a tile and pad it eightfold (the writes and reads take a unit one), and v is None (the values are the
-             latent's first kv_lora_rank dimensions, `AttentionMetadata.value_dim`)
+             A latent cache (multi-head latent attention, `ModelConfig.mla`): each position's latent in
+             two parts, k [layers, batch, max_len, kv_lora_rank] (the values too) and v [..,
+             qk_rope_head_dim] (the rotated keys), `AttentionMetadata.latent`. No head axis, which on a
+             TPU would sit inside a tile and pad it eightfold (writes and reads take a unit one); two
+             parts, so the wide one is a whole number of 128 lanes and keeps one layout everywhere (576
+             lanes would not: the compiler stores such a buffer positions-minor between programs and
+             relays it out around every call)
     k_global, v_global: the same for the full-attention layers with their own head_dim and KV
              heads (Gemma 4's global layers), None when there are none. A layer that shares
              another's K/V has no slot of its own.
@@ -56,7 +59,7 @@ class KVCache:
     """
 
     k: jax.Array
-    v: jax.Array | None
+    v: jax.Array
     lengths: jax.Array
     k_global: jax.Array | None = None
     v_global: jax.Array | None = None
@@ -132,8 +135,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
     ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
     shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), *config.cache_shape())
-    if config.mla is not None:  # a latent: one vector a position, no head axis
-        shape = shape[:3] + shape[4:]
     k_global = v_global = None
     if config.num_kv_slots(True):
         global_shape = (config.num_kv_slots(True), *dims, *config.cache_shape(True))
@@ -143,12 +144,15 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
         lin, n = config.linear_attention, config.num_linear_layers
         state = tuple(jnp.zeros((batch, lin.v_heads, lin.k_dim, lin.v_dim), jnp.float32) for _ in range(n))
         tail = tuple(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype) for _ in range(n))
-    v = None if config.mla is not None else jnp.zeros(shape, dtype)  # a latent cache: values inside the keys
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if config.mla is not None:  # a latent in two parts, no head axis
+        m = config.mla
+        k, v = (jnp.zeros((*shape[:3], width), dtype) for width in (m.kv_lora_rank, m.qk_rope_head_dim))
     index_k = None
     if config.mla is not None and config.mla.indexer is not None:
         ix = config.mla.indexer
         index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], ix.head_dim), dtype)
-    return KVCache(k=jnp.zeros(shape, dtype), v=v, lengths=jnp.zeros((batch,), jnp.int32),
+    return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
                    k_global=k_global, v_global=v_global, state=state, tail=tail, index_k=index_k, pages=pages,
                    ring=ring is not None,
                    page_size=page_size)

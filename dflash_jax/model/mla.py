@@ -135,17 +135,18 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
         q_absorbed = jnp.einsum("bthn,hnl->bthl", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dtype)
         q = jnp.concatenate([q_absorbed, q_rope.astype(dtype)], axis=-1)[:, :, None]  # [n, T, 1, heads, latent]
-        k = jnp.concatenate([c_kv, k_rope.astype(dtype)], axis=-1)[:, :, None]  # [n, T, 1, latent]
 
         if m.indexer is not None and not m.indexer.is_shared(self.layer):
             selected, cache = Indexer(c, self.layer, name="indexer")(x, q_latent, cos, sin, cache, query_pos, rows)
         pages, ring = cache.layout(False)
         layout = dict(rows=rows, pages=pages, ring=ring, page_size=cache.page_size, scale=c.attention_scale,
-                      value_dim=m.kv_lora_rank, selected=selected)
+                      latent=True, selected=selected)
         meta = (AttentionMetadata.causal(query_pos, **layout) if tree_mask is None
                 else AttentionMetadata.tree(query_pos, tree_mask, **layout))
-        out, kv = attend(q, k, None, LayerKV(cache.k, None, c.cache_slot(self.layer)), meta)
-        cache = cache.replace(k=kv.k)
+        # the latent's two parts: [n, T, 1, kv_lora_rank] (keys and values) and [n, T, 1, rope] (keys)
+        out, kv = attend(q, c_kv[:, :, None], k_rope.astype(dtype)[:, :, None],
+                         LayerKV(cache.k, cache.v, c.cache_slot(self.layer)), meta)
+        cache = cache.replace(k=kv.k, v=kv.v)
         out = out.astype(dtype).reshape(b, t, heads, m.kv_lora_rank)
         out = jnp.einsum("bthl,hvl->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(dtype)
         return dense(c.hidden_size, "o_proj", c.o_bias)(out.reshape(b, t, heads * m.v_head_dim)), cache, selected
