@@ -8,28 +8,25 @@
   config's logits; the rest `-m heavy`.) The helpers are `test_mla.py`'s.
 - The q/k norms span the whole projection (a per-head norm loads no checkpoint: its weights are
   heads x head_dim), and the checkpoint's `block_sparse_moe` tensors fill the MoE block.
-- On a 2-device mesh (query heads and experts split over `model`: the whole-projection norm sums over
-  both devices' heads) the pair decodes as on one device (`-m heavy`: a subprocess).
+- `python -m infer` equals transformers, and on a 2-device mesh (query heads and experts split over
+  `model`: the whole-projection norm sums over both devices' heads) with a page pool equals one
+  device, greedy and sampled (`-m heavy`: subprocesses).
 - Bad configs are one-line errors; multi-token-prediction layers past the last are skipped; the
   published MiniMax-M2 shape parses.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dflash_jax import load_drafter, load_target
+from dflash_jax import load_target
 from dflash_jax.errors import ConfigError
 from dflash_jax.families import model_config
-from test_mla import VOCAB, build, case_params, check_against_transformers, check_decoding, prompts
+from test_mla import (VOCAB, build, case_params, check_against_transformers, check_cli_on_two_devices,
+                      check_decoding)
 from tiny import FAMILIES, make_model, save_model
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
@@ -125,39 +122,9 @@ def test_published_minimax_m2_shape():
     assert drafter.model.hidden_size == 3072 and not drafter.model.qk_norm_whole
 
 
-@pytest.mark.heavy
-def test_on_a_2_device_mesh_the_pair_decodes_as_on_one(tmp_path):
-    build("minimax_m2", tmp_path, CASES)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["devices"] == 2 and out["q_proj_spec"] == [None, "model"]
-    assert out["model=2"] == out["single"] and out["model=2 pool"] == out["single"]
-
-
-def mesh_worker(root: Path) -> dict:
-    from dflash_jax.engine import BatchEngine
-    from dflash_jax.sharding import make_mesh, shard_params
-
-    import jax
-
-    config, params = load_target(root / "target")
-    dconfig, dparams = load_drafter(root / "drafter")
-    out = {"devices": jax.device_count()}
-    for spec, pages in ((None, None), ("model=2", None), ("model=2", 6)):
-        mesh = make_mesh(spec) if spec else None
-        gen = BatchEngine(config, shard_params(params, mesh), dconfig, shard_params(dparams, mesh), batch_size=2,
-                          max_new_tokens=12, max_prompt_len=24, page_size=16, kv_pages=pages, mesh=mesh)
-        res = sorted(gen.generate(prompts(config)), key=lambda r: r.index)
-        out[(spec or "single") + (" pool" if pages else "")] = [[r.output_ids for r in res],
-                                                                [r.acceptance_lengths for r in res]]
-        if spec and not pages:
-            out["q_proj_spec"] = list(gen.tparams["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec)
-    return out
-
-
-if __name__ == "__main__":
-    print(json.dumps(mesh_worker(Path(sys.argv[1]))))
+@pytest.mark.heavy  # four `python -m infer` runs
+def test_infer_cli_equals_transformers_and_on_two_devices_equals_one(tmp_path):
+    """`python -m infer`: plain greedy equals transformers' `generate`; the pair on a 2-device mesh (query
+    heads and experts split over `model`: the whole-projection norm sums over both devices' heads) with a
+    page pool gives the same tokens, greedy, and sampled as plain sampling on one device."""
+    check_cli_on_two_devices(*build("minimax_m2", tmp_path, CASES), tmp_path)
