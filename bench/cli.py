@@ -159,9 +159,8 @@ def add_mode_flags(p):
     shapes = p.add_argument_group("published shapes", "for --cost, --aot, --published-shapes (--moe-cost: "
                                                       "--context, --paper-tau)")
     shapes.add_argument("--shape", choices=SHAPES, default="qwen3-8b", metavar="NAME",
-                        help="the target, with a 5-layer block-16 drafter: " + ", ".join(SHAPES)
-                             + f" (default {SHAPES[0]}; qwen3.8-27b: qwen3.5-27b's shape with Qwen3.8-27B-DFlash2's "
-                               "drafter, block 8)")
+                        help="target (a 5-layer block-16 drafter; default the first): " + ", ".join(SHAPES)
+                             + " (qwen3.8-27b: qwen3.5-27b with Qwen3.8-27B-DFlash2's, block 8)")
     shapes.add_argument("--scale", type=float, default=None, metavar="X",
                         help="shrink all but head_dim (--cost: 0.25, else 1)")
     shapes.add_argument("--context", type=int, default=1024, metavar="N",
