@@ -10,6 +10,13 @@ weights once plus the latent cache in use (batch x context x (kv_lora_rank + qk_
 bytes), in time at the compiler's own streaming rate (`bench.aot.streaming_rate`). ratio = estimate /
 ideal. Beside it the expanded form (the latent up-projected per head over the whole context, as
 transformers attends) for scale. Prints a table (and `--json PATH`); asserts nothing.
+
+    python -m bench.mla_tpu --per-layer [--contexts 32768]          # a decode layer in the engine
+    python -m bench.mla_tpu --fits v5p:2x4x4 --shape kimi-k2.5 --layers 2,3 --contexts 32768
+
+`--per-layer`: the engine's AR step and DFlash cycle for the shape cut to 2 and to 3 dense layers; the
+difference is one layer, against its ideal. `--fits`: HBM per chip of the whole shape over a topology,
+scaled from two cut depths (docs/benchmarks.md, "Multi-head latent attention on a TPU").
 """
 
 from __future__ import annotations
@@ -138,35 +145,6 @@ def weight_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
 
 
-def whole_model(shape: str, timing_topology: str, memory_topology: str, memory_mesh: str | None, batch: int,
-                context: int, layers: tuple[int, int]) -> dict:
-    """A published shape scaled from two cut-down compiles to its whole depth: per program, the one-chip
-    estimate of a step or cycle (`timing_topology`) and the HBM per chip over `memory_topology` (its
-    caches in a page pool of `context` positions a row), each as the first `layers[0]` layers plus
-    (layers - layers[0]) times the increment of one more (a sparse layer: the cut keeps the first
-    dense ones whole)."""
-    from dflash_jax.shapes import PUBLISHED_TARGETS
-
-    full = PUBLISHED_TARGETS[shape]["num_hidden_layers"]
-    out = dict(shape=shape, layers=full, measured=layers, batch=batch, context=context)
-    for key, topo, mesh_text, pool in (("timing", timing_topology, None, False),
-                                       ("memory", memory_topology, memory_mesh, True)):
-        r = per_layer(shape, topo, mesh_text, layers, batch, context, kv_pages=pool)
-        scaled = {}
-        for name, inc in r["increments"].items():
-            if not inc.get("compiled", True) or "base" not in inc:
-                scaled[name] = dict(compiled=False, error=inc.get("error"), asked=inc.get("asked"))
-                continue
-            base, extra = inc["base"], full - layers[0]
-            scaled[name] = dict(
-                seconds=base["seconds"] + extra * inc["seconds"] if base["seconds"] and inc["seconds"] else None,
-                hbm=base["memory"]["total"] + extra * inc["hbm"],
-                ideal=base["ideal"]["bytes"] + extra * inc["ideal"] if inc["ideal"] is not None else None,
-                per_layer=dict(seconds=inc["seconds"], hbm=inc["hbm"], ideal=inc["ideal"], bytes=inc["bytes"]))
-        out[key] = dict(topology=topo, chips=r["chips"], chip_hbm=r["chip_hbm"], mesh=r["mesh"], programs=scaled)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.mla_tpu", description=__doc__.splitlines()[0])
     p.add_argument("--topology", default="v5p:1x1x1", help="a one-chip TPU topology (v5p:1x1x1, v5e:1x1, v6e:1x1)")
@@ -176,7 +154,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--hlo", help="write each program's scheduled TPU HLO into this directory")
     p.add_argument("--tokens", default="1,16,512", help="tokens a row per program (decode 1, verify 16, prefill)")
+    p.add_argument("--per-layer", action="store_true",
+                   help="instead: one decode layer as the engine runs it (--shape cut to 2 and 3 dense layers, "
+                        "the AR step and DFlash cycle on --topology): the increment against its ideal")
+    p.add_argument("--fits", metavar="TOPOLOGY",
+                   help="instead: HBM per chip of the whole --shape over TOPOLOGY (every chip on model; caches in "
+                        "a page pool of the first --contexts), scaled from --layers")
+    p.add_argument("--layers", default="4,5", help="--fits: the two cut depths measured (their first dense layers "
+                                                   "kept: kimi-k2.5 2,3; qwen3-coder-next 4,8)")
     args = p.parse_args(argv)
+    if args.per_layer or args.fits:
+        return _layer_reports(args)
 
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -231,6 +219,45 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(topology=args.topology, shape=args.shape, batch=args.batch,
                                                    rows=rows), indent=1))
+    return 0
+
+
+def _layer_reports(args) -> int:
+    """--per-layer and --fits: print (and --json) the engine's per-layer increments."""
+    from bench.aot import streaming_rate
+    from dflash_jax.aot import topology
+    from dflash_jax.shapes import PUBLISHED_TARGETS
+
+    context = int(args.contexts.split(",")[0])
+    if args.per_layer:
+        r = per_layer(args.shape, args.topology, None, (2, 3), args.batch, context, dense=99)
+        rate = streaming_rate(topology(args.topology).devices[0], int(r["increments"]["ar"]["ideal"]), args.batch)
+        rows = {}
+        for name, inc in r["increments"].items():
+            ratio = inc["seconds"] / (inc["ideal"] / rate) if inc.get("seconds") else None
+            rows[name] = dict(seconds=inc.get("seconds"), bytes=inc.get("bytes"), ideal=inc.get("ideal"),
+                              ideal_seconds=inc["ideal"] / rate, ratio=ratio)
+            print(f"  {args.shape} one decode layer, {name}, context {context}: estimate "
+                  f"{(inc.get('seconds') or float('nan')) * 1e3:.3f} ms, {inc['bytes'] / 1e9:.2f} GB; ideal "
+                  f"{inc['ideal'] / 1e9:.2f} GB = {inc['ideal'] / rate * 1e3:.3f} ms: {ratio or float('nan'):.2f}x")
+    else:
+        layers = tuple(int(n) for n in args.layers.split(","))
+        r = per_layer(args.shape, args.fits, None, layers, args.batch, context, kv_pages=True)
+        full = PUBLISHED_TARGETS[args.shape]["num_hidden_layers"]
+        rows = {}
+        for name, inc in r["increments"].items():
+            if "base" not in inc:
+                rows[name] = dict(compiled=False, error=inc.get("error"), asked=inc.get("asked"))
+                print(f"  {args.shape} {name}: did not compile at {layers}: {inc.get('asked') or inc.get('error')}")
+                continue
+            hbm = inc["base"]["memory"]["total"] + (full - layers[0]) * inc["hbm"]
+            rows[name] = dict(hbm=hbm, per_layer_hbm=inc["hbm"], fits=hbm <= r["chip_hbm"])
+            print(f"  {args.shape} ({full} layers) on {args.fits}, {name}: {hbm / 2**30:.1f} GiB a chip "
+                  f"({inc['hbm'] / 2**30:.2f} GiB a layer) of {r['chip_hbm'] / 2**30:.1f}: "
+                  f"{'fits' if hbm <= r['chip_hbm'] else 'does not fit'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(shape=args.shape, batch=args.batch, context=context, rows=rows),
+                                              indent=1))
     return 0
 
 

@@ -7,8 +7,8 @@ against transformers, on tiny random checkpoints.
   pieces; plain greedy decoding equals transformers' `generate`; DFlash with a random drafter
   equals plain decoding, greedy and seeded sampled, on per-row caches and on a page pool.
   (Everyday: the first config; the other five `-m heavy`.)
-- The cache holds one latent per position and layer (kv_lora_rank + qk_rope_head_dim values, no
-  value buffer), and the decode step's HLO holds no per-head key or value of a cached position: it
+- The cache holds one latent per position and layer (kv_lora_rank + qk_rope_head_dim values in two
+  parts, no head axis), and the decode step's HLO holds no per-head key or value of a cached position: it
   attends over the latent (a positive control shows the check sees the expanded form).
 - `python -m infer`: plain greedy equals transformers' `generate`; the pair on a 2-device mesh (query
   heads split over `model`, the latent whole on each device) with a page pool decodes the same tokens,
@@ -83,12 +83,13 @@ def prompts(config, seed=3, lengths=(3, 15, 11, 7)):  # one prefill bucket (16):
 
 
 ROWS = [Sampling(), Sampling(0.9, top_p=0.95)]  # each prompt greedy, then sampled
+MAX_NEW = 24  # per row: enough cycles that a random drafter's guesses are accepted somewhere
 
 
 def decoded(config, params, drafter=None, dparams=None, *, kv_pages=None):
     """(outputs, acceptance lengths) of the case's prompts decoded greedy and sampled (seed 7) in one
     per-row engine: 2 slots, 16-position pages (a pool of kv_pages)."""
-    gen = BatchEngine(config, params, drafter, dparams, batch_size=2, max_new_tokens=12, max_prompt_len=16,
+    gen = BatchEngine(config, params, drafter, dparams, batch_size=2, max_new_tokens=MAX_NEW, max_prompt_len=16,
                       page_size=16, kv_pages=kv_pages, sampling=Sampling(per_row=True))
     rows = prompts(config)
     results = sorted(gen.generate(rows * 2, seed=7, sampling=[s for s in ROWS for _ in rows]), key=lambda r: r.index)
@@ -128,7 +129,7 @@ def check_decoding(model, path, drafter_dir):
     for prompt, got in zip(prompts(config), plain[:n]):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         assert got == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
     assert plain[n:] != plain[:n]  # the sampled rows sampled
