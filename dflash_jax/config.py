@@ -227,7 +227,7 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     # Multi-head latent attention on every attention layer (DeepSeek-V3): head_dim is then the
-    # rotated part's width (RoPE's), and the cache holds one latent per position (`cache_shape`).
+    # rotated part's width (RoPE's), and the cache holds one latent per position (`kv.init_cache`).
     mla: MlaConfig | None = None
     dtype: str = "float32"
 
@@ -273,10 +273,7 @@ class ModelConfig:
         return self.head_dim, self.num_key_value_heads
 
     def cache_shape(self, global_group: bool = False) -> tuple[int, int]:
-        """(KV heads, head_dim) of a K/V group's cache entries: with MLA one latent "head" of
-        `latent_dim`, stored in two parts without a head axis (`dflash_jax.kv.KVCache`)."""
-        if self.mla is not None:
-            return 1, self.mla.latent_dim
+        """(KV heads, head_dim) of a K/V group's cache entries (MLA's latent cache: `dflash_jax.kv.init_cache`)."""
         if global_group:
             g = next(i for i in range(self.num_hidden_layers) if self.is_global(i))
             head_dim, kv_heads = self.attention_shape(g)
