@@ -1,0 +1,167 @@
+"""Auto speculation: which draft length K the next decoding cycles run, chosen at each host sync.
+
+Whether speculation pays depends on the batch and the hardware: at a small batch on an
+accelerator a cycle that verifies K + 1 tokens costs about one plain step (reading the weights),
+so the longest block wins; as the batch grows the step turns compute-bound, each verified token
+costs compute, and the best K shrinks, down to plain decoding (K = 0). The engine compiles a few
+draft lengths (`candidates`) with static shapes, and `Speculation` picks one at each sync from two
+measurements:
+
+- the cost of a cycle of each K at the batch's width (seconds per cycle: timed when the engine
+  calibrates after warm-up, then kept current online from each call's wall time),
+- the acceptance: per draft position i, the share of rows that reached draft i and accepted it
+  (`AcceptanceCounts`). A cycle that verifies K drafts accepts a prefix of them, so
+  E[tokens per row per cycle | K] = 1 + sum_{i<=K} prod_{j<=i} rate_j (`expected_tokens`): a run at
+  a shorter K still measures the positions it reaches.
+
+`choose(costs, rates)` is the policy itself: the K of the most expected tokens per second (rows
+cancel: every row of a cycle runs the same K). Switching K never changes tokens: a row's token at
+each position is the target's, sampled with that position's key, whichever K verified it (a K = 0
+cycle still extends the drafter's context, so a later cycle drafts from all of it). The one
+exception is a DFlash2 drafter's rejection acceptance, where sampled tokens keep the target's
+distribution but depend on the drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+SPECULATION_MODES = ("auto", "fixed")
+
+# A rate estimate starts from this many pseudo-observations of PRIOR_RATE (before any cycle has
+# run at a position), so a first choice drafts, and one cycle's rows do not swing it.
+PRIOR_RATE, PRIOR_WEIGHT = 0.7, 8.0
+# The counts keep about this many row-cycles: older ones fade, so the rates follow the rows now running.
+MEMORY = 512.0
+
+
+def default_candidates(block_size: int, tree_budget: int = 0) -> tuple[int, ...]:
+    """The draft lengths `--speculation auto` compiles: plain decoding (0), 3 and 7 (where the
+    block holds them) and the whole block, B - 1; with a draft tree, 0 and the tree's node count."""
+    if block_size <= 1:
+        return (0,)
+    if tree_budget:
+        return (0, tree_budget)
+    return tuple(sorted({0, *(k for k in (3, 7) if k < block_size - 1), block_size - 1}))
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens a row gains in a cycle of k drafts when draft i is accepted with probability
+    rates[i-1] given that drafts 1..i-1 were: 1 (the target's own token) + the accepted prefix."""
+    total, reach = 1.0, 1.0
+    for rate in rates[:k]:
+        reach *= rate
+        total += reach
+    return total
+
+
+def rates_for_tau(tau: float, k: int) -> list[float]:
+    """One acceptance rate for every position such that a cycle of k drafts gains tau tokens on
+    average (a geometric fit of a measured tau at one K; tau in [1, k + 1])."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau must be in 1..{k + 1} for {k} drafts, got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid] * k, k) < tau else (lo, mid)
+    return [(lo + hi) / 2] * k
+
+
+def choose(costs: Mapping[int, float], rates: Sequence[float]) -> int:
+    """The draft length of the most expected tokens per second: argmax over K of
+    expected_tokens(rates, K) / costs[K] (costs: seconds per cycle, K = 0 plain decoding). A tie
+    goes to the shorter K."""
+    if not costs:
+        raise ValueError("no draft length to choose from")
+    return max(sorted(costs), key=lambda k: (expected_tokens(rates, k) / costs[k], -k))
+
+
+@dataclasses.dataclass
+class AcceptanceCounts:
+    """Per draft position i (1..depth): rows that reached draft i in a cycle (tried) and rows that
+    accepted it (accepted), faded to about MEMORY row-cycles."""
+
+    depth: int
+    tried: np.ndarray = None
+    accepted: np.ndarray = None
+
+    def __post_init__(self):
+        self.tried = np.zeros(self.depth) if self.tried is None else self.tried
+        self.accepted = np.zeros(self.depth) if self.accepted is None else self.accepted
+
+    def add(self, tried: np.ndarray, accepted: np.ndarray):
+        self.tried = self.tried + tried[:self.depth]
+        self.accepted = self.accepted + accepted[:self.depth]
+        if self.tried[0] > MEMORY:
+            scale = MEMORY / self.tried[0]
+            self.tried, self.accepted = self.tried * scale, self.accepted * scale
+
+    def rates(self) -> list[float]:
+        return ((self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)).tolist()
+
+
+class Speculation:
+    """The host's auto-speculation policy over compiled draft lengths `candidates` (0 = plain).
+
+    `pick(width)` gives the K the next call runs; `observe(k, width, cycles, seconds, tried,
+    accepted)` records a call's figures (its wall seconds None when they are not its own: a
+    prefill ran before it in the same wait). Costs are kept per (width, K) as a moving average of
+    seconds per cycle; until a K is timed at a width it is tried first. While plain decoding wins,
+    every `probe_every` calls run the shortest draft length instead, so that a change in the rows'
+    acceptance is seen. `share()` is the share of cycles each K ran."""
+
+    def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_every: int = 64,
+                 smoothing: float = 0.3):
+        self.candidates = tuple(sorted(set(candidates)))
+        self.tree = tree  # the one drafting candidate is a tree: its rates are per depth, all its own
+        self.counts = AcceptanceCounts(depth)
+        self.costs: dict[tuple[int, int], float] = {}
+        self.cycles: dict[int, int] = {k: 0 for k in self.candidates}
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self._plain_calls = 0
+
+    def rates(self) -> list[float]:
+        return self.counts.rates()
+
+    def _tokens(self, k: int) -> float:
+        if self.tree and k:  # a tree's depth is the block's, whatever its node count
+            return expected_tokens(self.rates(), self.counts.depth)
+        return expected_tokens(self.rates(), k)
+
+    def pick(self, width: int) -> int:
+        untimed = [k for k in self.candidates if (width, k) not in self.costs]
+        if untimed:
+            return untimed[0]
+        costs = {k: self.costs[(width, k)] for k in self.candidates}
+        best = max(self.candidates, key=lambda k: (self._tokens(k) / costs[k], -k))
+        if best == 0 and len(self.candidates) > 1:
+            self._plain_calls += 1
+            if self._plain_calls % self.probe_every == 0:
+                return self.candidates[1]
+        return best
+
+    def observe(self, k: int, width: int, cycles: int, seconds: float | None, tried=None, accepted=None):
+        if cycles <= 0:
+            return
+        self.cycles[k] = self.cycles.get(k, 0) + int(cycles)
+        if tried is not None and k:
+            self.counts.add(np.asarray(tried, float), np.asarray(accepted, float))
+        if seconds is not None and seconds > 0:
+            per_cycle, key = seconds / cycles, (width, k)
+            was = self.costs.get(key)
+            self.costs[key] = per_cycle if was is None else (1 - self.smoothing) * was + self.smoothing * per_cycle
+
+    def share(self) -> dict[int, float]:
+        total = sum(self.cycles.values())
+        return {k: (n / total if total else 0.0) for k, n in sorted(self.cycles.items())}
+
+    def summary(self) -> dict:
+        """For the run's summary: the candidates, the share of cycles each ran, the rates measured and
+        the costs (ms per cycle) at each width."""
+        return dict(candidates=list(self.candidates), share={str(k): round(v, 4) for k, v in self.share().items()},
+                    acceptance_rates=[round(r, 4) for r in self.rates()],
+                    cycle_ms={f"{w}x{k}": round(1e3 * c, 3) for (w, k), c in sorted(self.costs.items())})
+
