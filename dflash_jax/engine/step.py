@@ -54,7 +54,8 @@ class EngineSpec:
     max_new_tokens: int  # the longest row; sizes `output` and `acceptance` (rows may ask for fewer)
     cache_len: int  # target and context caches: prompt cap + max_new + 2 * block (rounded up to pages)
     mesh: Mesh | None = None  # batch over `data`, heads/MLP/vocab over `model` (dflash_jax.sharding)
-    draft_tokens: int | None = None  # drafts sent to the verify per cycle, K <= B - 1 (None: B - 1)
+    draft_tokens: int | None = None  # drafts sent to the verify per cycle, K <= B - 1 (None: B - 1; 0: none,
+    # the target decodes plainly and the drafter's context still grows: auto speculation's plain cycle)
     page_size: int = PAGE_SIZE  # cache positions per page: attention walks the pages rows have used
     prefill_chunk: int = 512  # prompts longer than this prefill in chunks of it, one after another
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
@@ -71,7 +72,9 @@ class EngineSpec:
             return
         if b == 1:
             raise DFlashError("draft tokens need a drafter (block size 1 is plain decoding)")
-        if not 1 <= k <= b - 1:
+        if k == 0 and n:
+            raise DFlashError("a cycle of no drafts verifies no tree: give it tree_budget 0")
+        if not 0 <= k <= b - 1:
             raise DFlashError(f"draft tokens must be in 1..{b - 1} for block size {b}, got {k}")
 
     @property
@@ -111,7 +114,16 @@ class EngineSpec:
         """Sampled rows draw their drafts from the selector and accept them by rejection sampling
         against its realised proposal (`rejection_accept`); else every draft is the argmax walk and
         rows accept by sample-and-match."""
-        return self.selector and self.acceptance == "rejection" and not self.sampling.greedy
+        return self.selector and self.acceptance == "rejection" and not self.sampling.greedy and self.num_drafts > 0
+
+    def with_drafts(self, k: int) -> "EngineSpec":
+        """The same engine verifying k drafts a cycle (0: plain decoding, the drafter's context kept), or
+        its tree (k == tree_budget): the programs `--speculation auto` switches between, on one state."""
+        if k == self.num_drafts:
+            return self
+        if self.tree_budget and k:
+            raise DFlashError(f"a tree engine verifies its tree ({self.tree_budget} nodes) or nothing, not {k} drafts")
+        return dataclasses.replace(self, draft_tokens=k, tree_budget=0)
 
 
 @struct.dataclass
@@ -547,14 +559,33 @@ def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> D
         target_tokens, num_accepted, verified = verify_rejection(tparams, spec, state, drafts, proposal)
         return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
                                spec.mesh)
-    if spec.uses_drafter:
+    drafting = spec.num_drafts > 0  # else plain decoding (a drafter's context still grows: `commit`)
+    if drafting:
         drafts = draft(tparams, dparams, spec, state.anchor, state.context_cache)
         block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
     else:
         block = state.anchor[:, None]
     target_tokens, verified = verify(tparams, spec, state, block)
-    num_accepted = accept(drafts, target_tokens) if spec.uses_drafter else jnp.zeros_like(state.anchor)
+    num_accepted = accept(drafts, target_tokens) if drafting else jnp.zeros_like(state.anchor)
     return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids), spec.mesh)
+
+
+def tally_depth(spec: EngineSpec) -> int:
+    """Draft positions `run_cycles`' tally counts: the block's, B - 1, whatever K a program verifies (one
+    shape for every draft length of an engine; 1 for plain decoding)."""
+    return max(1, spec.block_size - 1)
+
+
+def _tally(spec: EngineSpec, before: DecodeState, after: DecodeState):
+    """[2, B-1] int32: per draft position i, the rows of a cycle that reached draft i (verified it, every
+    draft before it accepted) and those that accepted it (`dflash_jax.engine.speculation`)."""
+    active = ~before.done
+    accepted = after.num_generated - before.num_generated - 1  # drafts accepted by each active row
+    reach = spec.block_size - 1 if spec.tree_budget else spec.num_drafts  # a tree's paths go a block deep
+    position = jnp.arange(1, tally_depth(spec) + 1)[None, :]
+    tried = active[:, None] & (position <= jnp.minimum(accepted + 1, reach)[:, None])
+    hit = active[:, None] & (position <= accepted[:, None])
+    return jnp.stack([tried.sum(0), hit.sum(0)]).astype(jnp.int32)
 
 
 @decode_jit(static_argnames=("spec", "stream"), donate_argnames=("state",))
@@ -564,27 +595,32 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
     """Up to max_cycles cycles, on device, stopping early once every row is done, or (until_free,
     when the host has prompts waiting for a slot) once a row that was running finishes.
 
-    Returns (state, progress): progress [2, batch] int32 is (done, num_generated), a fresh
-    array apart from the state, so the host can read it while the next call, which takes
-    the state donated, already runs. stream (static): progress is (that, (output, acceptance,
-    num_cycles)), copies of the rows' tokens so far, so that a server streams them at every
-    call without waiting on the state."""
+    Returns (state, (progress, tally)): progress [2, batch] int32 is (done, num_generated), a fresh
+    array apart from the state, so the host can read it while the next call, which takes the state
+    donated, already runs; tally [3, B-1] int32 is the call's cycles (tally[0, 0]) and, per draft
+    position, the rows that reached it and those that accepted it (`_tally`: auto speculation's
+    acceptance). stream (static): the figures are (progress, tally, (output, acceptance,
+    num_cycles)), copies of the rows' tokens so far, so that a server streams them at every call
+    without waiting on the state."""
     running = ~state.done
 
     def cond(carry):
-        i, s = carry
+        i, s, _ = carry
         freed = (running & s.done).any()
         return (i < max_cycles) & ~s.done.all() & ~(until_free & freed)
 
     def body(carry):
-        i, s = carry
-        return i + 1, cycle(tparams, dparams, spec, s, stop_ids)
+        i, s, counts = carry
+        after = cycle(tparams, dparams, spec, s, stop_ids)
+        return i + 1, after, counts + _tally(spec, s, after)
 
-    state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    counts = jnp.zeros((2, tally_depth(spec)), jnp.int32)
+    cycles, state, counts = jax.lax.while_loop(cond, body, (jnp.int32(0), state, counts))
+    tally = jnp.concatenate([jnp.zeros((1, counts.shape[1]), jnp.int32).at[0, :1].set(cycles), counts])
     progress = jnp.stack([state.done.astype(jnp.int32), state.num_generated])
     if stream:
-        return state, (progress, (state.output + 0, state.acceptance + 0, state.num_cycles + 0))
-    return state, progress
+        return state, (progress, tally, (state.output + 0, state.acceptance + 0, state.num_cycles + 0))
+    return state, (progress, tally)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
