@@ -34,6 +34,8 @@ def default_json(args, mode: str) -> Path:
     name = mode.replace("_", "-")
     if mode == "suite" and args.random:
         name = "suite-random"
+    if mode == "serve" and args.serve_speculation:
+        name = "serve-speculation"
     if mode in ("cost", "published_shapes"):
         name += f"-{args.shape}-x{args.scale:g}"
     if mode == "aot":
@@ -226,6 +228,8 @@ def add_mode_flags(p):
 
     serve = p.add_argument_group("--serve", "python -m infer.serve (a subprocess) against the offline engine, same tokens")
     serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
+    serve.add_argument("--serve-speculation", action="store_true",
+                       help="tokens/s of plain, fixed DFlash and auto servers")
     serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
                        help="streams (default 1, batch, 32); prompts >= largest")
     serve.add_argument("--serve-sync-every", type=int, default=SERVER_SYNC_EVERY, metavar="N",
@@ -320,9 +324,12 @@ def run(args, mode: str) -> int:
 
         result["mixed_workload"] = run_mixed_workload(args)
     elif mode == "serve":
-        from bench.serve_bench import run_serve_bench
+        from bench.serve_bench import run_serve_bench, run_speculation_bench
 
-        result["serve"] = run_serve_bench(args)
+        if args.serve_speculation:
+            result["serve_speculation"] = run_speculation_bench(args)
+        else:
+            result["serve"] = run_serve_bench(args)
     elif mode == "vllm":
         from bench.vllm_peer import run_vllm_peer
 

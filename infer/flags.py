@@ -17,6 +17,7 @@ from typing import Any
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.options import EngineOptions, flag
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
+from dflash_jax.engine.speculation import SPECULATION_MODES
 from dflash_jax.generation import GenerationJob
 
 JOB = GenerationJob  # its class attributes are the fields' defaults
@@ -43,6 +44,11 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                             "having the target's distribution; match drafts the selector's argmax and keeps a draft "
                             "while it equals the target's own sample, the output then equal to plain decoding's with "
                             "the same seed. Greedy rows, and DFlash drafters, always match"),
+    "speculation": dict(choices=SPECULATION_MODES,
+                        help="auto: compile plain decoding and a few draft lengths (0, 3, 7, B-1; with --draft-tokens "
+                             "K or --tree-budget N: 0 and that) and run, at each sync, the one of the most expected "
+                             "tokens/s, from each one's timed cost and the acceptance measured; output unchanged. "
+                             "fixed: always --draft-tokens (or the tree)"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -76,11 +82,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
-BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "batch_size", "dtype", "max_prompt_len",
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "speculation",
+                      "batch_size", "dtype", "max_prompt_len",
                       "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
-                       "acceptance",
+                       "acceptance", "speculation",
                        "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
 
 

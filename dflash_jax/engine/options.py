@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
+from dflash_jax.engine.speculation import SPECULATION_MODES
 from dflash_jax.errors import InputError
 from dflash_jax.kv.layout import PAGE_SIZE
 
@@ -52,6 +53,7 @@ class EngineOptions:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
     acceptance: str = ACCEPTANCE_RULES[0]  # how a DFlash2 drafter's sampled rows accept drafts
+    speculation: str = SPECULATION_MODES[0]  # "auto": the draft length of each sync picked by cost; "fixed"
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
@@ -80,6 +82,8 @@ class EngineOptions:
             raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
+        if self.speculation not in SPECULATION_MODES:
+            raise InputError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -116,4 +120,4 @@ class EngineOptions:
             watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
             admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
-            acceptance=self.acceptance)
+            acceptance=self.acceptance, speculation=self.speculation)

@@ -144,15 +144,23 @@ class Speculation:
         return best
 
     def observe(self, k: int, width: int, cycles: int, seconds: float | None, tried=None, accepted=None):
+        """A call of `cycles` cycles of k drafts on `width` slots: its wall seconds (None: not its own)
+        and, per draft position, the rows that reached it (tried) and accepted it."""
         if cycles <= 0:
             return
         self.cycles[k] = self.cycles.get(k, 0) + int(cycles)
         if tried is not None and k:
             self.counts.add(np.asarray(tried, float), np.asarray(accepted, float))
-        if seconds is not None and seconds > 0:
-            per_cycle, key = seconds / cycles, (width, k)
-            was = self.costs.get(key)
-            self.costs[key] = per_cycle if was is None else (1 - self.smoothing) * was + self.smoothing * per_cycle
+        if seconds is not None:
+            self.time(k, width, cycles, seconds)
+
+    def time(self, k: int, width: int, cycles: int, seconds: float):
+        """`cycles` cycles of k drafts on `width` slots took `seconds`: the cost's moving average."""
+        if cycles <= 0 or seconds <= 0:
+            return
+        per_cycle, key = seconds / cycles, (width, k)
+        was = self.costs.get(key)
+        self.costs[key] = per_cycle if was is None else (1 - self.smoothing) * was + self.smoothing * per_cycle
 
     def share(self) -> dict[int, float]:
         total = sum(self.cycles.values())

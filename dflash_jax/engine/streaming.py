@@ -103,6 +103,7 @@ class EngineMetrics:
     slot_syncs: int = 0  # slots x syncs, and how many of them held a running row: occupancy
     busy_slot_syncs: int = 0
     busy_seconds: float = 0.0  # wall time with rows running: tokens/s
+    speculation: dict = dataclasses.field(default_factory=dict)  # share of cycles per draft length
     started: float = dataclasses.field(default_factory=time.perf_counter)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -292,11 +293,12 @@ class StreamingEngine:
             if to_end.any():
                 state = cancel(spec, state, to_end)
                 to_end[:] = False
-            state = self._admit(state, ledger)
+            state, admitted = self._admit(state, ledger)
             issued = None
             if ledger.running:
-                state, figures = gen.run_cycles(state, until_free=bool(ledger.waiting), stream=True)
-                issued = (figures, list(ledger.occupant), time.perf_counter())
+                state, call = gen.launch(state, ledger.width, until_free=bool(ledger.waiting), stream=True,
+                                         timed=not admitted)
+                issued = (call, list(ledger.occupant))
             if pending is not None:
                 self._deliver(pending, ledger, last_emit, end)
             pending = issued
@@ -322,12 +324,13 @@ class StreamingEngine:
         """Admission: the free slots take the first requests, in arrival order (one that waits
         for pages is not overtaken); a long prompt goes in piece by piece, one piece of each per
         round of cycles (the running rows wait for a piece, not for a whole prompt), and its last
-        piece makes it a running row."""
+        piece makes it a running row. Returns (state, whether any prefill was queued)."""
         gen, m = self.gen, self.metrics
         piece = gen.spec.prefill_chunk if self.interleaves else None
         queued = len(ledger.waiting)
         slots, new = ledger.admit_waiting(lambda req: piece is not None and len(req.prompt) > piece)
         self._admitted(queued - len(ledger.waiting))
+        admitted = bool(new or ledger.filling)
         for s, entry in list(ledger.filling.items()):
             req, done_tokens = entry
             state = self._piece(state, s, req, done_tokens, ledger.pages[s])
@@ -341,7 +344,7 @@ class StreamingEngine:
                               [r.max_new_tokens for r in new], 0, ledger.tables(slots), [r.sampling for r in new])
             with m.lock:
                 m.prompt_tokens += sum(len(r.prompt) for r in new)
-        return state
+        return state, admitted
 
     @property
     def interleaves(self) -> bool:
@@ -384,8 +387,8 @@ class StreamingEngine:
         """Read a call's figures (waiting for it) and hand each row still served by the request
         it ran for its new tokens; rows that ended end their requests."""
         gen, m, sent = self.gen, self.metrics, ledger.counted
-        figures, owners, issued = pending
-        (progress, (output, acceptance, num_cycles)) = gen.read(figures, "running decoding cycles")
+        call, owners = pending
+        progress, _, (output, acceptance, num_cycles) = gen.land(call)
         now = time.perf_counter()
         done, num_generated = progress[0].astype(bool), progress[1]
         busy = 0
@@ -414,5 +417,6 @@ class StreamingEngine:
             m.slot_syncs += len(owners)
             m.busy_slot_syncs += busy
             if busy:
-                m.busy_seconds += now - max(issued, self._last_read)
+                m.busy_seconds += now - max(call.issued, self._last_read)
+            m.speculation = gen.policy.share()
         self._last_read = now

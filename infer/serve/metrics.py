@@ -37,6 +37,9 @@ def render_metrics(m) -> str:
         metric("slot_occupancy", "gauge", "Share of slot-syncs that held a running request.",
                [("", round(m.occupancy, 4))])
         metric("batch_slots", "gauge", "Slots of the engine's batch.", [("", m.batch_size)])
+        metric("speculation_share", "gauge", "Share of decoding cycles run at each draft length (0: plain "
+               "decoding; --speculation auto picks one at each sync).",
+               [(f'{{draft_tokens="{k}"}}', round(v, 4)) for k, v in sorted(m.speculation.items())])
     return "\n".join(lines) + "\n"
 
 
