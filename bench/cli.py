@@ -228,8 +228,7 @@ def add_mode_flags(p):
 
     serve = p.add_argument_group("--serve", "python -m infer.serve (a subprocess) against the offline engine, same tokens")
     serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
-    serve.add_argument("--serve-speculation", action="store_true",
-                       help="tokens/s of plain, fixed DFlash and auto servers")
+    serve.add_argument("--serve-speculation", action="store_true", help="tokens/s: plain, fixed, auto servers")
     serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
                        help="streams (default 1, batch, 32); prompts >= largest")
     serve.add_argument("--serve-sync-every", type=int, default=SERVER_SYNC_EVERY, metavar="N",

@@ -107,6 +107,9 @@ class BatchEngine:
             raise DFlashError(f"block size must be >= 1, got {block_size}")
         if block_size > 1 and drafter_config is None:
             raise DFlashError(f"block size {block_size} needs a drafter (block size 1 is plain decoding)")
+        if draft_tokens is not None and block_size > 1 and not 1 <= draft_tokens <= block_size - 1:
+            raise DFlashError(f"draft tokens must be in 1..{block_size - 1} for block size {block_size}, "
+                              f"got {draft_tokens}")
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:
