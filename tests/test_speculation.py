@@ -73,11 +73,18 @@ def test_the_policy_times_every_candidate_first_probes_while_plain_wins_and_fade
         policy.observe(k, 8, 2, {0: 0.01, 3: 0.05, 7: 0.09}[k] * 2, np.zeros(7), np.zeros(7))
     assert seen == [0, 3, 7]
     assert policy.pick(4) == 0  # another width is timed on its own
-    # Drafts never accepted: plain decoding wins, and every 4th plain call probes the shortest K.
+    # Drafts never accepted: plain decoding wins, and every 4th pick runs the other draft length
+    # timed longest ago (3, then, once 3 is timed again, 7), so that no cost goes stale.
     policy.observe(3, 8, 10, None, np.r_[np.full(1, 80), np.zeros(6)], np.zeros(7))
-    picks = [policy.pick(8) for _ in range(8)]
-    assert picks == [0, 0, 0, 3, 0, 0, 0, 3]
-    assert policy.share() == {0: 2 / 16, 3: 12 / 16, 7: 2 / 16}  # cycles observed, by draft length
+    picks = [policy.pick(8) for _ in range(4)]
+    policy.observe(3, 8, 2, 0.1, np.zeros(7), np.zeros(7))
+    picks += [policy.pick(8) for _ in range(4)]
+    assert picks == [0, 0, 0, 3, 0, 0, 0, 7]
+    assert policy.share() == {0: 2 / 18, 3: 14 / 18, 7: 2 / 18}  # cycles observed, by draft length
+    # A cost is the median of its recent calls: one slowed call does not move it.
+    for seconds in (0.02, 0.02, 0.5):
+        policy.observe(0, 8, 2, seconds)
+    assert policy.costs[(8, 0)] == pytest.approx(0.01)
     # Counts fade to about 512 row-cycles: the rates follow the rows now running.
     counts = AcceptanceCounts(2)
     counts.add(np.array([10000.0, 0]), np.array([0.0, 0]))
