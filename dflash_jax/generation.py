@@ -65,6 +65,7 @@ class GenerationJob:
     enable_thinking: bool = False  # enable_thinking=True for the chat template (Qwen3)
     max_prompt_len: int | None = None  # sizes the KV cache (None: the longest prompt, rounded up)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
     page_size: int = _ENGINE.page_size  # K/V positions per page
     sync_every: int = _ENGINE.sync_every  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
