@@ -40,7 +40,7 @@ class PrefixPool(PagePool):
     """A `PagePool` that keeps registered prompt pages for later prompts (see the module's doc).
 
     refs[p]: rows holding page p. index: key -> cached page; key_of: cached page -> its key.
-    idle: cached pages no row holds, least recently used first."""
+    idle: cached pages no row holds, least recently used first. evicted: how many were evicted."""
 
     def __init__(self, num_pages: int, page_size: int):
         super().__init__(num_pages)
@@ -49,6 +49,7 @@ class PrefixPool(PagePool):
         self.index: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evicted = 0  # pages evicted so far
 
     @property
     def available(self) -> int:
@@ -79,6 +80,7 @@ class PrefixPool(PagePool):
             page, _ = self.idle.popitem(last=False)
             del self.index[self.key_of.pop(page)]
             self.free.append(page)
+            self.evicted += 1
         fresh = super().take(n)
         for p in fresh:
             self.refs[p] = 1
