@@ -234,7 +234,7 @@ def add_mode_flags(p):
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
                        help="others' ITL while N-token prompts arrive (0: skip)")
     serve.add_argument("--prefix-cache-ttft", action="store_true",
-                       help="mode: TTFT, 2nd prompt on a cached 1024-token prefix")
+                       help="mode: TTFT on a cached 1024-token prefix")
 
 
 def env_info() -> dict:
