@@ -101,6 +101,6 @@ def run_prefix_ttft(args) -> dict:
     print(f"median over {len(runs)}: first {median['first_ttft_ms']} ms, second {median['second_ttft_ms']} ms, "
           f"ratio {median['ratio']:.3f} (goal <= 0.333); prompt tokens from the cache: {hit_rate:.1%}")
     return dict(pair=pair_record(pair), prefix_tokens=shared, suffix_tokens=SUFFIX_TOKENS,
-                prompt_lengths=[[len(p) for p in two] for two in pairs], kv_pages=pages, **kw, repeats=runs,
+                prompt_lengths=[[len(p) for p in two] for two in pairs], **kw, repeats=runs,
                 median=median, prefix_hit_rate=round(hit_rate, 4),
                 tokens_equal_offline=all(run["tokens_equal_offline"] for run in runs))
