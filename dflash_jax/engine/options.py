@@ -87,6 +87,8 @@ class EngineOptions:
             raise InputError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
         if self.prefix_cache == "on" and self.kv_pages is None:
             raise InputError("--prefix-cache on needs a page pool (--kv-pages): it shares the pool's pages")
+        if self.prefix_cache == "on" and getattr(self, "draft_window", None):
+            raise InputError("--prefix-cache on cannot share the drafter's context as a ring (--draft-window)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
 
