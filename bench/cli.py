@@ -223,8 +223,7 @@ def add_mode_flags(p):
     vllm.add_argument("--vllm", action="store_true",
                       help="same pair and prompts, plain/DFlash alternating")
     vllm.add_argument("--vllm-fix-knorm", action="store_true",
-                      help="each drafter layer's own context k_norm where vLLM CPU's rms_norm uses layer 0's "
-                           "(the bench says so)")
+                      help="each layer's own k_norm (vLLM CPU uses layer 0's)")
 
     serve = p.add_argument_group("--serve", "python -m infer.serve (a subprocess) against the offline engine, same tokens")
     serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
@@ -237,6 +236,8 @@ def add_mode_flags(p):
                        help="the server's --prefill-chunk (default 512)")
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
                        help="others' ITL while N-token prompts arrive (0: skip)")
+    serve.add_argument("--prefix-cache-ttft", action="store_true",
+                       help="mode: TTFT on a cached 1024-token prefix")
 
 
 def env_info() -> dict:
@@ -253,7 +254,7 @@ def env_info() -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload",
-                         "page_pool", "vllm", "serve") if getattr(args, m)]
+                         "page_pool", "vllm", "serve", "prefix_cache_ttft") if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
@@ -329,6 +330,10 @@ def run(args, mode: str) -> int:
             result["serve_speculation"] = run_speculation_bench(args)
         else:
             result["serve"] = run_serve_bench(args)
+    elif mode == "prefix_cache_ttft":
+        from bench.prefix_bench import run_prefix_ttft
+
+        result["prefix_cache_ttft"] = run_prefix_ttft(args)
     elif mode == "vllm":
         from bench.vllm_peer import run_vllm_peer
 

@@ -66,6 +66,7 @@ class GenerationJob:
     enable_thinking: bool = False  # enable_thinking=True for the chat template (Qwen3)
     max_prompt_len: int | None = None  # sizes the KV cache (None: the longest prompt, rounded up)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
     page_size: int = _ENGINE.page_size  # K/V positions per page
     sync_every: int = _ENGINE.sync_every  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
@@ -595,6 +596,7 @@ class JobRun:
         self.watchdog = job.engine.watchdog()
         self.gen = self.engine(job.block_size)
         self.stats = GenerationStats(self.gen.spec.block_size)
+        self.prefix = [0, 0]  # prompt tokens served from the prefix cache, and all
 
     def engine(self, block_size: int | None):
         from dflash_jax.engine import Sampling
@@ -683,6 +685,9 @@ class JobRun:
             shown = dict(tau=f"{stats.tau:.2f}") if gen.spec.block_size > 1 else {}
             bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
             bar.update(1)  # redraws at most every mininterval
+        if gen.prefix_cache and runnable:
+            self.prefix[0] += gen.ledger.cached_tokens
+            self.prefix[1] += gen.ledger.prompt_tokens
         return next_pending
 
     def summary(self) -> dict:
@@ -706,6 +711,10 @@ class JobRun:
             summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
             if jax.default_backend() == "cpu" and block_size > 1:
                 summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
+        if gen.prefix_cache:
+            cached, prompt = self.prefix
+            summary["prefix_cache"] = dict(prompt_tokens=prompt, cached_prompt_tokens=cached,
+                                           hit_rate=round(cached / prompt, 4) if prompt else 0.0)
         summary["prompts"] = "the demo's prompts" if job.demo and job.input is None else str(self.plan.input_path)
         if job.demo and block_size > 1:
             summary["heldout"] = demo_figures()["heldout"]

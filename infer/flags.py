@@ -61,6 +61,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                           "finishes, so the cache is sized by N, not batch x the longest row, and many short rows "
                           "share what one long row would reserve; prompts wait for pages (default: per-row "
                           "caches)"),
+    "prefix_cache": dict(choices=("on", "off"),
+                         help="with --kv-pages, keep prompts' full pages cached and share them with later prompts "
+                              "that start the same tokens, which prefill only the rest; least recently used pages are "
+                              "evicted (default: on with a pool, unless the target keeps a per-row ring or state)"),
     "page_size": dict(type=int, metavar="N", help="K/V positions per page"),
     "sync_every": dict(type=int, metavar="N", help="decoding cycles per host sync"),
     "narrow_tail": dict(action="store_true",
@@ -83,12 +87,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
 BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "speculation",
-                      "batch_size", "dtype", "max_prompt_len",
-                      "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
+                      "batch_size", "dtype", "max_prompt_len", "kv_pages", "prefix_cache", "page_size", "sync_every",
+                      "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
-                       "acceptance", "speculation",
-                       "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
+                       "acceptance", "speculation", "sync_every", "prefill_chunk", "kv_pages", "prefix_cache",
+                       "page_size", "dtype", "mesh", "stall_timeout")
 
 
 def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None = None,

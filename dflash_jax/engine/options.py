@@ -57,6 +57,7 @@ class EngineOptions:
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
     page_size: int = PAGE_SIZE  # K/V positions per page
     sync_every: int = SYNC_EVERY  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
@@ -86,6 +87,12 @@ class EngineOptions:
             raise InputError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        if self.prefix_cache not in (None, "on", "off"):
+            raise InputError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+        if self.prefix_cache == "on" and self.kv_pages is None:
+            raise InputError("--prefix-cache on needs a page pool (--kv-pages): it shares the pool's pages")
+        if self.prefix_cache == "on" and getattr(self, "draft_window", None):
+            raise InputError("--prefix-cache on cannot share the drafter's context as a ring (--draft-window)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
 
@@ -120,4 +127,5 @@ class EngineOptions:
             watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
             admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
-            acceptance=self.acceptance, speculation=self.speculation)
+            acceptance=self.acceptance, speculation=self.speculation,
+            prefix_cache=None if self.prefix_cache is None else self.prefix_cache == "on")

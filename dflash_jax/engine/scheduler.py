@@ -17,6 +17,12 @@ it finishes. So the memory goes to the rows' own lengths, not batch x the longes
 batch of many slots fits where per-slot caches would not; a prompt waits while the pool is
 short (never a row stalled mid-way: what a row is given covers its whole life). Layers that all
 slide keep only their window, in a ring per row (`KVCache.ring`), instead of pages.
+
+Prefix caching (`prefix_cache`, on by default with a pool where the target allows it): a prompt's
+full pages, once it is in, stay in the pool under a hash chain of their tokens, and a later prompt
+that starts with the same pages holds them (target and drafter context K/V alike) and prefills
+only the rest (`dflash_jax.kv.prefix`). The pool, and what it caches, outlive a `generate` call
+(while its state does).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.kv import PAGE_SIZE, page_table, pages_needed
+from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling
@@ -43,6 +49,20 @@ from dflash_jax.engine.step import (DecodeState, EngineSpec, cancel, init_state,
 from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
+
+
+def prefix_refusal(spec: EngineSpec) -> str | None:
+    """Why prefix caching cannot serve this engine, or None: it shares a pool's pages, so it needs
+    one, and every cache the rows write must be paged (no per-row ring or recurrent state)."""
+    if not spec.kv_pages:
+        return "it needs a page pool (--kv-pages)"
+    if spec.target.num_linear_layers:
+        return "the target's recurrent (delta-net) layers keep a state per row, which cannot be paged and shared"
+    if ring_length(spec.target, spec.cache_len, spec.page_size, max(spec.prefill_chunk, spec.verify_len)):
+        return "the target's sliding layers keep a ring per row, whose pages are written over"
+    if getattr(spec, "draft_window", None) or getattr(spec.drafter, "draft_window", None):
+        return "the drafter's context is a ring per row (--draft-window), whose pages are written over"
+    return None
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -78,7 +98,8 @@ class BatchEngine:
     acceptance: how a DFlash2 drafter's sampled rows accept drafts (`ACCEPTANCE_RULES`; rejection
     sampling against its selector's proposal, or sample-and-match of its argmax walk). watchdog:
     every wait on the device runs inside its `waiting`, so a stalled device ends the run with a
-    one-line error instead of a hang.
+    one-line error instead of a hang. prefix_cache: True, False, or None (on where it can work:
+    `prefix_refusal`); True where it cannot is a one-line error.
 
     narrow_tail: once no prompt waits and the rows still running fit fewer slots, they move to
     a narrower state (`narrow_state`; widths 2^k and 3 * 2^k below the batch, each divisible by
@@ -98,7 +119,7 @@ class BatchEngine:
                  watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
                  admission_widths: Sequence[int] | None = None, tree_budget: int = 0,
                  acceptance: str = ACCEPTANCE_RULES[0], speculation: str = "fixed",
-                 candidates: Sequence[int] | None = None):
+                 candidates: Sequence[int] | None = None, prefix_cache: bool | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -135,6 +156,10 @@ class BatchEngine:
         self.specs = {k: self.spec.with_drafts(k) for k in self.candidates}
         self.policy = Speculation(self.candidates, tally_depth(self.spec), tree=bool(self.spec.tree_budget))
         self._last_read = 0.0  # when the host last read a call's figures (a call's wall time starts no earlier)
+        refusal = prefix_refusal(self.spec)
+        if prefix_cache and refusal:
+            raise DFlashError(f"--prefix-cache on: {refusal}")
+        self.prefix_cache = prefix_cache is not False and refusal is None
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
         self.mesh, self.watchdog = mesh, watchdog
@@ -225,8 +250,14 @@ class BatchEngine:
 
     def _take_state(self) -> DecodeState:
         """The state the last `generate` left (every slot free again), or a new one: the caches
-        are allocated and zeroed once, not per call (a call whose tail narrowed leaves none)."""
+        are allocated and zeroed once, not per call (a call whose tail narrowed leaves none).
+        With prefix caching, `_prefix_pool` is then the pool whose pages that state's caches
+        hold (what the last call cached), or a new one."""
         state, self._idle = getattr(self, "_idle", None), None
+        pool = getattr(self, "_prefix_pool", None)
+        if state is None or pool is None or not pool.whole():
+            pool = PrefixPool(self.spec.kv_pages, self.spec.page_size) if self.prefix_cache else None
+        self._prefix_pool = pool
         return self.new_state() if state is None else state
 
     def _bucket(self, prompt) -> int:
@@ -235,14 +266,17 @@ class BatchEngine:
     def admit(self, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
               row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0,
               pages: Sequence[Sequence[int]] | None = None,
-              sampling: Sequence[Sampling] | None = None) -> DecodeState:
+              sampling: Sequence[Sampling] | None = None, starts: Sequence[int] | None = None) -> DecodeState:
         """Prefill prompts into the given free slots of a state (grouped by prompt bucket, each
         group padded to an admission width). With a page pool, pages[i] are the pool pages
         prompt i's row holds (None: no pages, every write dropped: the warm-up's compiles).
         sampling[i]: row i's, in a per-row engine (default: the engine's Sampling for every
-        row). The state is donated."""
+        row). starts[i] (prefix caching): prompt i's first starts[i] positions are its first
+        pages, cached: only the rest is prefilled (its bucket the rest's). The state is donated."""
         pool = self.spec.kv_pages
         pages_per_row = state.target_cache.pages.shape[1] if pool else 0
+        starts = list(starts) if starts is not None else [0] * len(prompts)
+        prompts = [p[s:] for p, s in zip(prompts, starts)]
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(self._bucket(p), []).append(i)
@@ -258,9 +292,9 @@ class BatchEngine:
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
                 temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
-                top_k = np.zeros((width,), np.int32)
+                top_k, begin = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
                 for j, i in enumerate(chunk):
-                    tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
+                    tokens[j, :len(prompts[i])], lens[j], begin[j] = prompts[i], len(prompts[i]), starts[i]
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
                     temperature[j], top_k[j], top_p[j] = rows[i].temperature, rows[i].top_k, rows[i].top_p
                 row_sampling = (put(temperature), put(top_k), put(top_p)) if per_row else None
@@ -270,7 +304,7 @@ class BatchEngine:
                                            pages_per_row))
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
                                 put(ids), np.int32(seed), put(limits), self.stop_ids, table,
-                                row_sampling)
+                                row_sampling, starts=put(begin) if self.prefix_cache else None)
         return state
 
     def _admission_parts(self, chunk: list[int]) -> list[list[int]]:
@@ -412,8 +446,11 @@ class BatchEngine:
         if not prompts:
             return
         # The ledger's rows are the prompts' positions in `prompts`.
+        state = self._take_state()
         ledger = SlotLedger(self.batch_size, self.spec.kv_pages, self.stop_set,
-                            lambda i: self.pages_needed(len(prompts[i]), limits[i]))
+                            lambda i: self.pages_needed(len(prompts[i]), limits[i]), lambda i: prompts[i],
+                            self._prefix_pool)
+        self.ledger = ledger  # the last call's (its cached_tokens / prompt_tokens: the prefix cache's hit rate)
         # Longest first: a long row admitted last would run on alone while the other slots
         # idle; admitting by descending limit (stable: equal limits keep their order) leaves
         # the short rows for the end, where they fill the slots the long ones free.
@@ -424,11 +461,13 @@ class BatchEngine:
             slots, new = ledger.admit_waiting()
             if not new:
                 return state, False
-            return self.admit(state, slots, [prompts[i] for i in new], [indices[i] for i in new],
-                              [limits[i] for i in new], seed, ledger.tables(slots),
-                              None if sampling is None else [sampling[i] for i in new]), True
+            state = self.admit(state, slots, [prompts[i] for i in new], [indices[i] for i in new],
+                               [limits[i] for i in new], seed, ledger.tables(slots),
+                               None if sampling is None else [sampling[i] for i in new], ledger.starts(slots))
+            ledger.register(slots)
+            return state, True
 
-        state, _ = fill(self._take_state())
+        state, _ = fill(state)
         state, call = self.launch(state, ledger.width, until_free=bool(ledger.waiting), timed=False)
         columns = None  # the slots of a narrowed state in the wider one its pending figures are of
         while True:

@@ -26,6 +26,10 @@ def render_metrics(m) -> str:
         metric("requests_finished_total", "counter", "Requests ended, by finish reason.",
                [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)])
         metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", m.prompt_tokens)])
+        metric("prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache (not prefilled).",
+               [("", m.cached_prompt_tokens)])
+        metric("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache, of all prompt tokens.",
+               [("", round(m.prefix_hit_rate, 4))])
         metric("generation_tokens_total", "counter", "Tokens generated and sent.", [("", m.generation_tokens)])
         metric("tokens_per_second", "gauge", "Tokens generated per second of time with requests running.",
                [("", round(m.tokens_per_second, 3))])
