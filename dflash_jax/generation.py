@@ -58,6 +58,7 @@ class GenerationJob:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
     acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
+    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
@@ -692,6 +693,8 @@ class JobRun:
         block_size = gen.spec.block_size
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
+        if gen.spec.draft_window:
+            summary["draft_window"] = gen.spec.draft_window
         if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept
             summary["dflash2"] = True
             summary["acceptance"] = "rejection" if gen.spec.rejection else "match"

@@ -43,6 +43,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                             "having the target's distribution; match drafts the selector's argmax and keeps a draft "
                             "while it equals the target's own sample, the output then equal to plain decoding's with "
                             "the same seed. Greedy rows, and DFlash drafters, always match"),
+    "draft_window": dict(type=int, metavar="N",
+                         help="the drafter sees only each row's last N committed positions, its context cache a "
+                              "ring of them (N plus a write's worth per row, even with --kv-pages): its memory "
+                              "and cost stop growing with the context, the output is unchanged (default: all)"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -76,11 +80,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
-BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "batch_size", "dtype", "max_prompt_len",
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "draft_window",
+                      "batch_size", "dtype", "max_prompt_len",
                       "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
-                       "acceptance",
+                       "acceptance", "draft_window",
                        "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
 
 
