@@ -59,6 +59,7 @@ class GenerationJob:
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
     acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
     speculation: str = _ENGINE.speculation  # "auto": each sync's draft length picked by cost; "fixed": K always
+    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
@@ -700,6 +701,8 @@ class JobRun:
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
         if len(gen.candidates) > 1:  # auto speculation: the draft lengths it ran, and why
             summary["speculation"] = gen.policy.summary()
+        if gen.spec.draft_window:
+            summary["draft_window"] = gen.spec.draft_window
         if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept
             summary["dflash2"] = True
             summary["acceptance"] = "rejection" if gen.spec.rejection else "match"

@@ -49,6 +49,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                              "K or --tree-budget N: 0 and that) and run, at each sync, the one of the most expected "
                              "tokens/s, from each one's timed cost and the acceptance measured; output unchanged. "
                              "fixed: always --draft-tokens (or the tree)"),
+    "draft_window": dict(type=int, metavar="N",
+                         help="the drafter sees only each row's last N committed positions, its context cache a "
+                              "ring of them (N plus a write's worth per row, even with --kv-pages): its memory "
+                              "and cost stop growing with the context, the output is unchanged (default: all)"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -87,12 +91,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
 BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "speculation",
-                      "batch_size", "dtype", "max_prompt_len", "kv_pages", "prefix_cache", "page_size", "sync_every",
-                      "narrow_tail", "mesh", "stall_timeout")
+                      "draft_window", "batch_size", "dtype", "max_prompt_len", "kv_pages", "prefix_cache", "page_size",
+                      "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
-                       "acceptance", "speculation", "sync_every", "prefill_chunk", "kv_pages", "prefix_cache",
-                       "page_size", "dtype", "mesh", "stall_timeout")
+                       "acceptance", "speculation", "draft_window", "sync_every", "prefill_chunk", "kv_pages",
+                       "prefix_cache", "page_size", "dtype", "mesh", "stall_timeout")
 
 
 def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None = None,

@@ -34,7 +34,7 @@ SERVER_SYNC_EVERY = 2
 _NON_NEGATIVE = ("tree_budget",)
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
-             "kv_pages", "page_size", "prefill_chunk")
+             "kv_pages", "page_size", "prefill_chunk", "draft_window")
 
 
 def flag(name: str) -> str:
@@ -54,6 +54,7 @@ class EngineOptions:
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
     acceptance: str = ACCEPTANCE_RULES[0]  # how a DFlash2 drafter's sampled rows accept drafts
     speculation: str = SPECULATION_MODES[0]  # "auto": the draft length of each sync picked by cost; "fixed"
+    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
@@ -128,4 +129,5 @@ class EngineOptions:
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
             admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
             acceptance=self.acceptance, speculation=self.speculation,
-            prefix_cache=None if self.prefix_cache is None else self.prefix_cache == "on")
+            prefix_cache=None if self.prefix_cache is None else self.prefix_cache == "on",
+            draft_window=self.draft_window if drafting else None)

@@ -95,6 +95,9 @@ class BatchEngine:
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
     block is nearly free. tree_budget N (default 0, the chain) verifies a draft tree of N nodes
     per cycle instead (`dflash_jax.engine.tree`): more tokens accepted per cycle, the same output.
+    draft_window N (default None, all) lets each block see only its row's last N committed
+    positions, the drafter's context cache a ring of them: its memory and cost stop growing with
+    the context, the output is the same.
     acceptance: how a DFlash2 drafter's sampled rows accept drafts (`ACCEPTANCE_RULES`; rejection
     sampling against its selector's proposal, or sample-and-match of its argmax walk). watchdog:
     every wait on the device runs inside its `waiting`, so a stalled device ends the run with a
@@ -119,7 +122,8 @@ class BatchEngine:
                  watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
                  admission_widths: Sequence[int] | None = None, tree_budget: int = 0,
                  acceptance: str = ACCEPTANCE_RULES[0], speculation: str = "fixed",
-                 candidates: Sequence[int] | None = None, prefix_cache: bool | None = None):
+                 candidates: Sequence[int] | None = None, prefix_cache: bool | None = None,
+                 draft_window: int | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -149,7 +153,7 @@ class BatchEngine:
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=self.max_prompt_len + max_new_tokens + max(2 * block_size, tree_budget + 1), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
-            tree_budget=tree_budget, acceptance=acceptance,
+            tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
         )
         self.candidates = self._candidates(speculation, candidates)
         # The programs a call can run, by draft length: one (`fixed`), or auto speculation's.

@@ -61,11 +61,14 @@ class EngineSpec:
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (`dflash_jax.engine.tree`); 0: the chain
     acceptance: str = "rejection"  # how sampled rows of a DFlash2 drafter accept drafts (`ACCEPTANCE_RULES`)
+    draft_window: int | None = None  # a block sees its row's last N committed positions, kept in a ring (None: all)
 
     def __post_init__(self):
         k, b, n = self.draft_tokens, self.block_size, self.tree_budget
         if self.acceptance not in ACCEPTANCE_RULES:
             raise DFlashError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise DFlashError(f"--draft-window must be >= 1, got {self.draft_window}")
         if n:
             check_tree(self.target, b, n, k, self.drafter)
         if k is None:
@@ -210,11 +213,13 @@ def _hits_stop(tokens, stop_ids):
 def init_state(spec: EngineSpec, batch: int) -> DecodeState:
     """`batch` free slots: every row done, caches empty (allocated once, reused by every row)."""
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    chunk = max(spec.prefill_chunk, spec.verify_len)  # the most positions one call writes
     return constrain_state(DecodeState(
         target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size,
-                                num_pages=spec.kv_pages, ring_chunk=max(spec.prefill_chunk, spec.verify_len)),
+                                num_pages=spec.kv_pages, ring_chunk=chunk),
         context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size,
-                                          num_pages=spec.kv_pages) if spec.uses_drafter else None),
+                                          num_pages=spec.kv_pages, window=spec.draft_window, ring_chunk=chunk)
+                       if spec.uses_drafter else None),
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
@@ -316,7 +321,7 @@ def _fresh_rows(cache, slots, pages, starts=None):
     cache = cache.reset_rows(slots)
     if starts is not None:
         cache = cache.replace(lengths=cache.lengths.at[slots].set(starts, mode="drop"))
-    return cache if pages is None else cache.assign_pages(slots, pages)
+    return cache if pages is None or cache.pages is None else cache.assign_pages(slots, pages)  # a ring: no pages
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "begin"), donate_argnames=("state",))
