@@ -64,8 +64,9 @@ def test_default_candidates():
     assert default_candidates(16, tree_budget=24) == (0, 24)
 
 
-def test_the_policy_times_every_candidate_first_probes_while_plain_wins_and_fades_old_counts():
-    policy = Speculation((0, 3, 7), depth=7, probe_every=4)
+def test_the_policy_times_every_candidate_first_reprobes_by_time_and_fades_old_counts():
+    now = [0.0]
+    policy = Speculation((0, 3, 7), depth=7, probe_share=0.01, clock=lambda: now[0])
     seen = []
     for _ in range(3):  # each untimed draft length once, plain decoding first
         k = policy.pick(8)
@@ -73,14 +74,18 @@ def test_the_policy_times_every_candidate_first_probes_while_plain_wins_and_fade
         policy.observe(k, 8, 2, {0: 0.01, 3: 0.05, 7: 0.09}[k] * 2, np.zeros(7), np.zeros(7))
     assert seen == [0, 3, 7]
     assert policy.pick(4) == 0  # another width is timed on its own
-    # Drafts never accepted: plain decoding wins, and every 4th pick runs the other draft length
-    # timed longest ago (3, then, once 3 is timed again, 7), so that no cost goes stale.
+    # Drafts never accepted: plain decoding wins. A draft length is run again once the time since it
+    # was timed is 100x its last call's (1% of the time each): 3's call took 0.1 s, 7's 0.18 s.
     policy.observe(3, 8, 10, None, np.r_[np.full(1, 80), np.zeros(6)], np.zeros(7))
-    picks = [policy.pick(8) for _ in range(4)]
-    policy.observe(3, 8, 2, 0.1, np.zeros(7), np.zeros(7))
-    picks += [policy.pick(8) for _ in range(4)]
-    assert picks == [0, 0, 0, 3, 0, 0, 0, 7]
-    assert policy.share() == {0: 2 / 18, 3: 14 / 18, 7: 2 / 18}  # cycles observed, by draft length
+    picks = []
+    for t in (5.0, 9.9, 10.1, 10.2, 18.1):
+        now[0] = t
+        k = policy.pick(8)
+        picks.append(k)
+        if k:
+            policy.observe(k, 8, 2, {3: 0.1, 7: 0.18}[k])
+    assert picks == [0, 0, 3, 0, 7]
+    assert policy.share() == {0: 2 / 20, 3: 14 / 20, 7: 4 / 20}  # cycles observed, by draft length
     # A cost is the median of its recent calls: one slowed call does not move it.
     for seconds in (0.02, 0.02, 0.5):
         policy.observe(0, 8, 2, seconds)

@@ -156,6 +156,8 @@ class BatchEngine:
             tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
         )
         self.candidates = self._candidates(speculation, candidates)
+        if 0 in self.candidates and self.spec.uses_drafter:  # auto's plain cycles keep their taps for later
+            self.spec = dataclasses.replace(self.spec, lazy_context=True)
         # The programs a call can run, by draft length: one (`fixed`), or auto speculation's.
         self.specs = {k: self.spec.with_drafts(k) for k in self.candidates}
         self.policy = Speculation(self.candidates, tally_depth(self.spec), tree=bool(self.spec.tree_budget))

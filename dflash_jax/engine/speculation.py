@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Mapping, Sequence
+import time
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -112,21 +113,20 @@ class Speculation:
     prefill ran before it in the same wait). A cost is kept per (width, K): the median seconds per
     cycle of its last `window` timed calls, so that a call slowed by the host (a burst of
     admissions, another process) does not move it; until a K is timed at a width it is tried first.
-    Every `probe_every`-th pick runs, instead of the best, the other K whose cost was timed longest
-    ago (the shortest drafting K when the drafts' acceptance is what is stale: plain decoding
-    winning), so that no cost or rate goes stale while another K runs. `share()` is the share of
-    cycles each K ran."""
+    So that no cost (nor, while plain decoding wins, the drafts' acceptance) goes stale while
+    another K runs, a K other than the best is run again once the time since it was last timed is
+    its last call's time / `probe_share` (each K then takes about that share of the time: 1%).
+    `clock` gives seconds (tests pass their own). `share()` is the share of cycles each K ran."""
 
-    def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_every: int = 32,
-                 window: int = 9):
+    def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_share: float = 0.01,
+                 window: int = 9, clock: Callable[[], float] = time.monotonic):
         self.candidates = tuple(sorted(set(candidates)))
         self.tree = tree  # the one drafting candidate is a tree: its rates are per depth, all its own
         self.counts = AcceptanceCounts(depth)
         self.samples: dict[tuple[int, int], collections.deque] = {}
-        self.timed_at: dict[tuple[int, int], int] = {}  # the pick count when each cost was last timed
+        self.timed: dict[tuple[int, int], tuple[float, float]] = {}  # when each was last timed, that call's seconds
         self.cycles: dict[int, int] = {k: 0 for k in self.candidates}
-        self.probe_every, self.window = probe_every, window
-        self._picks = 0
+        self.probe_share, self.window, self.clock = probe_share, window, clock
 
     @property
     def costs(self) -> dict[tuple[int, int], float]:
@@ -142,16 +142,16 @@ class Speculation:
         return expected_tokens(self.rates(), k)
 
     def pick(self, width: int) -> int:
-        self._picks += 1
         untimed = [k for k in self.candidates if (width, k) not in self.samples]
         if untimed:
             return untimed[0]
         costs = self.costs
         best = max(self.candidates, key=lambda k: (self._tokens(k) / costs[(width, k)], -k))
-        if len(self.candidates) > 1 and self._picks % self.probe_every == 0:
-            others = [k for k in self.candidates if k != best]
-            return min(others, key=lambda k: (self.timed_at.get((width, k), 0), k))
-        return best
+        now = self.clock()
+        overdue = {k: (now - self.timed[(width, k)][0]) * self.probe_share / self.timed[(width, k)][1]
+                   for k in self.candidates if k != best}
+        due = [k for k, late in overdue.items() if late >= 1]
+        return max(due, key=lambda k: (overdue[k], -k)) if due else best
 
     def observe(self, k: int, width: int, cycles: int, seconds: float | None, tried=None, accepted=None):
         """A call of `cycles` cycles of k drafts on `width` slots: its wall seconds (None: not its own)
@@ -170,7 +170,7 @@ class Speculation:
             return
         key = (width, k)
         self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(seconds / cycles)
-        self.timed_at[key] = self._picks
+        self.timed[key] = (self.clock(), seconds)
 
     def share(self) -> dict[int, float]:
         total = sum(self.cycles.values())

@@ -28,7 +28,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from dflash_jax.kv import PAGE_SIZE
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.dflash2 import predecessors, unary_scores, walk
 from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context
 from dflash_jax.engine.sampling import (ACCEPTANCE_RULES, Sampling, draw_keys, greedy_pick, position_keys,
@@ -61,6 +61,10 @@ class EngineSpec:
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (`dflash_jax.engine.tree`); 0: the chain
     acceptance: str = "rejection"  # how sampled rows of a DFlash2 drafter accept drafts (`ACCEPTANCE_RULES`)
+    # Auto speculation's plain cycles (draft_tokens 0) keep the taps of what they commit in
+    # `DecodeState.taps` and the drafter's context takes them B at a time (`flush_taps`), not every
+    # cycle: a plain cycle then costs what plain decoding costs, near enough.
+    lazy_context: bool = False
     draft_window: int | None = None  # a block sees its row's last N committed positions, kept in a ring (None: all)
 
     def __post_init__(self):
@@ -140,6 +144,9 @@ class DecodeState:
     done:           [batch] the row needs no more cycles (also true for a free slot).
     max_new_tokens: [batch] this row's own limit (<= the spec's).
     temperature, top_k, top_p: [batch] this row's sampling (a per-row engine's; else unused).
+    taps, num_taps: with spec.lazy_context, [batch, B, n_taps * hidden] the tap features of positions
+                    committed by plain cycles and not yet in the drafter's context, and how many
+                    ([batch]; the context's length + num_taps is the target's); else [batch, 0, 0].
     filling:        [batch] the slot's prompt is being prefilled piece by piece (`prefill_part`):
                     done (cycles pass over it), but cycles keep its caches and pages.
     """
@@ -158,6 +165,8 @@ class DecodeState:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    taps: jax.Array
+    num_taps: jax.Array
     filling: jax.Array
 
 
@@ -225,8 +234,16 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
         row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
         temperature=jnp.zeros((batch,), jnp.float32), top_k=zeros(batch), top_p=jnp.ones((batch,), jnp.float32),
+        taps=jnp.zeros((batch, *_taps_shape(spec)), jnp_dtype(spec.target.dtype)), num_taps=zeros(batch),
         filling=jnp.zeros((batch,), bool),
     ), spec.mesh)
+
+
+def _taps_shape(spec: EngineSpec) -> tuple[int, int]:
+    """Positions and width of `DecodeState.taps` (none without spec.lazy_context)."""
+    if not (spec.lazy_context and spec.uses_drafter):
+        return (0, 0)
+    return (spec.block_size, len(spec.taps) * spec.target.hidden_size)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -271,7 +288,7 @@ def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_key
         num_cycles=put(state.num_cycles, jnp.zeros((n,), jnp.int32)),
         done=put(state.done, stopped), stopped=put(state.stopped, stopped),
         row_keys=put(state.row_keys, row_keys), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
-        filling=put(state.filling, jnp.zeros((n,), bool)),
+        filling=put(state.filling, jnp.zeros((n,), bool)), num_taps=put(state.num_taps, jnp.zeros((n,), jnp.int32)),
     )
 
 
@@ -507,8 +524,16 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     slot = jnp.arange(state.acceptance.shape[1])[None, :] == state.num_cycles[:, None]
     acceptance = jnp.where(slot & active[:, None], (num_accepted + 1)[:, None], state.acceptance)
     num_generated = state.num_generated + n_new
-    context_cache = state.context_cache
-    if spec.uses_drafter:
+    context_cache, taps, num_taps = state.context_cache, state.taps, state.num_taps
+    if spec.uses_drafter and spec.lazy_context and not spec.num_drafts:
+        # A plain cycle's one position waits in `taps`; all rows' go in once one row has a block of them.
+        put = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice_in_dim(buf, new, at, axis=0))
+        taps = jnp.where(active[:, None, None], put(taps, verified.tap_features.astype(taps.dtype), num_taps), taps)
+        num_taps = num_taps + n_new
+        context_cache, taps, num_taps = jax.lax.cond((num_taps >= taps.shape[1]).any(),
+                                                     functools.partial(flush_taps, dparams, spec), lambda *a: a,
+                                                     context_cache, taps, num_taps)
+    elif spec.uses_drafter:
         context_cache = extend_context(dparams, spec.drafter, verified.tap_features, context_cache, n_new)
     # The reference keeps cycling while generated <= max_new (its `start < max_length`).
     done = state.done | stopped | (num_generated > state.max_new_tokens)
@@ -520,6 +545,7 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     # A filling row (its prompt prefilled piece by piece) keeps its caches: it is done only so that
     # cycles pass over it.
     ended = done & ~state.filling
+    num_taps = jnp.where(ended, 0, num_taps)
     lengths = jnp.where(ended, 0, start + n_new)
     if context_cache is not None:
         context_cache = context_cache.replace(lengths=jnp.where(ended, 0, context_cache.lengths))
@@ -529,8 +555,24 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
         target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
         num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
-        done=done, stopped=state.stopped | stopped,
+        done=done, stopped=state.stopped | stopped, taps=taps, num_taps=num_taps,
     )
+
+
+def flush_taps(dparams, spec: EngineSpec, context_cache: KVCache, taps, num_taps):
+    """The taps plain cycles kept (`DecodeState.taps`) into the drafter's context, in one pass over the
+    block of them; returns (context_cache, taps, num_taps) with none kept."""
+    context_cache = extend_context(dparams, spec.drafter, taps, context_cache, num_taps)
+    return context_cache, taps, jnp.zeros_like(num_taps)
+
+
+def _caught_up(dparams, spec: EngineSpec, state: DecodeState) -> DecodeState:
+    """Before a drafting cycle of an engine whose plain cycles keep their taps: the context takes them."""
+    if not (spec.lazy_context and spec.uses_drafter):
+        return state
+    context_cache, taps, num_taps = jax.lax.cond((state.num_taps > 0).any(), functools.partial(flush_taps, dparams, spec),
+                                                 lambda *a: a, state.context_cache, state.taps, state.num_taps)
+    return state.replace(context_cache=context_cache, taps=taps, num_taps=num_taps)
 
 
 def draft_tree(tparams, dparams, spec: EngineSpec, anchor, context_cache) -> Tree:
@@ -561,6 +603,8 @@ def verify_tree(tparams, spec: EngineSpec, state: DecodeState, tree: Tree):
 
 def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> DecodeState:
     """One draft -> verify -> accept -> commit cycle for every row (no-op for done rows)."""
+    if spec.num_drafts:
+        state = _caught_up(dparams, spec, state)
     if spec.tree_budget:
         tree = draft_tree(tparams, dparams, spec, state.anchor, state.context_cache)
         target_tokens, num_accepted, verified = verify_tree(tparams, spec, state, tree)
@@ -624,7 +668,7 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
     def body(carry):
         i, s, counts = carry
         after = cycle(tparams, dparams, spec, s, stop_ids)
-        return i + 1, after, counts + _tally(spec, s, after)
+        return i + 1, after, counts + _tally(spec, s, after) if spec.num_drafts else counts  # plain: no drafts
 
     counts = jnp.zeros((2, tally_depth(spec)), jnp.int32)
     cycles, state, counts = jax.lax.while_loop(cond, body, (jnp.int32(0), state, counts))
@@ -646,4 +690,5 @@ def cancel(spec: EngineSpec, state: DecodeState, rows) -> DecodeState:
         return cache.replace(lengths=jnp.where(rows, 0, cache.lengths)).release_pages(rows)
 
     return constrain_state(state.replace(target_cache=end(state.target_cache), context_cache=end(state.context_cache),
-                                         done=state.done | rows, filling=state.filling & ~rows), spec.mesh)
+                                         done=state.done | rows, filling=state.filling & ~rows,
+                                         num_taps=jnp.where(rows, 0, state.num_taps)), spec.mesh)
