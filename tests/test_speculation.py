@@ -164,3 +164,42 @@ def test_bad_speculation_settings_are_refused():
         make(speculation="auto", candidates=(0, 9))
     assert make(speculation="auto", draft_tokens=5).candidates == (0, 5)
     assert make(speculation="fixed").candidates == (7,)
+
+
+class Scripted(Speculation):
+    """The draft lengths of a script, in turn: runs of plain cycles long enough to fill the taps kept."""
+
+    def __init__(self, candidates, depth, script, **kw):
+        super().__init__(candidates, depth, **kw)
+        self._turn = itertools.cycle(script)
+
+    def pick(self, width):
+        return next(self._turn)
+
+
+@pytest.mark.heavy
+def test_plain_cycles_taps_reach_the_drafters_context_as_if_extended_every_cycle():
+    """Plain cycles keep their taps and the context takes them a block at a time (when a row's block is
+    full, or before a drafting cycle): the drafts, hence the acceptance lengths, are those of an engine
+    that extends the context at every plain cycle, and the tokens plain decoding's."""
+    import dataclasses
+
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    kw = dict(batch_size=3, max_new_tokens=24, max_prompt_len=32, page_size=16, prefill_chunk=16, sync_every=2)
+    script = [0] * 5 + [3, 7, 0, 0, 3]  # 10 plain cycles in a row: more than a block (8) of taps kept
+
+    def scripted(lazy: bool) -> BatchEngine:
+        gen = BatchEngine(target, tparams, drafter, dparams, block_size=8, speculation="auto", **kw)
+        assert gen.spec.lazy_context
+        if not lazy:
+            gen.spec = dataclasses.replace(gen.spec, lazy_context=False)
+            gen.specs = {k: gen.spec.with_drafts(k) for k in gen.candidates}
+        gen.policy = Scripted(gen.candidates, gen.policy.counts.depth, script)
+        return gen
+
+    ps = list(prompts("qwen3-v8"))
+    lazy, eager = (sorted(scripted(x).generate(ps), key=lambda r: r.index) for x in (True, False))
+    plain = sorted(BatchEngine(target, tparams, None, None, block_size=1, **kw).generate(ps), key=lambda r: r.index)
+    assert [r.output_ids for r in lazy] == [r.output_ids for r in eager] == [r.output_ids for r in plain]
+    assert [r.acceptance_lengths for r in lazy] == [r.acceptance_lengths for r in eager]
+    assert max(a for r in lazy for a in r.acceptance_lengths) > 1
