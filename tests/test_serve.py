@@ -281,6 +281,7 @@ def test_render_metrics_is_prometheus_text_with_cumulative_buckets():
     m.requests["cancelled"] += 1
     m.cycles, m.accepted = 4, 10
     m.speculation = {0: 0.75, 3: 0.25}
+    m.kv_pages = dict(total=10, free=4, cached=3, held=3)
     for a in (1, 3, 3, 4):
         m.acceptance.observe(a)
     for t in (0.004, 0.02, 0.02, 30.0):  # the last beyond every bound: only +Inf counts it
@@ -296,6 +297,7 @@ def test_render_metrics_is_prometheus_text_with_cumulative_buckets():
     assert s["dflash_tau"] == 2.5 and s["dflash_batch_slots"] == 4
     assert s['dflash_speculation_share{draft_tokens="0"}'] == 0.75
     assert s['dflash_speculation_share{draft_tokens="3"}'] == 0.25
+    assert [s[f"dflash_kv_pages_{k}"] for k in ("total", "free", "cached", "held")] == [10, 4, 3, 3]
     assert histogram(s, "dflash_acceptance_length") == [(1, 1), (2, 1), (3, 3), (4, 4), (float("inf"), 4)]
     assert s["dflash_acceptance_length_sum"] == 11 and s["dflash_acceptance_length_count"] == 4
     ttft = histogram(s, "dflash_time_to_first_token_seconds")

@@ -102,6 +102,7 @@ class EngineMetrics:
     requests: dict = dataclasses.field(default_factory=collections.Counter)  # by finish_reason
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # of them, served from the prefix cache (not prefilled)
+    kv_pages: dict = dataclasses.field(default_factory=dict)  # a page pool's pages: total, free, cached (idle), held
     generation_tokens: int = 0
     cycles: int = 0  # decoding cycles of finished rows (tau's denominator)
     accepted: int = 0  # their tokens (tau's numerator)
@@ -133,6 +134,15 @@ class EngineMetrics:
     @property
     def occupancy(self) -> float:
         return self.busy_slot_syncs / self.slot_syncs if self.slot_syncs else 0.0
+
+
+def pool_pages(pool) -> dict:
+    """A page pool's pages (None: no pool): total, free, cached (a prefix cache's, held by no row) and held."""
+    if pool is None:
+        return {}
+    cached = len(getattr(pool, "idle", ()))
+    total = pool.num_pages
+    return dict(total=total, free=len(pool.free), cached=cached, held=total - len(pool.free) - cached)
 
 
 class StreamingEngine:
@@ -315,6 +325,7 @@ class StreamingEngine:
             pending = issued
             with m.lock:
                 m.running, m.waiting = ledger.busy, self._queued_now()
+                m.kv_pages = pool_pages(ledger.pool)
 
     def _cancel_rows(self, ledger: SlotLedger, end):
         """Requests cancelled while they waited end here; those decoding or being filled end as a

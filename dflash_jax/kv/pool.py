@@ -19,6 +19,7 @@ class PagePool:
     """The host's ledger of a page pool: which pages are free."""
 
     def __init__(self, num_pages: int):
+        self.num_pages = num_pages
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
 
     @property

@@ -41,6 +41,13 @@ def render_metrics(m) -> str:
         metric("slot_occupancy", "gauge", "Share of slot-syncs that held a running request.",
                [("", round(m.occupancy, 4))])
         metric("batch_slots", "gauge", "Slots of the engine's batch.", [("", m.batch_size)])
+        for part, text in (("total", "Pages of the K/V page pool (--kv-pages)."),
+                           ("free", "Pool pages free."),
+                           ("cached", "Pool pages the prefix cache keeps that no request holds (evicted first "
+                                      "when the pool runs short)."),
+                           ("held", "Pool pages held by requests decoding or being prefilled.")):
+            if m.kv_pages:
+                metric(f"kv_pages_{part}", "gauge", text, [("", m.kv_pages[part])])
         metric("speculation_share", "gauge", "Share of decoding cycles run at each draft length (0: plain "
                "decoding; --speculation auto picks one at each sync).",
                [(f'{{draft_tokens="{k}"}}', round(v, 4)) for k, v in sorted(m.speculation.items())])
