@@ -114,8 +114,8 @@ class Speculation:
     cycle of its last `window` timed calls, so that a call slowed by the host (a burst of
     admissions, another process) does not move it; until a K is timed at a width it is tried first.
     So that no cost (nor, while plain decoding wins, the drafts' acceptance) goes stale while
-    another K runs, a K other than the best is run again once the time since it was last timed is
-    its last call's time / `probe_share` (each K then takes about that share of the time: 1%).
+    another K runs, a K other than the best is run again once the time since it last ran is its
+    last timed call's time / `probe_share` (each K then takes about that share of the time: 1%).
     `clock` gives seconds (tests pass their own). `share()` is the share of cycles each K ran."""
 
     def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_share: float = 0.01,
@@ -124,7 +124,8 @@ class Speculation:
         self.tree = tree  # the one drafting candidate is a tree: its rates are per depth, all its own
         self.counts = AcceptanceCounts(depth)
         self.samples: dict[tuple[int, int], collections.deque] = {}
-        self.timed: dict[tuple[int, int], tuple[float, float]] = {}  # when each was last timed, that call's seconds
+        self.timed: dict[tuple[int, int], float] = {}  # the seconds of each one's last timed call
+        self.ran: dict[tuple[int, int], float] = {}  # when each last ran (timed or not)
         self.cycles: dict[int, int] = {k: 0 for k in self.candidates}
         self.probe_share, self.window, self.clock = probe_share, window, clock
 
@@ -148,7 +149,7 @@ class Speculation:
         costs = self.costs
         best = max(self.candidates, key=lambda k: (self._tokens(k) / costs[(width, k)], -k))
         now = self.clock()
-        overdue = {k: (now - self.timed[(width, k)][0]) * self.probe_share / self.timed[(width, k)][1]
+        overdue = {k: (now - self.ran[(width, k)]) * self.probe_share / self.timed[(width, k)]
                    for k in self.candidates if k != best}
         due = [k for k, late in overdue.items() if late >= 1]
         return max(due, key=lambda k: (overdue[k], -k)) if due else best
@@ -159,6 +160,7 @@ class Speculation:
         if cycles <= 0:
             return
         self.cycles[k] = self.cycles.get(k, 0) + int(cycles)
+        self.ran[(width, k)] = self.clock()
         if tried is not None and k:
             self.counts.add(np.asarray(tried, float), np.asarray(accepted, float))
         if seconds is not None:
@@ -170,7 +172,8 @@ class Speculation:
             return
         key = (width, k)
         self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(seconds / cycles)
-        self.timed[key] = (self.clock(), seconds)
+        self.timed[key] = seconds
+        self.ran[key] = self.clock()
 
     def share(self) -> dict[int, float]:
         total = sum(self.cycles.values())
