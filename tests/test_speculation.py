@@ -86,10 +86,13 @@ def test_the_policy_times_every_candidate_first_reprobes_by_time_and_fades_old_c
             policy.observe(k, 8, 2, {3: 0.1, 7: 0.18}[k])
     assert picks == [0, 0, 3, 0, 7]
     assert policy.share() == {0: 2 / 20, 3: 14 / 20, 7: 4 / 20}  # cycles observed, by draft length
-    # A cost is the median of its recent calls: one slowed call does not move it.
-    for seconds in (0.02, 0.02, 0.5):
+    # A cost is the least of its recent calls: calls the host slowed do not move it; the oldest leave.
+    for seconds in (0.03, 0.5, 0.5):
         policy.observe(0, 8, 2, seconds)
     assert policy.costs[(8, 0)] == pytest.approx(0.01)
+    for _ in range(9):
+        policy.observe(0, 8, 2, 0.04)
+    assert policy.costs[(8, 0)] == pytest.approx(0.02)
     # Counts fade to about 512 row-cycles: the rates follow the rows now running.
     counts = AcceptanceCounts(2)
     counts.add(np.array([10000.0, 0]), np.array([0.0, 0]))

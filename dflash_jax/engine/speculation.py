@@ -110,9 +110,11 @@ class Speculation:
 
     `pick(width)` gives the K the next call runs; `observe(k, width, cycles, seconds, tried,
     accepted)` records a call's figures (its wall seconds None when they are not its own: a
-    prefill ran before it in the same wait). A cost is kept per (width, K): the median seconds per
-    cycle of its last `window` timed calls, so that a call slowed by the host (a burst of
-    admissions, another process) does not move it; until a K is timed at a width it is tried first.
+    prefill ran before it in the same wait). A cost is kept per (width, K): the least seconds per
+    cycle of its last `window` timed calls. A call's wall time is its cycles' plus whatever else
+    held the host or the device (a burst of admissions, a server's HTTP work, another process),
+    which only adds: a median of such times stuck high keeps a K from being chosen long after the
+    burst, the least does not. Until a K is timed at a width it is tried first.
     So that no cost (nor, while plain decoding wins, the drafts' acceptance) goes stale while
     another K runs, a K other than the best is run again once the time since it last ran is its
     last timed call's time / `probe_share` (each K then takes about that share of the time: 1%).
@@ -131,8 +133,8 @@ class Speculation:
 
     @property
     def costs(self) -> dict[tuple[int, int], float]:
-        """Seconds per cycle of each (width, K) timed: the median of its recent calls."""
-        return {key: float(np.median(v)) for key, v in self.samples.items()}
+        """Seconds per cycle of each (width, K) timed: the least of its recent calls."""
+        return {key: float(min(v)) for key, v in self.samples.items()}
 
     def rates(self) -> list[float]:
         return self.counts.rates()
