@@ -124,8 +124,8 @@ def policy_at(figs: dict, drafts: list[int], rates: list[float]) -> dict:
 
 
 def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[int], cache_len: int) -> dict:
-    """The sweep (module docstring): compiles batch by batch, printing each program's figures and writing
-    the report so far next to --json (`.partial.json`) as it goes."""
+    """The sweep (module docstring): compiles batch by batch in the order given, printing each program's
+    figures and writing the report so far next to --json (`.partial.json`) as it goes."""
     from dflash_jax import attention as attention_
     from dflash_jax.engine.speculation import rates_for_tau
     from dflash_jax.model import abstract_params
@@ -140,7 +140,7 @@ def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[i
     weights = param_bytes(abstract_params(tcfg))
     report = dict(topology=target.name, chip=target.chip_name, chip_spec=dataclasses.asdict(chip),
                   shape=args.shape, context=context, cache_len=cache_len, page_size=args.page_size,
-                  batches=batches, draft_sweep=drafts, paper_tau=args.paper_tau, rates=rates,
+                  batches=sorted(batches), draft_sweep=drafts, paper_tau=args.paper_tau, rates=rates,
                   ridge=chip.flops / chip.bandwidth, programs={}, streaming_rates={}, policy={})
     partial = Path(args.json).with_suffix(".partial.json") if args.json else None
     print(f"sweep: batches {batches}, programs {list(specs)} at context {context} (cache {cache_len}); "
@@ -160,7 +160,7 @@ def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[i
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps(report, indent=1) + "\n")
     report["crossings"] = {label: ridge_crossing([(n, (by.get(str(n), {}).get("roofline") or {}).get("intensity"))
-                                                  for n in batches], report["ridge"])
+                                                  for n in sorted(batches)], report["ridge"])
                            for label, by in report["programs"].items()}
     print_sweep(report)
     return report

@@ -17,6 +17,7 @@ from dflash_jax.platform import target_platform
 
 
 _UNFUSED_PLATFORMS = {"tpu"}
+_ROLLED_ROPE_PLATFORMS = {"tpu"}  # `apply_rope` as a lane roll of whole rows
 
 
 def unfused(x):
@@ -82,6 +83,12 @@ def apply_rope(x, cos, sin):
         return jnp.concatenate([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
+    if target_platform() in _ROLLED_ROPE_PLATFORMS:
+        # the same products, bit for bit, over whole head_dim-wide rows: x1 * cos + x2 * (-sin) and
+        # x2 * cos + x1 * sin. A TPU pads the halves' 64-wide minor axis to its 128 lanes (two
+        # passes over twice the bytes): the verify's 16 rows a slot read 15 MB more per layer.
+        cos2, sin2 = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+        return x * cos2 + jnp.roll(x, half, axis=-1) * sin2
     pairs = x.reshape(*x.shape[:-1], 2, half)
     x1, x2 = pairs[..., 0, :], pairs[..., 1, :]
     return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2).reshape(x.shape)
