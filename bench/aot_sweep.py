@@ -15,6 +15,9 @@ Per program: the compiler's estimate, bytes, flops, flops per HBM byte against t
 HBM. A program whose arguments alone (weights + state) exceed the chip's HBM is not compiled: it is
 reported as not fitting, with those bytes; one the compiler finds too big is reported with what
 it asked for. Per program also the batch where it crosses the ridge (stops being memory-bound).
+Each program's figures go to `.partial.json` beside --json as it compiles; a sweep run again with
+the same settings takes them from there and compiles only the rest (a full sweep of Qwen3-8B is
+some 50 compiles of 2 to 10 minutes each on 2 cores).
 
 Per batch: each K's break-even tau against the AR step (t_cycle(K) / t_AR: a cycle pays when its
 rows gain more tokens than that), and at the paper's tau (`--paper-tau` at K = B - 1, turned into
@@ -143,27 +146,44 @@ def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[i
                   batches=sorted(batches), draft_sweep=drafts, paper_tau=args.paper_tau, rates=rates,
                   ridge=chip.flops / chip.bandwidth, programs={}, streaming_rates={}, policy={})
     partial = Path(args.json).with_suffix(".partial.json") if args.json else None
+    done = resumed(partial, report)
     print(f"sweep: batches {batches}, programs {list(specs)} at context {context} (cache {cache_len}); "
-          f"ridge {report['ridge']:.0f} flop/byte", flush=True)
+          f"ridge {report['ridge']:.0f} flop/byte" + (f"; {done} programs from {partial}" if done else ""), flush=True)
     with attention_.override("pallas", expected_live=context):
         for batch in batches:
             rate = streaming_rate(target.devices[0], weights, batch)
             report["streaming_rates"][str(batch)] = rate
             figs = {}
             for label, spec in specs.items():
-                figs[label] = f = compile_program(spec, target, mesh, batch, context, hlo_dir,
-                                                  f"{label}-b{batch}-c{context}", rate)
-                report["programs"].setdefault(label, {})[str(batch)] = f
+                f = report["programs"].get(label, {}).get(str(batch))
+                if f is None:
+                    f = compile_program(spec, target, mesh, batch, context, hlo_dir, f"{label}-b{batch}-c{context}",
+                                        rate)
+                    report["programs"].setdefault(label, {})[str(batch)] = f
+                    if partial:  # after every program: a sweep cut short resumes from here
+                        partial.parent.mkdir(parents=True, exist_ok=True)
+                        partial.write_text(json.dumps(report, indent=1) + "\n")
+                figs[label] = f
                 print("  " + program_line(label, f), flush=True)
             report["policy"][str(batch)] = policy_at(figs, drafts, rates)
-            if partial:
-                partial.parent.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps(report, indent=1) + "\n")
     report["crossings"] = {label: ridge_crossing([(n, (by.get(str(n), {}).get("roofline") or {}).get("intensity"))
                                                   for n in sorted(batches)], report["ridge"])
                            for label, by in report["programs"].items()}
     print_sweep(report)
     return report
+
+
+def resumed(partial: Path | None, report: dict) -> int:
+    """Take the programs a cut-short sweep of the same settings compiled (its `.partial.json`) into
+    `report`; how many."""
+    if partial is None or not partial.exists():
+        return 0
+    old = json.loads(partial.read_text())
+    same = ("topology", "shape", "context", "cache_len", "page_size", "paper_tau")
+    if any(old.get(k) != report[k] for k in same):
+        return 0
+    report["programs"] = {label: dict(by) for label, by in old.get("programs", {}).items()}
+    return sum(len(by) for by in report["programs"].values())
 
 
 def program_line(label: str, f: dict) -> str:
