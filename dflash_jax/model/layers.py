@@ -45,7 +45,12 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if x.dtype != jnp.float32:  # the same values: on a TPU (`unfused`) converted again for the scaling,
+            # else the compiler keeps x's float32 copy for both uses, written and read back (16 MB a
+            # Qwen3-8B layer's norms at the verify's 128 rows)
+            x32 = unfused(x).astype(jnp.float32)
+        x32 = x32 * scale
         if not self.with_weight:
             return x32.astype(x.dtype)
         init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
