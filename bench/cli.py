@@ -34,6 +34,8 @@ def default_json(args, mode: str) -> Path:
     name = mode.replace("_", "-")
     if mode == "suite" and args.random:
         name = "suite-random"
+    if mode == "serve" and args.serve_speculation:
+        name = "serve-speculation"
     if mode in ("cost", "published_shapes"):
         name += f"-{args.shape}-x{args.scale:g}"
     if mode == "aot":
@@ -87,8 +89,8 @@ def add_general_flags(gen):
     gen.add_argument("-h", "--help", action="help", help="show this help and exit")
     gen.add_argument("--target", metavar="DIR", help="HF or converted (default: the bundled demo pair)")
     gen.add_argument("--drafter", metavar="DIR", help="HF or converted, with --target")
-    add_engine_flags(gen, ("dtype",), helps={"dtype": "default: the checkpoint's (float32: --random, --cost, "
-                                                      "workloads; bfloat16: --published-shapes)"})
+    add_engine_flags(gen, ("dtype",), helps={"dtype": "the checkpoint's; f32: --random/--cost/workloads, "
+                                                      "bf16: published"})
     gen.add_argument("--heldout-package", default="numpy", metavar="PKG",
                      help="installed package giving prompts (default numpy)")
     gen.add_argument("--num-prompts", type=int, default=16, metavar="N", help="held-out prompts (default 16)")
@@ -131,14 +133,14 @@ def add_suite_flags(p):
     suite = p.add_argument_group("the suite (default mode)",
                                  "tau, acceptance, tokens/s: DFlash, no drafter, transformers; time split")
     suite.add_argument("--quick", action="store_true",
-                       help="only the drafter's block size (no --draft-tokens, time split, transformers)")
+                       help="the drafter's block only: no K, split, transformers")
     suite.add_argument("--block-sizes", default=None, metavar="B,...", help="DFlash block sizes (default 4,8,16)")
     suite.add_argument("--draft-tokens", default=None, metavar="K,...",
                        help="also verify only the first K drafts per cycle, each K (default 3,5,7; '': none; "
                             "--vllm: one K)")
     suite.add_argument("--tree-budgets", default=None, metavar="N,...",
-                       help="also verify a draft tree of N nodes per cycle at the drafter's block, each N "
-                            "(default none; --aot: a DFlash cycle compiled with each)")
+                       help="also verify a draft tree of N nodes per cycle, each N (default none; --aot: "
+                            "compiled)")
     suite.add_argument("--batch-sizes", default="1,8", metavar="N,...", help="batch sizes (default 1,8)")
     suite.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default 0)")
     suite.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=ACCEPTANCE_RULES[0], metavar="RULE",
@@ -180,18 +182,18 @@ def add_mode_flags(p):
 
     aot = p.add_argument_group("--aot", "TPU compiler's time, bytes, HBM/chip, collectives; compiled on this machine")
     aot.add_argument("--aot", metavar="TOPOLOGY",
-                     help="v5e:1x1, v5e:2x2, v5p:1x1x1, v5p:2x2x1, ...; needs libtpu (pip install -e '.[tpu]')")
+                     help="v5e:1x1, v5p:2x2x1, ...; needs libtpu ('.[tpu]')")
     aot.add_argument("--mesh", default=None, metavar="data=D,model=M",
                      help="the chips' split (default: all on model)")
     aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
-                     help="to compile (default prefill,ar,dflash; a DFlash2 shape's dflash is its DFlash2 cycle and "
-                          "the DFlash one beside it, dflash2 the first alone)")
+                     help="default prefill,ar,dflash (a DFlash2 shape: dflash is both cycles, dflash2 its "
+                          "own)")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")
     aot.add_argument("--tree-tau", default=None, metavar="N=TAU,...",
-                     help="tau of each --tree-budgets N, for its projected speedup (default: print the tau it "
-                          "needs to match the chain's at --paper-tau)")
+                     help="tau of each --tree-budgets N, for its speedup (default: print the tau that "
+                          "matches the chain's)")
     aot.add_argument("--batch-sweep", default=None, metavar="N,...",
                      help="one chip: AR, the K = 0 cycle and each --draft-sweep K at each batch; the break-even "
                           "tau, tokens/s at --paper-tau and auto speculation's choice")
@@ -228,11 +230,17 @@ def add_mode_flags(p):
     vllm.add_argument("--vllm", action="store_true",
                       help="same pair and prompts, plain/DFlash alternating")
     vllm.add_argument("--vllm-fix-knorm", action="store_true",
-                      help="each drafter layer's own context k_norm where vLLM CPU's rms_norm uses layer 0's "
-                           "(the bench says so)")
+                      help="each layer's own k_norm (vLLM CPU uses layer 0's)")
+
+    window = p.add_argument_group("--draft-window", "tau, tokens/s, context-cache bytes on long prompts, "
+                                                    "each window and none")
+    window.add_argument("--draft-window", metavar="N,...", help="draft windows (e.g. 256,1024)")
+    window.add_argument("--long-prompts", default="2048,3000", metavar="LO,HI",
+                        help="tokens, held-out prompts joined (default 2048,3000)")
 
     serve = p.add_argument_group("--serve", "python -m infer.serve (a subprocess) against the offline engine, same tokens")
     serve.add_argument("--serve", action="store_true", help="throughput, TTFT, inter-token latency (ITL)")
+    serve.add_argument("--serve-speculation", action="store_true", help="tokens/s: plain, fixed, auto servers")
     serve.add_argument("--serve-concurrency", default=None, metavar="C,...",
                        help="streams (default 1, batch, 32); prompts >= largest")
     serve.add_argument("--serve-sync-every", type=int, default=SERVER_SYNC_EVERY, metavar="N",
@@ -241,6 +249,8 @@ def add_mode_flags(p):
                        help="the server's --prefill-chunk (default 512)")
     serve.add_argument("--serve-long-prompt", type=int, default=0, metavar="N",
                        help="others' ITL while N-token prompts arrive (0: skip)")
+    serve.add_argument("--prefix-cache-ttft", action="store_true",
+                       help="mode: TTFT on a cached 1024-token prefix")
 
 
 def env_info() -> dict:
@@ -257,7 +267,7 @@ def env_info() -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m for m in ("aot", "cost", "moe_cost", "published_shapes", "cache_scaling", "mixed_workload",
-                         "page_pool", "vllm", "serve") if getattr(args, m)]
+                         "page_pool", "vllm", "serve", "prefix_cache_ttft", "draft_window") if getattr(args, m)]
     if len(modes) > 1:
         raise SystemExit("error: " + ", ".join("--" + m.replace("_", "-") for m in modes) + " are separate modes; "
                          "pick one")
@@ -267,7 +277,7 @@ def main(argv=None) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if args.cache_scaling else 128
     if args.repeats is None:
-        args.repeats = 2 if workload else 3
+        args.repeats = 1 if args.draft_window else 2 if workload else 3
     for flag in ("num_prompts", "repeats", "prompt_lines", "max_prompt_tokens", "split_rounds", "mixed_prompts"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1")
@@ -327,9 +337,20 @@ def run(args, mode: str) -> int:
 
         result["mixed_workload"] = run_mixed_workload(args)
     elif mode == "serve":
-        from bench.serve_bench import run_serve_bench
+        from bench.serve_bench import run_serve_bench, run_speculation_bench
 
-        result["serve"] = run_serve_bench(args)
+        if args.serve_speculation:
+            result["serve_speculation"] = run_speculation_bench(args)
+        else:
+            result["serve"] = run_serve_bench(args)
+    elif mode == "prefix_cache_ttft":
+        from bench.prefix_bench import run_prefix_ttft
+
+        result["prefix_cache_ttft"] = run_prefix_ttft(args)
+    elif mode == "draft_window":
+        from bench.draft_window import run_draft_window
+
+        result["draft_window"] = run_draft_window(args)
     elif mode == "vllm":
         from bench.vllm_peer import run_vllm_peer
 

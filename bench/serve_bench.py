@@ -39,8 +39,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, max_prompt: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m infer.serve` on a free port; returns (process, base URL) once it serves."""
+def start_server(args, max_prompt: int, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`python -m infer.serve` on a free port (with `extra` flags); returns (process, base URL) once it serves."""
     port = free_port()
     cmd = [sys.executable, "-m", "infer.serve", "--port", str(port), "--batch-size", str(args.batch_size),
            "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-len", str(max_prompt),
@@ -50,6 +50,7 @@ def start_server(args, max_prompt: int, log: Path) -> tuple[subprocess.Popen, st
         cmd += ["--target", args.target, "--drafter", args.drafter]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=os.environ.copy())
     url, t = f"http://127.0.0.1:{port}", time.perf_counter()
     while "serving " not in log.read_text():
@@ -138,7 +139,74 @@ def metrics_running(url: str) -> dict:
         for name in ("dflash_requests_running", "dflash_requests_waiting", "dflash_tau", "dflash_slot_occupancy"):
             if line.startswith(name + " "):
                 out[name.removeprefix("dflash_")] = float(line.split()[1])
+        if line.startswith("dflash_speculation_share{"):
+            out.setdefault("speculation_share", {})[line.split('"')[1]] = float(line.split()[1])
     return out
+
+
+def stop_server(proc: subprocess.Popen):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None
+
+
+# The servers `--serve-speculation` compares: plain decoding, DFlash verifying the whole block
+# every cycle, and auto speculation (the server's default).
+SPECULATION_SERVERS = {"plain": ("--block-size", "1"), "fixed": ("--speculation", "fixed"),
+                       "auto": ("--speculation", "auto")}
+
+
+def run_speculation_bench(args) -> dict:
+    """Served tokens/s of plain decoding, fixed DFlash and auto speculation, each in a server of its
+    own (all three up at once, their timed runs alternating, the median of --repeats each) at each
+    concurrency; auto against the better of the other two (the goal: >= 0.95x), and every stream's
+    tokens equal plain decoding's."""
+    from dflash_jax.engine.scheduler import bucket
+
+    args.batch_size = args.batch_size or 8
+    levels = int_list(args.serve_concurrency, "--serve-concurrency") if args.serve_concurrency else \
+        sorted({1, args.batch_size, 32})
+    pair = get_pair(args)
+    print(describe_pair(pair))
+    prompts, snippets, kind = heldout_prompts(args, pair, max(args.num_prompts, max(levels)))
+    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    max_prompt, n = bucket(max(len(p) for p in prompts)), args.max_new_tokens
+    servers = {}
+    try:
+        for name, extra in SPECULATION_SERVERS.items():
+            t = time.perf_counter()
+            servers[name] = start_server(args, max_prompt, Path(args.json).with_suffix(f".{name}.log"), extra)
+            asyncio.run(served_run(servers[name][1], prompts, n, args.batch_size))  # untimed: its first run
+            print(f"{name} server up and warm in {time.perf_counter() - t:.1f}s")
+        levels_out = {}
+        for c in levels:
+            runs = {name: [] for name in servers}
+            for _ in range(args.repeats):  # alternating: machine load hits all alike
+                for name, (_, url) in servers.items():
+                    runs[name].append(asyncio.run(served_run(url, prompts, n, c)))
+            plain = [r["outputs"] for r in runs["plain"]][0]
+            row = {name: dict(tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs),
+                              runs=[r["tokens_per_second"] for r in rs],
+                              streams_equal_plain=min(sum(o == w for o, w in zip(r["outputs"], plain)) for r in rs))
+                   for name, rs in runs.items()}
+            best = max(row["plain"]["tokens_per_second"], row["fixed"]["tokens_per_second"])
+            row["auto_over_best"] = round(row["auto"]["tokens_per_second"] / best, 3)
+            levels_out[str(c)] = row
+            print(f"concurrency {c:3d}: " + ", ".join(f"{k} {row[k]['tokens_per_second']:.1f}" for k in servers)
+                  + f" tok/s; auto / the better of plain and fixed: {row['auto_over_best']:.2f}x; streams equal "
+                  f"plain: {min(row[k]['streams_equal_plain'] for k in servers)}/{len(prompts)}")
+        metrics = metrics_running(servers["auto"][1])
+        print(f"auto's /metrics: share of cycles per draft length {metrics.get('speculation_share')}, "
+              f"tau {metrics.get('tau')}")
+        return dict(pair=pair_record(pair), prompts=len(prompts), max_new_tokens=n, batch_size=args.batch_size,
+                    sync_every=args.serve_sync_every, repeats=args.repeats, concurrency=levels_out,
+                    auto_metrics=metrics)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
 
 
 def run_serve_bench(args) -> dict:
@@ -225,12 +293,7 @@ def run_serve_bench(args) -> dict:
         out["metrics_after"] = metrics_running(url)
         print(f"after the runs, /metrics: {out['metrics_after']}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
+        code = stop_server(proc)
     out["server_exit_on_sigterm"] = code
     print(f"server exited with {code} on SIGTERM")
     return out

@@ -88,10 +88,10 @@ def counted_generate(gen, prompts, seed: int, max_new_tokens=None, calls: list |
     admissions, cycles = [], []
     run, admit = gen.run_cycles, gen.admit
 
-    def counting_run(state, cycles_=None, until_free=False):
+    def counting_run(state, cycles_=None, until_free=False, **kw):
         before = np.asarray(state.num_cycles)  # read before the call takes the state donated
         busy = int((~np.asarray(state.done)).sum())
-        state, info = run(state, cycles_, until_free)
+        state, info = run(state, cycles_, until_free, **kw)
         cycles.append(int((np.asarray(state.num_cycles) - before).max(initial=0)))
         if calls is not None:
             calls.append((busy, cycles[-1], bool(until_free), int(state.done.shape[0])))

@@ -5,7 +5,8 @@ The drafter has no embedding or LM head of its own; it borrows the target's. Its
 state across decoding cycles is a context K/V cache per layer (`KVCache`, with a length
 per row): context K/V depend only on the tap features of committed positions, so they are
 computed once, when those positions are committed (`extend_context`), and every later
-draft reads them. Block K/V are never kept.
+draft reads them (under a draft window, `--draft-window N`, only the last N before the block's
+anchor, kept in a ring: `KVCache.window`). Block K/V are never kept.
 """
 
 from __future__ import annotations
@@ -242,8 +243,9 @@ class DraftAttention(nn.Module):
         layer `layer` of the drafter's context cache, read over the pages the rows have used."""
         k, v = self.kv(x, cos, sin)
         # the block is non-causal and never cached
-        meta = AttentionMetadata.block(positions, context.lengths, window=self.window, page_size=context.page_size,
-                                       pages=context.pages)
+        q_pos, window = context_window(positions, self.window, context.window)
+        meta = AttentionMetadata.block(q_pos, context.lengths, window=window, page_size=context.page_size,
+                                       pages=context.pages, ring=context.ring)
         out, _ = attend(self.queries(x, cos, sin), k, v, LayerKV(context.k, context.v, layer), meta)
         return self.o_proj(out.astype(x.dtype))
 
@@ -255,6 +257,21 @@ class DraftAttention(nn.Module):
         out = block_attention(self.queries(x, cos, sin), ctx_k.astype(k.dtype), ctx_v.astype(v.dtype), ctx_mask, k, v,
                               block_size)
         return self.o_proj(out.astype(x.dtype))
+
+
+def context_window(positions, layer_window: int | None, draft_window: int | None):
+    """(the positions the attention's window counts from, the window) of a block at positions
+    [n, T] (the anchor first) in a layer with its own sliding window (None: none) under a draft
+    window (`KVCache.window`, None: none). A layer's window counts from each query: keys >
+    position - window. A draft window N counts from the anchor: context positions anchor - N ..
+    anchor - 1, for every query of the block. Both: each query sees what both allow (the smaller
+    rules), one window from shifted positions: keys > max(position - w, anchor - N - 1)."""
+    if draft_window is None:
+        return positions, layer_window
+    anchor = positions[:, :1]
+    if layer_window is None:
+        return jnp.broadcast_to(anchor, positions.shape), draft_window + 1
+    return jnp.maximum(positions, anchor + layer_window - draft_window - 1), layer_window
 
 
 # Rematerialisation in training (`DFlashDrafter.remat`): what a layer's forward keeps for its backward.
@@ -354,7 +371,7 @@ class DFlashDrafter(nn.Module):
 
         block_embeds [batch, block, hidden] (target embeddings of [anchor, MASK...]) at
         positions [batch, block]; context: the context cache (k/v [layers, batch, S, kv, hd],
-        context.lengths[b] valid entries, entry j holding position j).
+        context.lengths[b] valid entries, entry j holding position j, or a ring of the last ones).
         """
         c = self.config.model
         cos, sin = rope_angles(c, positions)
@@ -422,8 +439,8 @@ def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_
     k, v = DFlashDrafter(config).apply({"params": params}, features, positions, method=DFlashDrafter.context_kv)
     num_tokens = num_tokens.astype(jnp.int32)
     new_lengths = cache.lengths + num_tokens if rows is None else cache.lengths.at[rows].add(num_tokens, mode="drop")
-    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows, cache.pages),
-                         v=write_kv(cache.v, None, v, lengths, rows, cache.pages),
+    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows, cache.pages, cache.ring),
+                         v=write_kv(cache.v, None, v, lengths, rows, cache.pages, cache.ring),
                          lengths=new_lengths)
 
 

@@ -58,6 +58,8 @@ class GenerationJob:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
     acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
+    speculation: str = _ENGINE.speculation  # "auto": each sync's draft length picked by cost; "fixed": K always
+    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
@@ -65,6 +67,7 @@ class GenerationJob:
     enable_thinking: bool = False  # enable_thinking=True for the chat template (Qwen3)
     max_prompt_len: int | None = None  # sizes the KV cache (None: the longest prompt, rounded up)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
     page_size: int = _ENGINE.page_size  # K/V positions per page
     sync_every: int = _ENGINE.sync_every  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
@@ -594,6 +597,7 @@ class JobRun:
         self.watchdog = job.engine.watchdog()
         self.gen = self.engine(job.block_size)
         self.stats = GenerationStats(self.gen.spec.block_size)
+        self.prefix = [0, 0]  # prompt tokens served from the prefix cache, and all
 
     def engine(self, block_size: int | None):
         from dflash_jax.engine import Sampling
@@ -682,6 +686,9 @@ class JobRun:
             shown = dict(tau=f"{stats.tau:.2f}") if gen.spec.block_size > 1 else {}
             bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
             bar.update(1)  # redraws at most every mininterval
+        if gen.prefix_cache and runnable:
+            self.prefix[0] += gen.ledger.cached_tokens
+            self.prefix[1] += gen.ledger.prompt_tokens
         return next_pending
 
     def summary(self) -> dict:
@@ -692,6 +699,10 @@ class JobRun:
         block_size = gen.spec.block_size
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
+        if len(gen.candidates) > 1:  # auto speculation: the draft lengths it ran, and why
+            summary["speculation"] = gen.policy.summary()
+        if gen.spec.draft_window:
+            summary["draft_window"] = gen.spec.draft_window
         if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept
             summary["dflash2"] = True
             summary["acceptance"] = "rejection" if gen.spec.rejection else "match"
@@ -703,6 +714,10 @@ class JobRun:
             summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
             if jax.default_backend() == "cpu" and block_size > 1:
                 summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
+        if gen.prefix_cache:
+            cached, prompt = self.prefix
+            summary["prefix_cache"] = dict(prompt_tokens=prompt, cached_prompt_tokens=cached,
+                                           hit_rate=round(cached / prompt, 4) if prompt else 0.0)
         summary["prompts"] = "the demo's prompts" if job.demo and job.input is None else str(self.plan.input_path)
         if job.demo and block_size > 1:
             summary["heldout"] = demo_figures()["heldout"]

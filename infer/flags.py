@@ -17,6 +17,7 @@ from typing import Any
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.options import EngineOptions, flag
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
+from dflash_jax.engine.speculation import SPECULATION_MODES
 from dflash_jax.generation import GenerationJob
 
 JOB = GenerationJob  # its class attributes are the fields' defaults
@@ -43,6 +44,15 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                             "having the target's distribution; match drafts the selector's argmax and keeps a draft "
                             "while it equals the target's own sample, the output then equal to plain decoding's with "
                             "the same seed. Greedy rows, and DFlash drafters, always match"),
+    "speculation": dict(choices=SPECULATION_MODES,
+                        help="auto: compile plain decoding and a few draft lengths (0, 3, 7, B-1; with --draft-tokens "
+                             "K or --tree-budget N: 0 and that) and run, at each sync, the one of the most expected "
+                             "tokens/s, from each one's timed cost and the acceptance measured; output unchanged. "
+                             "fixed: always --draft-tokens (or the tree)"),
+    "draft_window": dict(type=int, metavar="N",
+                         help="the drafter sees only each row's last N committed positions, its context cache a "
+                              "ring of them (N plus a write's worth per row, even with --kv-pages): its memory "
+                              "and cost stop growing with the context, the output is unchanged (default: all)"),
     "batch_size": dict(type=int, metavar="N", help="rows decoded together (slots refilled as rows finish)"),
     "dtype": dict(choices=sorted(DTYPES), help="parameter dtype (default: the checkpoint's)"),
     "max_prompt_len": dict(type=int, metavar="N",
@@ -55,6 +65,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                           "finishes, so the cache is sized by N, not batch x the longest row, and many short rows "
                           "share what one long row would reserve; prompts wait for pages (default: per-row "
                           "caches)"),
+    "prefix_cache": dict(choices=("on", "off"),
+                         help="with --kv-pages, keep prompts' full pages cached and share them with later prompts "
+                              "that start the same tokens, which prefill only the rest; least recently used pages are "
+                              "evicted (default: on with a pool, unless the target keeps a per-row ring or state)"),
     "page_size": dict(type=int, metavar="N", help="K/V positions per page"),
     "sync_every": dict(type=int, metavar="N", help="decoding cycles per host sync"),
     "narrow_tail": dict(action="store_true",
@@ -76,12 +90,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 
 # The engine flags of `python -m infer` (and train.generate_data): every field but the server's
 # prefill chunk, in the order --help lists them.
-BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "batch_size", "dtype", "max_prompt_len",
-                      "kv_pages", "page_size", "sync_every", "narrow_tail", "mesh", "stall_timeout")
+BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budget", "acceptance", "speculation",
+                      "draft_window", "batch_size", "dtype", "max_prompt_len", "kv_pages", "prefix_cache", "page_size",
+                      "sync_every", "narrow_tail", "mesh", "stall_timeout")
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
-                       "acceptance",
-                       "sync_every", "prefill_chunk", "kv_pages", "page_size", "dtype", "mesh", "stall_timeout")
+                       "acceptance", "speculation", "draft_window", "sync_every", "prefill_chunk", "kv_pages",
+                       "prefix_cache", "page_size", "dtype", "mesh", "stall_timeout")
 
 
 def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None = None,

@@ -81,6 +81,10 @@ def print_summary(s: dict, say):
     say("")
     say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
         f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
+    if "prefix_cache" in s:
+        p = s["prefix_cache"]
+        say(f"prefix cache: {p['cached_prompt_tokens']} of {p['prompt_tokens']} prompt tokens served from cached "
+            f"pages (hit rate {p['hit_rate']:.1%})")
     if s["block_size"] == 1:  # one token per step: no acceptance to speak of
         say(f"plain autoregressive decoding (block size 1): {s['cycles']} decoding steps")
         return

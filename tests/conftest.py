@@ -96,3 +96,8 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker per core, at most 4 (each holds a few GB of compiled programs and
     models; the suite's files do not balance across more)."""
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak-minutes", type=float, default=3.0,
+                     help="how long tests/test_soak.py's mixed traffic runs (default 3, as in CI)")

@@ -39,9 +39,11 @@ def write_jsonl(path, rows):
 
 
 def tiny_pair(max_new_tokens=40):
-    """The parity fixture's pair on its greedy cases' prompts (its prompts.jsonl)."""
+    """The parity fixture's pair on its greedy cases' prompts (its prompts.jsonl), verifying the whole
+    block every cycle as the reference does (`--speculation fixed`: its acceptance lengths)."""
     return ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
-            "--input", str(tiny() / "prompts.jsonl"), "--max-new-tokens", str(max_new_tokens)]
+            "--input", str(tiny() / "prompts.jsonl"), "--max-new-tokens", str(max_new_tokens),
+            "--speculation", "fixed"]
 
 
 def test_tiny_pair_reproduces_the_reference(tmp_path, capsys):

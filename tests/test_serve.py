@@ -276,10 +276,11 @@ def test_render_metrics_is_prometheus_text_with_cumulative_buckets():
     from dflash_jax.engine.streaming import LATENCY_BUCKETS, EngineMetrics
 
     m = EngineMetrics(batch_size=4, block_size=4)
-    m.running, m.waiting, m.generation_tokens, m.prompt_tokens = 3, 2, 41, 17
+    m.running, m.waiting, m.generation_tokens, m.prompt_tokens, m.cached_prompt_tokens = 3, 2, 41, 17, 8
     m.requests["length"] += 2
     m.requests["cancelled"] += 1
     m.cycles, m.accepted = 4, 10
+    m.speculation = {0: 0.75, 3: 0.25}
     for a in (1, 3, 3, 4):
         m.acceptance.observe(a)
     for t in (0.004, 0.02, 0.02, 30.0):  # the last beyond every bound: only +Inf counts it
@@ -291,7 +292,10 @@ def test_render_metrics_is_prometheus_text_with_cumulative_buckets():
     assert s['dflash_requests_finished_total{finish_reason="length"}'] == 2
     assert s['dflash_requests_finished_total{finish_reason="cancelled"}'] == 1
     assert s["dflash_generation_tokens_total"] == 41 and s["dflash_prompt_tokens_total"] == 17
+    assert s["dflash_prompt_tokens_cached_total"] == 8 and s["dflash_prefix_cache_hit_rate"] == round(8 / 17, 4)
     assert s["dflash_tau"] == 2.5 and s["dflash_batch_slots"] == 4
+    assert s['dflash_speculation_share{draft_tokens="0"}'] == 0.75
+    assert s['dflash_speculation_share{draft_tokens="3"}'] == 0.25
     assert histogram(s, "dflash_acceptance_length") == [(1, 1), (2, 1), (3, 3), (4, 4), (float("inf"), 4)]
     assert s["dflash_acceptance_length_sum"] == 11 and s["dflash_acceptance_length_count"] == 4
     ttft = histogram(s, "dflash_time_to_first_token_seconds")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
+from dflash_jax.engine.speculation import SPECULATION_MODES
 from dflash_jax.errors import InputError
 from dflash_jax.kv.layout import PAGE_SIZE
 
@@ -33,7 +34,7 @@ SERVER_SYNC_EVERY = 2
 _NON_NEGATIVE = ("tree_budget",)
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
-             "kv_pages", "page_size", "prefill_chunk")
+             "kv_pages", "page_size", "prefill_chunk", "draft_window")
 
 
 def flag(name: str) -> str:
@@ -52,9 +53,12 @@ class EngineOptions:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
     acceptance: str = ACCEPTANCE_RULES[0]  # how a DFlash2 drafter's sampled rows accept drafts
+    speculation: str = SPECULATION_MODES[0]  # "auto": the draft length of each sync picked by cost; "fixed"
+    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
     kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
+    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
     page_size: int = PAGE_SIZE  # K/V positions per page
     sync_every: int = SYNC_EVERY  # decoding cycles per host sync
     narrow_tail: bool = False  # run the batch's tail on narrower loops
@@ -80,8 +84,16 @@ class EngineOptions:
             raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
+        if self.speculation not in SPECULATION_MODES:
+            raise InputError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        if self.prefix_cache not in (None, "on", "off"):
+            raise InputError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+        if self.prefix_cache == "on" and self.kv_pages is None:
+            raise InputError("--prefix-cache on needs a page pool (--kv-pages): it shares the pool's pages")
+        if self.prefix_cache == "on" and getattr(self, "draft_window", None):
+            raise InputError("--prefix-cache on cannot share the drafter's context as a ring (--draft-window)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
 
@@ -116,4 +128,6 @@ class EngineOptions:
             watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
             page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
             admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
-            acceptance=self.acceptance)
+            acceptance=self.acceptance, speculation=self.speculation,
+            prefix_cache=None if self.prefix_cache is None else self.prefix_cache == "on",
+            draft_window=self.draft_window if drafting else None)

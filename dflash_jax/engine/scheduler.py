@@ -17,32 +17,69 @@ it finishes. So the memory goes to the rows' own lengths, not batch x the longes
 batch of many slots fits where per-slot caches would not; a prompt waits while the pool is
 short (never a row stalled mid-way: what a row is given covers its whole life). Layers that all
 slide keep only their window, in a ring per row (`KVCache.ring`), instead of pages.
+
+Prefix caching (`prefix_cache`, on by default with a pool where the target allows it): a prompt's
+full pages, once it is in, stay in the pool under a hash chain of their tokens, and a later prompt
+that starts with the same pages holds them (target and drafter context K/V alike) and prefills
+only the rest (`dflash_jax.kv.prefix`). The pool, and what it caches, outlive a `generate` call
+(while its state does).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
+import time
 from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.kv import PAGE_SIZE, page_table, pages_needed
+from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling
 from dflash_jax.engine.slots import Result, SlotLedger
-from dflash_jax.engine.step import DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles
+from dflash_jax.engine.speculation import SPECULATION_MODES, Speculation, default_candidates
+from dflash_jax.engine.step import (DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles,
+                                    tally_depth)
 from dflash_jax.engine.watchdog import Watchdog
 from dflash_jax.errors import DFlashError
 from dflash_jax.sharding import put_batch, shard_params, to_host
 
 
+def prefix_refusal(spec: EngineSpec) -> str | None:
+    """Why prefix caching cannot serve this engine, or None: it shares a pool's pages, so it needs
+    one, and every cache the rows write must be paged (no per-row ring or recurrent state)."""
+    if not spec.kv_pages:
+        return "it needs a page pool (--kv-pages)"
+    if spec.target.num_linear_layers:
+        return "the target's recurrent (delta-net) layers keep a state per row, which cannot be paged and shared"
+    if ring_length(spec.target, spec.cache_len, spec.page_size, max(spec.prefill_chunk, spec.verify_len)):
+        return "the target's sliding layers keep a ring per row, whose pages are written over"
+    if getattr(spec, "draft_window", None) or getattr(spec.drafter, "draft_window", None):
+        return "the drafter's context is a ring per row (--draft-window), whose pages are written over"
+    return None
+
+
 def bucket(n: int, minimum: int = 16) -> int:
     """Next power of two >= n (and >= minimum): prompt lengths compile to a few shapes."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Call:
+    """A call of decoding cycles in flight: its figures (on the device until read), the draft length
+    and width it ran at, when it was queued, and whether its wall time is its own to time."""
+
+    figures: object
+    drafts: int
+    width: int
+    issued: float
+    timed: bool
 
 
 class BatchEngine:
@@ -58,10 +95,14 @@ class BatchEngine:
     verify token costs compute (CPUs, large batches); on a memory-bound accelerator the full
     block is nearly free. tree_budget N (default 0, the chain) verifies a draft tree of N nodes
     per cycle instead (`dflash_jax.engine.tree`): more tokens accepted per cycle, the same output.
+    draft_window N (default None, all) lets each block see only its row's last N committed
+    positions, the drafter's context cache a ring of them: its memory and cost stop growing with
+    the context, the output is the same.
     acceptance: how a DFlash2 drafter's sampled rows accept drafts (`ACCEPTANCE_RULES`; rejection
     sampling against its selector's proposal, or sample-and-match of its argmax walk). watchdog:
     every wait on the device runs inside its `waiting`, so a stalled device ends the run with a
-    one-line error instead of a hang.
+    one-line error instead of a hang. prefix_cache: True, False, or None (on where it can work:
+    `prefix_refusal`); True where it cannot is a one-line error.
 
     narrow_tail: once no prompt waits and the rows still running fit fewer slots, they move to
     a narrower state (`narrow_state`; widths 2^k and 3 * 2^k below the batch, each divisible by
@@ -80,7 +121,9 @@ class BatchEngine:
                  draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
                  watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
                  admission_widths: Sequence[int] | None = None, tree_budget: int = 0,
-                 acceptance: str = ACCEPTANCE_RULES[0]):
+                 acceptance: str = ACCEPTANCE_RULES[0], speculation: str = "fixed",
+                 candidates: Sequence[int] | None = None, prefix_cache: bool | None = None,
+                 draft_window: int | None = None):
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
         if block_size is None:
@@ -89,6 +132,9 @@ class BatchEngine:
             raise DFlashError(f"block size must be >= 1, got {block_size}")
         if block_size > 1 and drafter_config is None:
             raise DFlashError(f"block size {block_size} needs a drafter (block size 1 is plain decoding)")
+        if draft_tokens is not None and block_size > 1 and not 1 <= draft_tokens <= block_size - 1:
+            raise DFlashError(f"draft tokens must be in 1..{block_size - 1} for block size {block_size}, "
+                              f"got {draft_tokens}")
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:
@@ -107,8 +153,17 @@ class BatchEngine:
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=self.max_prompt_len + max_new_tokens + max(2 * block_size, tree_budget + 1), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
-            tree_budget=tree_budget, acceptance=acceptance,
+            tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
         )
+        self.candidates = self._candidates(speculation, candidates)
+        # The programs a call can run, by draft length: one (`fixed`), or auto speculation's.
+        self.specs = {k: self.spec.with_drafts(k) for k in self.candidates}
+        self.policy = Speculation(self.candidates, tally_depth(self.spec), tree=bool(self.spec.tree_budget))
+        self._last_read = 0.0  # when the host last read a call's figures (a call's wall time starts no earlier)
+        refusal = prefix_refusal(self.spec)
+        if prefix_cache and refusal:
+            raise DFlashError(f"--prefix-cache on: {refusal}")
+        self.prefix_cache = prefix_cache is not False and refusal is None
         if mesh is not None and batch_size % mesh.shape["data"]:
             raise DFlashError(f"batch size {batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
         self.mesh, self.watchdog = mesh, watchdog
@@ -130,6 +185,24 @@ class BatchEngine:
         data = mesh.shape["data"] if mesh is not None else 1
         self.tail_widths = sorted({w for k in range(batch_size.bit_length()) for w in (1 << k, 3 << k)
                                    if w < batch_size and w % data == 0}, reverse=True) if narrow_tail else []
+
+    def _candidates(self, speculation: str, candidates) -> tuple[int, ...]:
+        """The draft lengths calls may run: the spec's own (fixed, or plain decoding), or auto's
+        (`candidates`, default `default_candidates`; with draft_tokens or a tree given: 0 and that)."""
+        if speculation not in SPECULATION_MODES:
+            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+        spec = self.spec
+        if speculation == "fixed" or not spec.uses_drafter:
+            return (spec.num_drafts,)
+        if candidates is None:
+            explicit = spec.draft_tokens is not None or spec.tree_budget
+            candidates = (0, spec.num_drafts) if explicit else default_candidates(spec.block_size)
+        top = spec.num_drafts
+        bad = [k for k in candidates if not 0 <= k <= top or (spec.tree_budget and k not in (0, top))]
+        if bad:
+            raise DFlashError(f"auto speculation's draft lengths must be in 0..{top} (a tree: 0 or its {top} "
+                              f"nodes), got {bad[0]}")
+        return tuple(sorted(set(int(k) for k in candidates) | {top}))
 
     # ------------------------------------------------------------------ checks
 
@@ -181,8 +254,14 @@ class BatchEngine:
 
     def _take_state(self) -> DecodeState:
         """The state the last `generate` left (every slot free again), or a new one: the caches
-        are allocated and zeroed once, not per call (a call whose tail narrowed leaves none)."""
+        are allocated and zeroed once, not per call (a call whose tail narrowed leaves none).
+        With prefix caching, `_prefix_pool` is then the pool whose pages that state's caches
+        hold (what the last call cached), or a new one."""
         state, self._idle = getattr(self, "_idle", None), None
+        pool = getattr(self, "_prefix_pool", None)
+        if state is None or pool is None or not pool.whole():
+            pool = PrefixPool(self.spec.kv_pages, self.spec.page_size) if self.prefix_cache else None
+        self._prefix_pool = pool
         return self.new_state() if state is None else state
 
     def _bucket(self, prompt) -> int:
@@ -191,14 +270,17 @@ class BatchEngine:
     def admit(self, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
               row_ids: Sequence[int], max_new: Sequence[int], seed: int = 0,
               pages: Sequence[Sequence[int]] | None = None,
-              sampling: Sequence[Sampling] | None = None) -> DecodeState:
+              sampling: Sequence[Sampling] | None = None, starts: Sequence[int] | None = None) -> DecodeState:
         """Prefill prompts into the given free slots of a state (grouped by prompt bucket, each
         group padded to an admission width). With a page pool, pages[i] are the pool pages
         prompt i's row holds (None: no pages, every write dropped: the warm-up's compiles).
         sampling[i]: row i's, in a per-row engine (default: the engine's Sampling for every
-        row). The state is donated."""
+        row). starts[i] (prefix caching): prompt i's first starts[i] positions are its first
+        pages, cached: only the rest is prefilled (its bucket the rest's). The state is donated."""
         pool = self.spec.kv_pages
         pages_per_row = state.target_cache.pages.shape[1] if pool else 0
+        starts = list(starts) if starts is not None else [0] * len(prompts)
+        prompts = [p[s:] for p, s in zip(prompts, starts)]
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(self._bucket(p), []).append(i)
@@ -214,9 +296,9 @@ class BatchEngine:
                 where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
                 ids = np.zeros((width,), np.uint32)
                 temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
-                top_k = np.zeros((width,), np.int32)
+                top_k, begin = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
                 for j, i in enumerate(chunk):
-                    tokens[j, :len(prompts[i])], lens[j] = prompts[i], len(prompts[i])
+                    tokens[j, :len(prompts[i])], lens[j], begin[j] = prompts[i], len(prompts[i]), starts[i]
                     where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
                     temperature[j], top_k[j], top_p[j] = rows[i].temperature, rows[i].top_k, rows[i].top_p
                 row_sampling = (put(temperature), put(top_k), put(top_p)) if per_row else None
@@ -226,7 +308,7 @@ class BatchEngine:
                                            pages_per_row))
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
                                 put(ids), np.int32(seed), put(limits), self.stop_ids, table,
-                                row_sampling)
+                                row_sampling, starts=put(begin) if self.prefix_cache else None)
         return state
 
     def _admission_parts(self, chunk: list[int]) -> list[list[int]]:
@@ -256,7 +338,7 @@ class BatchEngine:
                 # The cycle loop is one program whatever was admitted: it runs after the first
                 # prefill only (a restart that loads every program from the cache then spends
                 # its time on tracing, not on cycles).
-                def prefill(length=length, width=width, cycle=not steps):
+                def prefill(length=length, width=width, cycle=not steps and len(self.candidates) == 1):
                     state = self.admit(self.new_state(), range(width), [[0] * length] * width, range(width),
                                        [1] * width)
                     if cycle:
@@ -265,6 +347,10 @@ class BatchEngine:
                         self.read(state.done, "running the warm-up's prefill")
 
                 steps.append((f"prompts of {length} tokens x {width}", prefill))
+        if len(self.candidates) > 1:
+            shortest = self._bucket([0] * min(prompt_lengths, default=1))
+            steps += [(f"the cycle loop of {k} drafts (compiled, then timed)",
+                       functools.partial(self.time_drafts, k, shortest, stream=stream)) for k in self.candidates]
         if stream:
             def cancel_rows():
                 state = cancel(self.spec, self.new_state(), np.zeros((self.batch_size,), bool))
@@ -276,18 +362,58 @@ class BatchEngine:
                 state = self.new_state()
                 for width in self.tail_widths:
                     state = narrow_state(self.spec, state, np.arange(width, dtype=np.int32))
-                    state, info = self.run_cycles(state, 1)
-                    self.read(info, "running the warm-up's narrower loops")
+                    for k in self.candidates:
+                        state, info = self.run_cycles(state, 1, drafts=k)
+                        self.read(info, "running the warm-up's narrower loops")
 
             steps.append((f"the tail's loops ({', '.join(map(str, self.tail_widths))} slots)", narrower_loops))
         return steps
 
-    def run_cycles(self, state, cycles=None, until_free=False, stream=False):
-        """Run `cycles` (default sync_every) decoding cycles on the state (donated), or until a row
-        frees its slot with until_free; with stream, the figures include the rows' tokens
-        (`step.run_cycles`). Returns (state, figures), the figures still on the device."""
-        return run_cycles(self.tparams, self.dparams, self.spec, state, self.stop_ids,
+    def time_drafts(self, drafts: int, length: int, cycles: int = 4, *, stream: bool = False):
+        """Compile the cycle loop of `drafts` drafts and time it on a full batch (every slot a row of a
+        `length`-token prompt, admitted one by one: the width-1 prefill of that bucket is compiled;
+        stop tokens ignored): the policy's first cost of that draft length at the batch's width.
+        Rows that finish early are fewer cycles, not a wrong time (the time is per cycle run)."""
+        top, width = self.spec.max_new_tokens, self.batch_size
+        no_stop = jax.numpy.full(self.stop_ids.shape, -1, jax.numpy.int32)
+        state = self.new_state()
+        for n in (1, cycles):  # the first call compiles
+            for s in range(width):
+                state = self.admit(state, [s], [[0] * length], [s], [top])
+            self.read(state.done, "running the warm-up's prefill")
+            start = time.perf_counter()
+            state, figures = self.run_cycles(state, n, drafts=drafts, stream=stream, stop_ids=no_stop)
+            tally = self.read(figures, "timing the warm-up's cycles")[1]
+        self.policy.time(drafts, width, int(tally[0, 0]), time.perf_counter() - start)
+
+    def run_cycles(self, state, cycles=None, until_free=False, stream=False, drafts: int | None = None,
+                   stop_ids=None):
+        """Run `cycles` (default sync_every) decoding cycles of `drafts` drafts (one of `candidates`;
+        default the spec's) on the state (donated), or until a row frees its slot with until_free;
+        with stream, the figures include the rows' tokens (`step.run_cycles`). Returns (state,
+        figures), the figures still on the device."""
+        spec = self.specs[self.spec.num_drafts if drafts is None else drafts]
+        return run_cycles(self.tparams, self.dparams, spec, state, self.stop_ids if stop_ids is None else stop_ids,
                           np.int32(self.sync_every if cycles is None else cycles), np.bool_(until_free), stream=stream)
+
+    def launch(self, state, width: int, *, until_free=False, stream=False, timed=True) -> tuple[DecodeState, "Call"]:
+        """Queue a call of cycles on a state of `width` slots at the draft length the policy picks
+        (`Speculation.pick`). timed: the call's wall time is its own (no prefill queued just
+        before it). Returns (state, the Call, its figures still on the device)."""
+        drafts = self.policy.pick(width)
+        state, figures = self.run_cycles(state, until_free=until_free, stream=stream, drafts=drafts)
+        return state, Call(figures, drafts, width, time.perf_counter(), timed)
+
+    def land(self, call: "Call"):
+        """A call's figures on the host (waiting for it), after the policy has them: its draft
+        length's cost (seconds per cycle, when timed) and acceptance. Returns the figures."""
+        figures = self.read(call.figures, "running decoding cycles")
+        now = time.perf_counter()
+        tally = figures[1]
+        seconds = now - max(call.issued, self._last_read) if call.timed else None
+        self._last_read = now
+        self.policy.observe(call.drafts, call.width, int(tally[0, 0]), seconds, tally[1], tally[2])
+        return figures
 
     # ------------------------------------------------------------------ generation
 
@@ -324,23 +450,29 @@ class BatchEngine:
         if not prompts:
             return
         # The ledger's rows are the prompts' positions in `prompts`.
+        state = self._take_state()
         ledger = SlotLedger(self.batch_size, self.spec.kv_pages, self.stop_set,
-                            lambda i: self.pages_needed(len(prompts[i]), limits[i]))
+                            lambda i: self.pages_needed(len(prompts[i]), limits[i]), lambda i: prompts[i],
+                            self._prefix_pool)
+        self.ledger = ledger  # the last call's (its cached_tokens / prompt_tokens: the prefix cache's hit rate)
         # Longest first: a long row admitted last would run on alone while the other slots
         # idle; admitting by descending limit (stable: equal limits keep their order) leaves
         # the short rows for the end, where they fill the slots the long ones free.
         ledger.waiting.extend(sorted(range(len(prompts)), key=lambda i: -limits[i]))
 
         def fill(state):
+            """(state, whether prompts were admitted into it)."""
             slots, new = ledger.admit_waiting()
             if not new:
-                return state
-            return self.admit(state, slots, [prompts[i] for i in new], [indices[i] for i in new],
-                              [limits[i] for i in new], seed, ledger.tables(slots),
-                              None if sampling is None else [sampling[i] for i in new])
+                return state, False
+            state = self.admit(state, slots, [prompts[i] for i in new], [indices[i] for i in new],
+                               [limits[i] for i in new], seed, ledger.tables(slots),
+                               None if sampling is None else [sampling[i] for i in new], ledger.starts(slots))
+            ledger.register(slots)
+            return state, True
 
-        state = fill(self._take_state())
-        state, info = self.run_cycles(state, until_free=bool(ledger.waiting))
+        state, _ = fill(state)
+        state, call = self.launch(state, ledger.width, until_free=bool(ledger.waiting), timed=False)
         columns = None  # the slots of a narrowed state in the wider one its pending figures are of
         while True:
             ahead = not ledger.waiting
@@ -349,8 +481,8 @@ class BatchEngine:
                 # read. Finished rows are frozen (later cycles skip them), so their tokens are
                 # read from the newer state; once all are done the queued call runs no cycle.
                 # A tail that narrows syncs as rows finish, so that it narrows without delay.
-                state, next_info = self.run_cycles(state, until_free=bool(self.tail_widths))
-            info = self.read(info, "running decoding cycles")
+                state, next_call = self.launch(state, ledger.width, until_free=bool(self.tail_widths))
+            info = self.land(call)[0]
             if columns is not None:
                 info, columns = info[:, columns], None
             done, num_generated = info[0].astype(bool), info[1]
@@ -363,10 +495,10 @@ class BatchEngine:
                         self._idle = state  # every slot free: the next call starts from here
                     return
                 state, columns = self._narrow_tail(ledger, state, columns)
-                info = next_info
+                call = next_call
                 continue
-            state = fill(state)
-            state, info = self.run_cycles(state, until_free=bool(ledger.waiting))
+            state, admitted = fill(state)
+            state, call = self.launch(state, ledger.width, until_free=bool(ledger.waiting), timed=not admitted)
 
     def _finish_rows(self, ledger: SlotLedger, state: DecodeState, done, num_generated, indices,
                      limits) -> Iterator[Result]:

@@ -4,7 +4,9 @@
 piece by piece, the pool pages each slot holds (`dflash_jax.kv.pool`), the rows waiting for a
 slot, and how many tokens of each row were already reported. It admits waiting rows in order (one
 that waits for pages is not overtaken), finishes rows (freeing their slots and pages), and cuts a
-row's tokens at its first stop token into a `Result`. `GenerationStats` aggregates Results (tau,
+row's tokens at its first stop token into a `Result`. With prefix caching (`prompt_of`), its pool is
+a `PrefixPool`: a waiting row's cached prompt pages are found at admission, held, and the row's
+prefill starts after them (`start`); `register` caches a row's prompt pages once its prompt is in. `GenerationStats` aggregates Results (tau,
 acceptance histogram, tokens/s); the server's live figures are `streaming.EngineMetrics`.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv.pool import PagePool
+from dflash_jax.kv.prefix import PrefixPool
 
 
 @dataclasses.dataclass
@@ -37,17 +40,24 @@ class SlotLedger:
     occupant[s]: the row decoding in slot s, None: none. filling[s]: [row, prompt tokens in] of a
     slot whose prompt goes in piece by piece (not yet decoding). pages[s]: the pool pages slot s
     holds. waiting: rows waiting for a slot, in admission order. counted[s]: tokens of slot s's
-    row already reported."""
+    row already reported. start[s]: the prompt positions of slot s's row found in the prefix cache
+    (0 without). pool: the page pool (default: a new PagePool of kv_pages); a `PrefixPool` (which
+    the caller may keep across ledgers) with prompt_of(row), a row's prompt tokens: prefix caching.
+    cached_tokens, prompt_tokens: the admitted rows' prompt tokens found in the cache, and all."""
 
     def __init__(self, width: int, kv_pages: int | None, stop_set: frozenset[int],
-                 pages_of: Callable[[Hashable], int]):
-        self.pool = PagePool(kv_pages) if kv_pages else None
+                 pages_of: Callable[[Hashable], int], prompt_of: Callable[[Hashable], list[int]] | None = None,
+                 pool: PagePool | None = None):
+        self.pool = pool if pool is not None else (PagePool(kv_pages) if kv_pages else None)
+        self.prompt_of = prompt_of if isinstance(self.pool, PrefixPool) else None
         self.stop_set, self.pages_of = stop_set, pages_of
         self.occupant: list = [None] * width
         self.filling: dict[int, list] = {}
         self.pages: list[list[int]] = [[] for _ in range(width)]
+        self.start = [0] * width
         self.waiting: collections.deque = collections.deque()
         self.counted = np.zeros(width, np.int64)
+        self.cached_tokens = self.prompt_tokens = 0
 
     # ------------------------------------------------------------------ who is where
 
@@ -71,22 +81,31 @@ class SlotLedger:
 
     # ------------------------------------------------------------------ admission and finish
 
-    def admit_waiting(self, fills: Callable[[Hashable], bool] | None = None) -> tuple[list[int], list]:
+    def admit_waiting(self, fills: Callable[[Hashable, int], bool] | None = None) -> tuple[list[int], list]:
         """The free slots take the first waiting rows, in order, each with the pool pages it
-        needs (a row that waits for pages is not overtaken). A row for which fills(row) is true
-        starts filling (`filling`); the others decode at once. Returns (slots, rows) of those."""
+        needs (a row that waits for pages is not overtaken), its cached prompt pages first (held,
+        not counted twice). A row for which fills(row, start) is true starts filling (`filling`,
+        from start); the others decode at once. Returns (slots, rows) of those."""
         slots, rows = [], []
         for s in range(self.width):
             if self.occupant[s] is not None or s in self.filling:
                 continue
-            if not self.waiting or (self.pool and self.pages_of(self.waiting[0]) > self.pool.available):
+            if not self.waiting:
                 break
             row = self.waiting[0]
+            hits = self.pool.lookup(self.prompt_of(row)) if self.prompt_of else []
+            if self.pool and self._cost(row, hits) > self.pool.available:
+                break
             if self.pool:
-                self.pages[s] = self.pool.take(self.pages_of(row))
+                new = self.pages_of(row) - len(hits)
+                self.pages[s] = self.pool.take(new, hits) if hits else self.pool.take(new)
+            self.start[s] = len(hits) * self.pool.page_size if hits else 0
+            if self.prompt_of:
+                self.cached_tokens += self.start[s]
+                self.prompt_tokens += len(self.prompt_of(row))
             self.waiting.popleft()
-            if fills is not None and fills(row):
-                self.filling[s] = [row, 0]
+            if fills is not None and fills(row, self.start[s]):
+                self.filling[s] = [row, self.start[s]]
                 continue
             self.occupant[s], self.counted[s] = row, 0
             slots.append(s)
@@ -94,6 +113,22 @@ class SlotLedger:
         if not slots and self.waiting and not self.busy:  # cannot happen: every row fits the empty pool
             raise DFlashError("no row is running and the next prompt does not fit the page pool")
         return slots, rows
+
+    def _cost(self, row, hits: list[int]) -> int:
+        """Of the pool's available pages, what admitting row uses up (its hits held, not taken)."""
+        new = self.pages_of(row) - len(hits)
+        return self.pool.cost(new, hits) if hits else new
+
+    def starts(self, slots: Sequence[int]) -> list[int]:
+        """The prompt positions of these slots' rows found in the prefix cache (their prefill's start)."""
+        return [self.start[s] for s in slots]
+
+    def register(self, slots: Sequence[int]):
+        """These slots' rows have their whole prompts in: their full prompt pages are cached (with
+        prefix caching; else nothing)."""
+        if self.prompt_of:
+            for s in slots:
+                self.pool.register(self.prompt_of(self.occupant[s]), self.pages[s])
 
     def tables(self, slots: Sequence[int]) -> list[list[int]] | None:
         """The pool pages of these slots (for their page tables), None without a pool."""
@@ -111,7 +146,7 @@ class SlotLedger:
         self.occupant[slot] = None
         if self.pool:
             self.pool.give(self.pages[slot])
-        self.pages[slot] = []
+        self.pages[slot], self.start[slot] = [], 0
         return row
 
     def narrow(self, keep: np.ndarray):
@@ -119,6 +154,7 @@ class SlotLedger:
         self.occupant = [self.occupant[k] for k in keep]
         self.counted = self.counted[keep]
         self.pages = [self.pages[k] for k in keep]
+        self.start = [self.start[k] for k in keep]
 
     # ------------------------------------------------------------------ tokens
 

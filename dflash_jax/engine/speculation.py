@@ -24,6 +24,7 @@ distribution but depend on the drafts.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping, Sequence
 
@@ -108,20 +109,29 @@ class Speculation:
 
     `pick(width)` gives the K the next call runs; `observe(k, width, cycles, seconds, tried,
     accepted)` records a call's figures (its wall seconds None when they are not its own: a
-    prefill ran before it in the same wait). Costs are kept per (width, K) as a moving average of
-    seconds per cycle; until a K is timed at a width it is tried first. While plain decoding wins,
-    every `probe_every` calls run the shortest draft length instead, so that a change in the rows'
-    acceptance is seen. `share()` is the share of cycles each K ran."""
+    prefill ran before it in the same wait). A cost is kept per (width, K): the median seconds per
+    cycle of its last `window` timed calls, so that a call slowed by the host (a burst of
+    admissions, another process) does not move it; until a K is timed at a width it is tried first.
+    Every `probe_every`-th pick runs, instead of the best, the other K whose cost was timed longest
+    ago (the shortest drafting K when the drafts' acceptance is what is stale: plain decoding
+    winning), so that no cost or rate goes stale while another K runs. `share()` is the share of
+    cycles each K ran."""
 
-    def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_every: int = 64,
-                 smoothing: float = 0.3):
+    def __init__(self, candidates: Sequence[int], depth: int, *, tree: bool = False, probe_every: int = 32,
+                 window: int = 9):
         self.candidates = tuple(sorted(set(candidates)))
         self.tree = tree  # the one drafting candidate is a tree: its rates are per depth, all its own
         self.counts = AcceptanceCounts(depth)
-        self.costs: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], collections.deque] = {}
+        self.timed_at: dict[tuple[int, int], int] = {}  # the pick count when each cost was last timed
         self.cycles: dict[int, int] = {k: 0 for k in self.candidates}
-        self.probe_every, self.smoothing = probe_every, smoothing
-        self._plain_calls = 0
+        self.probe_every, self.window = probe_every, window
+        self._picks = 0
+
+    @property
+    def costs(self) -> dict[tuple[int, int], float]:
+        """Seconds per cycle of each (width, K) timed: the median of its recent calls."""
+        return {key: float(np.median(v)) for key, v in self.samples.items()}
 
     def rates(self) -> list[float]:
         return self.counts.rates()
@@ -132,27 +142,35 @@ class Speculation:
         return expected_tokens(self.rates(), k)
 
     def pick(self, width: int) -> int:
-        untimed = [k for k in self.candidates if (width, k) not in self.costs]
+        self._picks += 1
+        untimed = [k for k in self.candidates if (width, k) not in self.samples]
         if untimed:
             return untimed[0]
-        costs = {k: self.costs[(width, k)] for k in self.candidates}
-        best = max(self.candidates, key=lambda k: (self._tokens(k) / costs[k], -k))
-        if best == 0 and len(self.candidates) > 1:
-            self._plain_calls += 1
-            if self._plain_calls % self.probe_every == 0:
-                return self.candidates[1]
+        costs = self.costs
+        best = max(self.candidates, key=lambda k: (self._tokens(k) / costs[(width, k)], -k))
+        if len(self.candidates) > 1 and self._picks % self.probe_every == 0:
+            others = [k for k in self.candidates if k != best]
+            return min(others, key=lambda k: (self.timed_at.get((width, k), 0), k))
         return best
 
     def observe(self, k: int, width: int, cycles: int, seconds: float | None, tried=None, accepted=None):
+        """A call of `cycles` cycles of k drafts on `width` slots: its wall seconds (None: not its own)
+        and, per draft position, the rows that reached it (tried) and accepted it."""
         if cycles <= 0:
             return
         self.cycles[k] = self.cycles.get(k, 0) + int(cycles)
         if tried is not None and k:
             self.counts.add(np.asarray(tried, float), np.asarray(accepted, float))
-        if seconds is not None and seconds > 0:
-            per_cycle, key = seconds / cycles, (width, k)
-            was = self.costs.get(key)
-            self.costs[key] = per_cycle if was is None else (1 - self.smoothing) * was + self.smoothing * per_cycle
+        if seconds is not None:
+            self.time(k, width, cycles, seconds)
+
+    def time(self, k: int, width: int, cycles: int, seconds: float):
+        """`cycles` cycles of k drafts on `width` slots took `seconds`: a sample of the cost."""
+        if cycles <= 0 or seconds <= 0:
+            return
+        key = (width, k)
+        self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(seconds / cycles)
+        self.timed_at[key] = self._picks
 
     def share(self) -> dict[int, float]:
         total = sum(self.cycles.values())

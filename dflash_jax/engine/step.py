@@ -61,11 +61,14 @@ class EngineSpec:
     kv_pages: int | None = None  # a page pool of this many pages shared by the rows (None: cache_len per slot)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (`dflash_jax.engine.tree`); 0: the chain
     acceptance: str = "rejection"  # how sampled rows of a DFlash2 drafter accept drafts (`ACCEPTANCE_RULES`)
+    draft_window: int | None = None  # a block sees its row's last N committed positions, kept in a ring (None: all)
 
     def __post_init__(self):
         k, b, n = self.draft_tokens, self.block_size, self.tree_budget
         if self.acceptance not in ACCEPTANCE_RULES:
             raise DFlashError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise DFlashError(f"--draft-window must be >= 1, got {self.draft_window}")
         if n:
             check_tree(self.target, b, n, k, self.drafter)
         if k is None:
@@ -210,11 +213,13 @@ def _hits_stop(tokens, stop_ids):
 def init_state(spec: EngineSpec, batch: int) -> DecodeState:
     """`batch` free slots: every row done, caches empty (allocated once, reused by every row)."""
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    chunk = max(spec.prefill_chunk, spec.verify_len)  # the most positions one call writes
     return constrain_state(DecodeState(
         target_cache=init_cache(spec.target, batch, spec.cache_len, page_size=spec.page_size,
-                                num_pages=spec.kv_pages, ring_chunk=max(spec.prefill_chunk, spec.verify_len)),
+                                num_pages=spec.kv_pages, ring_chunk=chunk),
         context_cache=(init_context_cache(spec.drafter, batch, spec.cache_len, page_size=spec.page_size,
-                                          num_pages=spec.kv_pages) if spec.uses_drafter else None),
+                                          num_pages=spec.kv_pages, window=spec.draft_window, ring_chunk=chunk)
+                       if spec.uses_drafter else None),
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
@@ -309,25 +314,30 @@ def _prompt_chunks(tparams, dparams, spec: EngineSpec, target_cache, context_cac
     return jax.lax.scan(run_chunk, carry, jnp.arange(bucket_len // chunk))[0]
 
 
-def _fresh_rows(cache, slots, pages):
-    """The rows `slots` of a cache emptied for new prompts (and given their page tables)."""
+def _fresh_rows(cache, slots, pages, starts=None):
+    """The rows `slots` of a cache emptied for new prompts (and given their page tables); with
+    starts [n], a row holds its first starts positions already (its prompt's cached pages, the
+    first of its table: prefix caching), so its prompt goes in from there."""
     cache = cache.reset_rows(slots)
-    return cache if pages is None else cache.assign_pages(slots, pages)
+    if starts is not None:
+        cache = cache.replace(lengths=cache.lengths.at[slots].set(starts, mode="drop"))
+    return cache if pages is None or cache.pages is None else cache.assign_pages(slots, pages)  # a ring: no pages
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "begin"), donate_argnames=("state",))
 @traced_on_mesh
 def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, num_tokens, slots, pages=None,
-                 begin=False) -> DecodeState:
+                 begin=False, starts=None) -> DecodeState:
     """One piece of long prompts, so that their prefill interleaves with the other rows' cycles:
     tokens [n, piece] (num_tokens [n] real) run into the rows `slots` [n] after what they hold.
-    begin: the prompts' first piece (the rows are emptied and given their page tables, pages).
+    begin: the prompts' first piece (the rows are emptied and given their page tables, pages; with
+    starts, the positions their cached pages hold, from which the piece goes in).
     The rows stay done, so cycles pass over them, and filling, so cycles keep their caches; their
     last piece goes through `prefill(..., resume=True)`, which samples their first token."""
     target_cache, context_cache = state.target_cache, state.context_cache
     if begin:
-        target_cache = _fresh_rows(target_cache, slots, pages)
-        context_cache = _fresh_rows(context_cache, slots, pages) if spec.uses_drafter else None
+        target_cache = _fresh_rows(target_cache, slots, pages, starts)
+        context_cache = _fresh_rows(context_cache, slots, pages, starts) if spec.uses_drafter else None
     target_cache, context_cache, _ = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
                                                     num_tokens, slots)
     done = state.done.at[slots].set(True, mode="drop")
@@ -339,7 +349,7 @@ def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens,
 @functools.partial(jax.jit, static_argnames=("spec", "resume"), donate_argnames=("state",))
 @traced_on_mesh
 def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
-            max_new_tokens, stop_ids, pages=None, row_sampling=None, resume=False) -> DecodeState:
+            max_new_tokens, stop_ids, pages=None, row_sampling=None, resume=False, starts=None) -> DecodeState:
     """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
     state (a slot of `batch` or more is padding). The target runs the prompts straight into
     those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
@@ -350,15 +360,17 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     are the rows' page tables (the pages the host gave them; spec.kv_pages: none). A per-row
     engine (spec.sampling.per_row) takes row_sampling, the rows' (temperature [n], top_k [n],
     top_p [n]). resume: the rows hold the first pieces of their prompts (`prefill_part`) and
-    these tokens are the rest. One compilation per (n, bucket)."""
+    these tokens are the rest. starts [n] (prefix caching): each row's first starts positions are
+    its cached prompt pages (the first of its page table, both caches), and tokens are the rest of
+    its prompt. One compilation per (n, bucket)."""
     if spec.sampling.per_row and row_sampling is None:
         raise DFlashError("a per-row sampling engine admits rows with their row_sampling")
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
 
     target_cache, context_cache = state.target_cache, state.context_cache
     if not resume:
-        target_cache = _fresh_rows(target_cache, slots, pages)
-        context_cache = _fresh_rows(context_cache, slots, pages) if spec.uses_drafter else None
+        target_cache = _fresh_rows(target_cache, slots, pages, starts)
+        context_cache = _fresh_rows(context_cache, slots, pages, starts) if spec.uses_drafter else None
     before = target_cache.lengths.at[slots].get(mode="fill", fill_value=0)  # prompt tokens already in
     target_cache, context_cache, logits = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
                                                          prompt_lens, slots)

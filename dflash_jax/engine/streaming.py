@@ -10,6 +10,10 @@ cancelled (a client gone, a stop string found) ends at the next sync and its slo
 request. `close()` stops new requests, lets the running and queued ones finish (or cancels them)
 and ends the thread.
 
+With prefix caching (`BatchEngine.prefix_cache`) a request whose prompt starts with pages cached by
+an earlier one holds them and prefills only the rest (its pieces start after them); the metrics
+count the prompt tokens so served (`EngineMetrics.prefix_hit_rate`).
+
 Tokens are those `BatchEngine.generate` would give the same prompt: a row's tokens depend only on
 its prompt, its sampling and its random stream (`row_id`), never on the rows beside it.
 """
@@ -31,7 +35,7 @@ from dflash_jax.engine.sampling import Sampling
 from dflash_jax.engine.scheduler import BatchEngine, run_steps
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import cancel, prefill, prefill_part
-from dflash_jax.kv import page_table
+from dflash_jax.kv import PrefixPool, page_table
 from dflash_jax.sharding import put_batch
 from dflash_jax.errors import DFlashError
 
@@ -97,12 +101,14 @@ class EngineMetrics:
     waiting: int = 0
     requests: dict = dataclasses.field(default_factory=collections.Counter)  # by finish_reason
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, served from the prefix cache (not prefilled)
     generation_tokens: int = 0
     cycles: int = 0  # decoding cycles of finished rows (tau's denominator)
     accepted: int = 0  # their tokens (tau's numerator)
     slot_syncs: int = 0  # slots x syncs, and how many of them held a running row: occupancy
     busy_slot_syncs: int = 0
     busy_seconds: float = 0.0  # wall time with rows running: tokens/s
+    speculation: dict = dataclasses.field(default_factory=dict)  # share of cycles per draft length
     started: float = dataclasses.field(default_factory=time.perf_counter)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -118,6 +124,11 @@ class EngineMetrics:
     @property
     def tokens_per_second(self) -> float:
         return self.generation_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache, of all prompt tokens admitted."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def occupancy(self) -> float:
@@ -267,7 +278,8 @@ class StreamingEngine:
         state = gen.new_state()
         # The ledger's rows are the Requests.
         ledger = SlotLedger(gen.batch_size, spec.kv_pages, gen.stop_set,
-                            lambda req: gen.pages_needed(len(req.prompt), req.max_new_tokens))
+                            lambda req: gen.pages_needed(len(req.prompt), req.max_new_tokens), lambda req: req.prompt,
+                            PrefixPool(spec.kv_pages, spec.page_size) if gen.prefix_cache else None)
         last_emit = np.zeros(gen.batch_size)  # when each slot's row last emitted tokens
         to_end = np.zeros(gen.batch_size, bool)  # slots whose rows the host ended: the device ends them next
         pending = None  # (figures of the call in flight, the occupants it ran with, when it was issued)
@@ -292,11 +304,12 @@ class StreamingEngine:
             if to_end.any():
                 state = cancel(spec, state, to_end)
                 to_end[:] = False
-            state = self._admit(state, ledger)
+            state, admitted = self._admit(state, ledger)
             issued = None
             if ledger.running:
-                state, figures = gen.run_cycles(state, until_free=bool(ledger.waiting), stream=True)
-                issued = (figures, list(ledger.occupant), time.perf_counter())
+                state, call = gen.launch(state, ledger.width, until_free=bool(ledger.waiting), stream=True,
+                                         timed=not admitted)
+                issued = (call, list(ledger.occupant))
             if pending is not None:
                 self._deliver(pending, ledger, last_emit, end)
             pending = issued
@@ -322,26 +335,34 @@ class StreamingEngine:
         """Admission: the free slots take the first requests, in arrival order (one that waits
         for pages is not overtaken); a long prompt goes in piece by piece, one piece of each per
         round of cycles (the running rows wait for a piece, not for a whole prompt), and its last
-        piece makes it a running row."""
-        gen, m = self.gen, self.metrics
+        piece makes it a running row. Returns (state, whether any prefill was queued)."""
+        gen = self.gen
         piece = gen.spec.prefill_chunk if self.interleaves else None
         queued = len(ledger.waiting)
-        slots, new = ledger.admit_waiting(lambda req: piece is not None and len(req.prompt) > piece)
+        slots, new = ledger.admit_waiting(lambda req, start: piece is not None and len(req.prompt) - start > piece)
         self._admitted(queued - len(ledger.waiting))
+        admitted = bool(new or ledger.filling)
         for s, entry in list(ledger.filling.items()):
             req, done_tokens = entry
-            state = self._piece(state, s, req, done_tokens, ledger.pages[s])
+            state = self._piece(state, s, req, done_tokens, ledger.pages[s], ledger.start[s])
             entry[1] += piece
             if entry[1] >= len(req.prompt):
                 ledger.filled(s)
-                with m.lock:
-                    m.prompt_tokens += len(req.prompt)
+                ledger.register([s])
+                self._count_prompts([req], [ledger.start[s]])
         if new:
             state = gen.admit(state, slots, [r.prompt for r in new], [r.row_id for r in new],
-                              [r.max_new_tokens for r in new], 0, ledger.tables(slots), [r.sampling for r in new])
-            with m.lock:
-                m.prompt_tokens += sum(len(r.prompt) for r in new)
-        return state
+                              [r.max_new_tokens for r in new], 0, ledger.tables(slots), [r.sampling for r in new],
+                              ledger.starts(slots))
+            ledger.register(slots)
+            self._count_prompts(new, ledger.starts(slots))
+        return state, admitted
+
+    def _count_prompts(self, reqs, starts):
+        """Prompts now in: their tokens, and those of them the prefix cache served."""
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += sum(len(r.prompt) for r in reqs)
+            self.metrics.cached_prompt_tokens += sum(starts)
 
     @property
     def interleaves(self) -> bool:
@@ -352,9 +373,10 @@ class StreamingEngine:
         return self.gen.max_prompt_len > spec.prefill_chunk and not (spec.target.num_linear_layers
                                                                       and not spec.uses_drafter)
 
-    def _piece(self, state, slot: int, req: StreamRequest, offset: int, pages):
+    def _piece(self, state, slot: int, req: StreamRequest, offset: int, pages, start: int = 0):
         """The piece of req's prompt from offset into slot: `prefill_part`, or for the last piece
-        `prefill(resume=True)`, which samples the row's first token and starts it."""
+        `prefill(resume=True)`, which samples the row's first token and starts it. start: the
+        prompt positions its cached pages hold (prefix caching), where its first piece begins."""
         gen, spec = self.gen, self.gen.spec
         piece = spec.prefill_chunk
         put = lambda x: put_batch(np.asarray(x), gen.mesh)
@@ -365,7 +387,8 @@ class StreamingEngine:
         if offset + piece < len(req.prompt):
             table = put(page_table([pages], 1, state.target_cache.pages.shape[1])) if spec.kv_pages else None
             return prefill_part(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])), where,
-                                table, begin=offset == 0)
+                                table, begin=offset == start,
+                                starts=put(np.int32([start])) if gen.prefix_cache and offset == start else None)
         s = req.sampling
         rows = (put(np.float32([s.temperature])), put(np.int32([s.top_k])), put(np.float32([s.top_p])))
         return prefill(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])), where,
@@ -384,8 +407,8 @@ class StreamingEngine:
         """Read a call's figures (waiting for it) and hand each row still served by the request
         it ran for its new tokens; rows that ended end their requests."""
         gen, m, sent = self.gen, self.metrics, ledger.counted
-        figures, owners, issued = pending
-        (progress, (output, acceptance, num_cycles)) = gen.read(figures, "running decoding cycles")
+        call, owners = pending
+        progress, _, (output, acceptance, num_cycles) = gen.land(call)
         now = time.perf_counter()
         done, num_generated = progress[0].astype(bool), progress[1]
         busy = 0
@@ -414,5 +437,6 @@ class StreamingEngine:
             m.slot_syncs += len(owners)
             m.busy_slot_syncs += busy
             if busy:
-                m.busy_seconds += now - max(issued, self._last_read)
+                m.busy_seconds += now - max(call.issued, self._last_read)
+            m.speculation = gen.policy.share()
         self._last_read = now

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.config import ModelConfig, jnp_dtype
-from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, ring_length
+from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, ring_length, window_ring_length
 from dflash_jax.kv.writes import read_kv, write_kv
 
 if TYPE_CHECKING:
@@ -56,6 +56,10 @@ class KVCache:
              the group's layers all slide (`ModelConfig.local_window`), so the pages behind the
              window are written over instead of held (see `dflash_jax.kv.layout`).
     page_size: positions per page (static), the unit attention walks in.
+    window:  (static) the drafter's context cache under a draft window (`--draft-window N`): a block
+             sees only the last N positions before its anchor, and k, v are a ring of those (plus a
+             write's worth) per row, not paged, where that is shorter than the row
+             (`init_context_cache`). None: every committed position.
     """
 
     k: jax.Array
@@ -69,6 +73,7 @@ class KVCache:
     pages: jax.Array | None = None
     ring: bool = struct.field(pytree_node=False, default=False)
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
+    window: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def max_len(self) -> int:
@@ -159,13 +164,23 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
 
 
 def init_context_cache(config: "DrafterConfig", batch: int, max_len: int, dtype=None,
-                       page_size: int = PAGE_SIZE, num_pages: int | None = None) -> KVCache:
+                       page_size: int = PAGE_SIZE, num_pages: int | None = None, window: int | None = None,
+                       ring_chunk: int | None = None) -> KVCache:
     """An empty context cache for at least max_len positions per row (whole pages); with
     num_pages, a pool of pages (the target's page table serves it: position p of a row sits in
-    the same page of both pools)."""
+    the same page of both pools). With a draft window (window: N, the positions a block sees;
+    ring_chunk: the most positions a call writes), a ring of N + ring_chunk positions (whole pages)
+    per row instead, pool or not, where that is shorter than the row: its memory stops growing with
+    the context."""
     c = config.model
     dtype = dtype or jnp_dtype(c.dtype)
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
+    keep = window
+    if window is not None and c.sliding_windows and all(c.sliding_windows):  # every layer's own window is
+        keep = min(window, max(c.sliding_windows) - 1)  # narrower still: a query at p sees keys > p - w
+    ring = window_ring_length(keep, max_len, page_size, ring_chunk)
+    if ring is not None:
+        dims, pages = (batch, ring), None
     shape = (c.num_hidden_layers, *dims, c.num_key_value_heads, c.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   pages=pages, page_size=page_size)
+                   pages=pages, page_size=page_size, ring=ring is not None, window=window)

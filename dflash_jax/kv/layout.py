@@ -16,7 +16,9 @@ Rings. A group whose layers all slide (Gemma 4's sliding layers, with a page poo
 row, only the last `ring` positions: position p lives at `p % ring`, so the pages behind the
 window are written over by new ones and the group's memory is its window's, not the row's length.
 A ring holds at least the window plus the longest chunk written at once, so no key a query can see
-is overwritten before the query reads it.
+is overwritten before the query reads it. The drafter's context cache is such a ring under a draft
+window (`--draft-window N`: a block sees only its row's last N committed positions), paged pool or
+not, since no page of it outlives the window.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ def ring_length(config: ModelConfig, max_len: int, page_size: int, chunk: int | 
     """Positions of a ring for the main K/V group (whole pages holding its window plus `chunk`, the
     most positions written at once), or None where its layers do not all slide or a ring would be
     no shorter than the row."""
-    window = config.local_window()
+    return window_ring_length(config.local_window(), max_len, page_size, chunk)
+
+
+def window_ring_length(window: int | None, max_len: int, page_size: int, chunk: int | None) -> int | None:
+    """Positions of a ring that keeps a row's last `window` positions while `chunk` more are written
+    at once (whole pages), or None without a window or chunk, or where it would be no shorter than
+    the row. The drafter's context under `--draft-window` too (`init_context_cache`)."""
     if window is None or chunk is None:
         return None
     ring = -(-(window + chunk) // page_size) * page_size

@@ -26,6 +26,10 @@ def render_metrics(m) -> str:
         metric("requests_finished_total", "counter", "Requests ended, by finish reason.",
                [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)])
         metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", m.prompt_tokens)])
+        metric("prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache (not prefilled).",
+               [("", m.cached_prompt_tokens)])
+        metric("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache, of all prompt tokens.",
+               [("", round(m.prefix_hit_rate, 4))])
         metric("generation_tokens_total", "counter", "Tokens generated and sent.", [("", m.generation_tokens)])
         metric("tokens_per_second", "gauge", "Tokens generated per second of time with requests running.",
                [("", round(m.tokens_per_second, 3))])
@@ -37,6 +41,9 @@ def render_metrics(m) -> str:
         metric("slot_occupancy", "gauge", "Share of slot-syncs that held a running request.",
                [("", round(m.occupancy, 4))])
         metric("batch_slots", "gauge", "Slots of the engine's batch.", [("", m.batch_size)])
+        metric("speculation_share", "gauge", "Share of decoding cycles run at each draft length (0: plain "
+               "decoding; --speculation auto picks one at each sync).",
+               [(f'{{draft_tokens="{k}"}}', round(v, 4)) for k, v in sorted(m.speculation.items())])
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,161 @@
+"""Auto speculation (`dflash_jax.engine.speculation`): the policy that picks each sync's draft length,
+and the engine switching between its compiled draft lengths.
+
+- The policy is a pure function: given costs and acceptance it picks the K of the most expected
+  tokens per second (hand-computed cases, ties, a geometric fit of tau), and the host's state
+  around it tries an untimed K first, probes while plain decoding wins, fades old acceptance.
+- Switching K never changes tokens: an engine whose calls rotate through every draft length gives
+  plain decoding's greedy and seeded sampled tokens, compiles nothing after warm-up, and its tally
+  counts every cycle and accepted draft.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from bench.timing import compile_counts
+from dflash_jax import DFlashError
+from dflash_jax.engine import BatchEngine, Sampling
+from dflash_jax.engine.speculation import (AcceptanceCounts, Speculation, choose, default_candidates,
+                                           expected_tokens, rates_for_tau)
+from test_spec_decode import prompts, sampling_setup, setup
+
+# --------------------------------------------------------------------------- the policy
+
+
+def test_expected_tokens_is_one_plus_the_accepted_prefix():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0  # a prefix: nothing past the first rejected position
+    rates = rates_for_tau(6.49, 15)
+    assert expected_tokens(rates, 15) == pytest.approx(6.49, abs=1e-9)
+    assert len(set(rates)) == 1 and 0 < rates[0] < 1
+    with pytest.raises(ValueError):
+        rates_for_tau(17.0, 15)
+
+
+def test_choose_maximises_expected_tokens_per_second():
+    rates = rates_for_tau(6.49, 15)
+    tokens = {k: expected_tokens(rates, k) for k in (0, 3, 7, 15)}
+    # Memory-bound: a cycle costs about a step whatever K: the whole block.
+    assert choose({0: 1.0, 3: 1.05, 7: 1.1, 15: 1.2}, rates) == 15
+    # Compute-bound: each verified token costs as much as a step: plain decoding.
+    assert choose({k: 1.0 + k for k in (0, 3, 7, 15)}, rates) == 0
+    # In between, the argmax by hand.
+    costs = {0: 1.0, 3: 1.6, 7: 2.9, 15: 6.0}
+    best = max(costs, key=lambda k: tokens[k] / costs[k])
+    assert choose(costs, rates) == best == 3
+    # A tie goes to the shorter draft length; a drafter that never hits makes drafting lose.
+    assert choose({0: 1.0, 3: tokens[3]}, rates) == 0
+    assert choose({0: 1.0, 15: 1.01}, [0.0] * 15) == 0
+    with pytest.raises(ValueError):
+        choose({}, rates)
+
+
+def test_default_candidates():
+    assert default_candidates(16) == (0, 3, 7, 15)
+    assert default_candidates(8) == (0, 3, 7)
+    assert default_candidates(4) == (0, 3)
+    assert default_candidates(2) == (0, 1)
+    assert default_candidates(1) == (0,)
+    assert default_candidates(16, tree_budget=24) == (0, 24)
+
+
+def test_the_policy_times_every_candidate_first_probes_while_plain_wins_and_fades_old_counts():
+    policy = Speculation((0, 3, 7), depth=7, probe_every=4)
+    seen = []
+    for _ in range(3):  # each untimed draft length once, plain decoding first
+        k = policy.pick(8)
+        seen.append(k)
+        policy.observe(k, 8, 2, {0: 0.01, 3: 0.05, 7: 0.09}[k] * 2, np.zeros(7), np.zeros(7))
+    assert seen == [0, 3, 7]
+    assert policy.pick(4) == 0  # another width is timed on its own
+    # Drafts never accepted: plain decoding wins, and every 4th pick runs the other draft length
+    # timed longest ago (3, then, once 3 is timed again, 7), so that no cost goes stale.
+    policy.observe(3, 8, 10, None, np.r_[np.full(1, 80), np.zeros(6)], np.zeros(7))
+    picks = [policy.pick(8) for _ in range(4)]
+    policy.observe(3, 8, 2, 0.1, np.zeros(7), np.zeros(7))
+    picks += [policy.pick(8) for _ in range(4)]
+    assert picks == [0, 0, 0, 3, 0, 0, 0, 7]
+    assert policy.share() == {0: 2 / 18, 3: 14 / 18, 7: 2 / 18}  # cycles observed, by draft length
+    # A cost is the median of its recent calls: one slowed call does not move it.
+    for seconds in (0.02, 0.02, 0.5):
+        policy.observe(0, 8, 2, seconds)
+    assert policy.costs[(8, 0)] == pytest.approx(0.01)
+    # Counts fade to about 512 row-cycles: the rates follow the rows now running.
+    counts = AcceptanceCounts(2)
+    counts.add(np.array([10000.0, 0]), np.array([0.0, 0]))
+    counts.add(np.array([512.0, 512]), np.array([512.0, 512]))
+    assert counts.tried[0] <= 512.0 + 1e-9 and counts.rates()[0] > 0.45
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class Rotating(Speculation):
+    """Each call the next draft length in turn: every switch between them is exercised."""
+
+    def __init__(self, candidates, depth, **kw):
+        super().__init__(candidates, depth, **kw)
+        self._turn = itertools.cycle(self.candidates)
+
+    def pick(self, width):
+        return next(self._turn)
+
+
+def rotating(gen: BatchEngine) -> BatchEngine:
+    gen.policy = Rotating(gen.candidates, gen.policy.counts.depth)
+    return gen
+
+
+def test_switching_draft_lengths_keeps_plain_decodings_tokens_and_compiles_nothing_after_warmup():
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    kw = dict(batch_size=3, max_new_tokens=24, max_prompt_len=32, page_size=16, prefill_chunk=16, sync_every=2)
+    plain = BatchEngine(target, tparams, None, None, block_size=1, **kw)
+    auto = rotating(BatchEngine(target, tparams, drafter, dparams, block_size=8, speculation="auto", **kw))
+    assert auto.candidates == (0, 3, 7)
+    ps = list(prompts("qwen3-v8"))
+    auto.warmup([len(p) for p in ps])
+    assert set(auto.policy.costs) == {(3, k) for k in (0, 3, 7)}  # every draft length timed at warm-up
+    before = compile_counts()
+    results = sorted(auto.generate(ps), key=lambda r: r.index)
+    assert compile_counts() == before
+    expected = sorted(plain.generate(ps), key=lambda r: r.index)
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    share = auto.policy.share()
+    assert all(share[k] > 0 for k in (0, 3, 7))  # every draft length ran
+    # The policy counts loop cycles (every row of a cycle runs its K): between the longest row's
+    # cycles and all rows' together.
+    row_cycles = [len(r.acceptance_lengths) for r in results]
+    assert max(row_cycles) <= sum(auto.policy.cycles.values()) <= sum(row_cycles)
+    # The tally counts every accepted draft (a plain cycle accepts none), at its position.
+    accepted = sum(a - 1 for r in results for a in r.acceptance_lengths)
+    assert accepted > 0 and auto.policy.counts.accepted.sum() == accepted
+    assert all(auto.policy.counts.accepted <= auto.policy.counts.tried)
+
+
+@pytest.mark.heavy
+def test_switching_draft_lengths_keeps_seeded_samples():
+    target, tparams, drafter, dparams = sampling_setup()
+    kw = dict(batch_size=4, max_new_tokens=16, max_prompt_len=16, sampling=Sampling(temperature=1.0))
+    rs = np.random.RandomState(11)
+    ps = [rs.randint(0, target.vocab_size, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
+    plain = BatchEngine(target, tparams, None, None, block_size=1, **kw)
+    auto = rotating(BatchEngine(target, tparams, drafter, dparams, block_size=4, speculation="auto", **kw))
+    out = lambda gen: {r.index: r.output_ids for r in gen.generate(ps, seed=7)}
+    assert out(auto) == out(plain)
+
+
+def test_bad_speculation_settings_are_refused():
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    make = lambda **kw: BatchEngine(target, tparams, drafter, dparams, block_size=8, max_new_tokens=4,
+                                    max_prompt_len=16, **kw)
+    with pytest.raises(DFlashError, match="--speculation must be one of auto, fixed"):
+        make(speculation="sometimes")
+    with pytest.raises(DFlashError, match=r"draft lengths must be in 0\.\.7"):
+        make(speculation="auto", candidates=(0, 9))
+    assert make(speculation="auto", draft_tokens=5).candidates == (0, 5)
+    assert make(speculation="fixed").candidates == (7,)
