@@ -303,7 +303,7 @@ def _sweep(args, target, mesh, tcfg, dcfg, cache_len: int) -> dict:
               else [k for k in default_candidates(b) if k])
     if any(k > b - 1 for k in drafts):
         raise SystemExit(f"error: --draft-sweep takes draft lengths 1..{b - 1} (block {b}), got {args.draft_sweep!r}")
-    return run_sweep(args, target, mesh, tcfg, dcfg, batches, sorted(set(drafts)), cache_len)
+    return run_sweep(args, target, mesh, tcfg, dcfg, batches, sorted(set(drafts)), cache_len, streaming_rate, roofline)
 
 
 def print_report(r: dict) -> None:

@@ -53,15 +53,15 @@ def sweep_specs(tcfg, dcfg, cache_len: int, page_size: int, mesh, drafts: list[i
     return out
 
 
-def compile_program(spec, target, mesh, batch: int, context: int, hlo_dir, name: str, rate: float) -> dict:
-    """One run_cycles compiled for the chip (or, where its arguments exceed HBM, not): its figures."""
+def compile_program(spec, target, mesh, batch: int, context: int, hlo_dir, name: str, rate: float, roofline) -> dict:
+    """One run_cycles compiled for the chip (or, where its arguments exceed HBM, not): its figures
+    (`roofline`: `bench.aot.roofline`, which places it against the chip's roof)."""
     import jax.numpy as jnp
 
     from dflash_jax.aot import abstract_replicated, abstract_sharded, compile_for_tpu
     from dflash_jax.engine import decode_state_shardings, run_cycles
     from dflash_jax.sharding import param_shardings
 
-    from bench.aot import roofline
     from bench.cost import abstract_inputs, ideal_bytes
 
     chip = target.chip
@@ -126,14 +126,15 @@ def policy_at(figs: dict, drafts: list[int], rates: list[float]) -> dict:
     return out
 
 
-def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[int], cache_len: int) -> dict:
+def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[int], cache_len: int,
+              streaming_rate, roofline) -> dict:
     """The sweep (module docstring): compiles batch by batch in the order given, printing each program's
-    figures and writing the report so far next to --json (`.partial.json`) as it goes."""
+    figures and writing the report so far next to --json (`.partial.json`) as it goes. streaming_rate,
+    roofline: `bench.aot`'s (passed in: bench.aot runs this)."""
     from dflash_jax import attention as attention_
     from dflash_jax.engine.speculation import rates_for_tau
     from dflash_jax.model import abstract_params
 
-    from bench.aot import streaming_rate
     from bench.pairs import param_bytes
 
     chip, context, b = target.chip, args.context, dcfg.block_size
@@ -158,7 +159,7 @@ def run_sweep(args, target, mesh, tcfg, dcfg, batches: list[int], drafts: list[i
                 f = report["programs"].get(label, {}).get(str(batch))
                 if f is None:
                     f = compile_program(spec, target, mesh, batch, context, hlo_dir, f"{label}-b{batch}-c{context}",
-                                        rate)
+                                        rate, roofline)
                     report["programs"].setdefault(label, {})[str(batch)] = f
                     if partial:  # after every program: a sweep cut short resumes from here
                         partial.parent.mkdir(parents=True, exist_ok=True)
