@@ -220,6 +220,8 @@ def run_aot(args) -> dict:
     print(f"TPU {target.name}: {target.num_chips} {target.chip_name} chip(s), {_gib(chip.hbm)} HBM each; mesh "
           f"{dict(mesh.shape)}; jax {jax.__version__}")
     print(describe_published(tcfg, dcfg, scale, dtype) + "; abstract weights (nothing allocated)")
+    if getattr(args, "batch_sweep", None):
+        return _sweep(args, target, mesh, tcfg, dcfg, cache_len)
     print(f"batch {batch}, context {context}, cache {cache_len} positions per row (pages of {args.page_size})",
           flush=True)
     attention = getattr(args, "attention", "kernel")
@@ -284,6 +286,24 @@ def run_aot(args) -> dict:
             report["trees"][str(n)] = tree
     print_report(report)
     return report
+
+
+def _sweep(args, target, mesh, tcfg, dcfg, cache_len: int) -> dict:
+    """--batch-sweep (`bench.aot_sweep`): one chip, AR + K = 0 + each --draft-sweep K at each batch."""
+    from dflash_jax.engine.speculation import default_candidates
+
+    from bench.aot_sweep import run_sweep
+    from bench.suite import int_list
+
+    b = dcfg.block_size
+    if target.num_chips != 1:
+        raise SystemExit("error: --batch-sweep compares the compiler's times on one chip: give a 1-chip topology")
+    batches = int_list(args.batch_sweep, "--batch-sweep")
+    drafts = (int_list(args.draft_sweep, "--draft-sweep") if getattr(args, "draft_sweep", None)
+              else [k for k in default_candidates(b) if k])
+    if any(k > b - 1 for k in drafts):
+        raise SystemExit(f"error: --draft-sweep takes draft lengths 1..{b - 1} (block {b}), got {args.draft_sweep!r}")
+    return run_sweep(args, target, mesh, tcfg, dcfg, batches, sorted(set(drafts)), cache_len, streaming_rate, roofline)
 
 
 def print_report(r: dict) -> None:

@@ -40,6 +40,8 @@ def default_json(args, mode: str) -> Path:
         name += f"-{args.shape}-x{args.scale:g}"
     if mode == "aot":
         name += f"-{args.aot.replace(':', '-')}-{args.shape}" + (f"-x{args.scale:g}" if args.scale != 1 else "")
+        if args.batch_sweep:
+            name += f"-sweep-c{args.context}"
     return BENCH_DIR / f"{name}.json"
 
 
@@ -192,6 +194,11 @@ def add_mode_flags(p):
     aot.add_argument("--tree-tau", default=None, metavar="N=TAU,...",
                      help="tau of each --tree-budgets N, for its speedup (default: print the tau that "
                           "matches the chain's)")
+    aot.add_argument("--batch-sweep", default=None, metavar="N,...",
+                     help="one chip: AR, the K = 0 cycle and each --draft-sweep K at each batch; the break-even "
+                          "tau, tokens/s at --paper-tau and auto speculation's choice")
+    aot.add_argument("--draft-sweep", default=None, metavar="K,...",
+                     help="draft lengths of --batch-sweep (default auto speculation's: 3,7,B-1)")
     aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
                      help="caches in a pool of N pages (default: per slot)")
 

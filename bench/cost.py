@@ -116,7 +116,7 @@ def gather_counts_table(dtype: str) -> bool:
 def lookups(spec, batch: int) -> list[int]:
     """Rows looked up in the embedding per cycle, one entry per lookup: the verify's block
     (and the drafter's block)."""
-    return [batch * spec.verify_len] + ([batch * spec.block_size] if spec.uses_drafter else [])
+    return [batch * spec.verify_len] + ([batch * spec.block_size] if spec.uses_drafter and spec.num_drafts else [])
 
 
 def embedding_row_bytes(tparams) -> int:
@@ -212,7 +212,8 @@ def recurrent_state_bytes(config, batch: int) -> int:
 
 
 def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
-    """Weights once (DFlash: target + drafter + the borrowed LM head once more; a DFlash2 drafter's
+    """Weights once (DFlash: target + drafter + the borrowed LM head once more; K = 0: the drafter's
+    context projections only, `context_kv_weight_bytes`; a DFlash2 drafter's
     weights include its selector's two codebooks, read whole: `selector_codebook_bytes`) + the K/V
     in use read once (+ a hybrid's recurrent states read and written once)."""
     t = spec.target
@@ -222,12 +223,27 @@ def ideal_bytes(spec, tparams, dparams, batch: int, context: int) -> dict:
         embedding_rows = sum(lookups(spec, batch)) * embedding_row_bytes(tparams)
     out = dict(target_weights=weights, embedding_rows=embedding_rows, drafter_weights=0, lm_head_again=0,
                target_kv=kv_in_use(t, batch, context), target_state=recurrent_state_bytes(t, batch), drafter_kv=0)
-    if spec.uses_drafter:
+    if spec.uses_drafter and spec.num_drafts:
         d = spec.drafter.model
         out.update(drafter_weights=param_bytes(dparams), lm_head_again=lm_head_bytes(spec, tparams),
                    drafter_kv=kv_in_use(d, batch, context))
+    elif spec.uses_drafter:  # K = 0: no draft; the context still grows, through fc and each layer's K/V projections
+        out["drafter_weights"] = context_kv_weight_bytes(dparams)
     out["bytes"] = sum(out.values())
     return out
+
+
+def context_kv_weight_bytes(dparams) -> int:
+    """Bytes of the drafter's weights that extending its context reads (`DFlashDrafter.context_kv`): fc,
+    hidden_norm and each layer's k_proj, v_proj and k_norm (a K = 0 cycle reads no other)."""
+    import jax
+
+    def used(path) -> bool:
+        names = [getattr(k, "key", "") for k in path]
+        return names[0] in ("fc", "hidden_norm") or any(n in ("k_proj", "v_proj", "k_norm") for n in names)
+
+    leaves = jax.tree_util.tree_leaves_with_path(dparams)
+    return int(sum(x.size * x.dtype.itemsize for path, x in leaves if used(path)))
 
 
 def selector_codebook_bytes(dparams) -> int:

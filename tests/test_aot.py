@@ -215,3 +215,51 @@ def test_the_decoding_loop_compiles_for_a_tpu_without_prefetching_weights(tmp_pa
     default = aot(tmp_path, *flags)[1]["programs"]["ar"]
     assert default["prefetched"] > 0 and tuned["prefetched"] == 0, (default["prefetched"], tuned["prefetched"])
     assert tuned["seconds"] < default["seconds"] and tuned["bytes"] < default["bytes"]
+
+
+def test_the_batch_sweep_picks_the_best_draft_length_and_finds_the_ridge():
+    """--batch-sweep's analysis, on made-up figures (nothing compiled): the break-even tau of each K is
+    t_cycle(K) / t_AR, the policy's choice is the K of the most expected tokens/s (here K = 3: K = 15's
+    cycle costs 3x K = 3's while its rows gain less than twice the tokens), and a program crosses the
+    ridge between the sweep's batches where its flops per byte meet it (log-log)."""
+    from dflash_jax.engine.speculation import expected_tokens, rates_for_tau
+
+    from bench.aot_sweep import policy_at, ridge_crossing
+
+    rates = rates_for_tau(6.49, 15)
+    fig = lambda s: dict(compiled=True, fits=True, seconds=s)  # noqa: E731
+    p = policy_at(dict(ar=fig(1.0), k0=fig(1.05), k3=fig(1.2), k15=fig(3.6),
+                       k7=dict(compiled=False, fits=False)), [3, 7, 15], rates)
+    assert p["tau_break"] == pytest.approx({"0": 1.05, "3": 1.2, "15": 3.6})
+    assert p["best"] == p["choice"] == 3 and p["choice_over_best"] == 1.0
+    assert p["tokens_per_second"]["3"] == pytest.approx(expected_tokens(rates, 3) / 1.2)
+    assert p["best_over_ar"] == pytest.approx(expected_tokens(rates, 3) / 1.2)
+    assert ridge_crossing([(1, 10.0), (8, 80.0), (64, 640.0)], 160.0) == dict(first_batch=64, batch=pytest.approx(16.0))
+    assert ridge_crossing([(1, 1.0), (8, 2.0)], 160.0) == dict(first_batch=None, batch=None)
+
+
+@pytest.mark.heavy  # eight small TPU compiles (about 2 min on 2 cores)
+def test_a_batch_sweep_reports_every_program_and_the_policys_choice(tmp_path):
+    """--batch-sweep 1,8 --draft-sweep 3,15 (scaled): AR, the K = 0 cycle and K = 3, 15 compile at each
+    batch; each has its estimate, flops per byte and the ideal; the policy's choice is the K of the most
+    projected tokens/s from those estimates, and K = 0's ideal reads no more of the drafter than its context
+    projections."""
+    from dflash_jax.engine.speculation import expected_tokens
+
+    p, r = aot(tmp_path, "v5p:1x1x1", "--scale", "0.05", "--context", "128", "--batch-sweep", "8,1",
+               "--draft-sweep", "15,3")
+    assert r["batches"] == [1, 8] and r["draft_sweep"] == [3, 15]
+    assert set(r["programs"]) == {"ar", "k0", "k3", "k15"} and set(r["crossings"]) == set(r["programs"])
+    for label, by in r["programs"].items():
+        for n in ("1", "8"):
+            f = by[n]
+            assert f["compiled"] and f["fits"] and f["seconds"] > 0 and f["roofline"]["intensity"] > 0, (label, n)
+            assert f["ratio"] > 0 and f["ideal"]["bytes"] > 0
+    k0, k15 = r["programs"]["k0"]["1"]["ideal"], r["programs"]["k15"]["1"]["ideal"]
+    assert 0 < k0["drafter_weights"] < k15["drafter_weights"] and k0["lm_head_again"] == 0
+    for n in ("1", "8"):
+        pol, secs = r["policy"][n], {k: r["programs"][f"k{k}"][n]["seconds"] for k in (0, 3, 15)}
+        tps = {k: expected_tokens(r["rates"], k) / s for k, s in secs.items()}
+        assert pol["choice"] == max(tps, key=tps.get) == pol["best"] and pol["choice_over_best"] == 1.0
+        assert pol["tau_break"]["15"] == pytest.approx(secs[15] / r["programs"]["ar"][n]["seconds"])
+    assert "break-even tau" in p.stdout and (tmp_path / "aot.partial.json").exists()

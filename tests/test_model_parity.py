@@ -69,3 +69,25 @@ def test_bfloat16_checkpoint_loads_without_torch_and_tracks_float32(tmp_path):
     # Parameters are the checkpoint's bfloat16 values bit for bit (no float32 detour).
     emb = model.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(np.asarray(params["model"]["embed_tokens"]["embedding"], np.float32), emb)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rope_traced_for_a_tpu_is_the_same_rotation_bit_for_bit(dtype):
+    """Traced for a TPU, `apply_rope` rotates whole rows with a lane roll (the halves' 64-wide axis would
+    be padded to 128 lanes); it must give the half-split form's values exactly, partial rotary included."""
+    import jax
+
+    from dflash_jax.model.layers import apply_rope
+    from dflash_jax.platform import compiling_for
+
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(2, 5, 3, 128), dtype)
+    for pairs in (64, 32):  # full, and partial rotary (Qwen3.5's quarter)
+        angles = rng.rand(2, 5, pairs) * 50
+        cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+        plain = jax.jit(apply_rope)(x, cos, sin)
+        with compiling_for("tpu"):  # a function of its own: jit would reuse the trace made for the CPU
+            traced = jax.jit(lambda *a: apply_rope(*a)).trace(x, cos, sin)
+        assert "concatenate" in str(traced.jaxpr)  # the lane roll, not the half-split form
+        rolled = traced.lower(lowering_platforms=("cpu",)).compile()(x, cos, sin)
+        np.testing.assert_array_equal(np.asarray(rolled, np.float32), np.asarray(plain, np.float32))

@@ -119,12 +119,12 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _store():
-        out_ref[...] = acc_scr[...] / jnp.maximum(l_scr[...], jnp.finfo(jnp.float32).tiny)
+        out_ref[...] = (acc_scr[...] / jnp.maximum(l_scr[...], jnp.finfo(jnp.float32).tiny)).astype(out_ref.dtype)
 
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_live: int | None = None):
     """q [n, T, kv_heads, groups, head_dim] over one layer of the cache by the kernel (see the
-    module's docstring) -> [n, T, kv_heads * groups * head_dim] float32. interpret=None runs the
+    module's docstring) -> [n, T, kv_heads * groups * head_dim] in q's dtype. interpret=None runs the
     kernel compiled on a TPU and in TPU interpret mode elsewhere; expected_live: the positions a
     row holds, for the cost estimate (default: the whole cache).
 
@@ -207,7 +207,7 @@ def _block_bounds(q_pos, kv_limit, n_tiles, tq, block, max_len, window, ring):
 
 def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_itemsize, dv=None):
     """The kernel's declared cost: each query tile reads the K/V blocks of `keys` positions once;
-    scores and values for its own rows. dv: a latent cache's value width (its keys, d wide, read once:
+    its rows' queries in and output out (both in the queries' dtype). dv: a latent cache's value width (its keys, d wide, read once:
     the values are their first part)."""
     rows_total = n * t_pad * kv_heads * groups
     buffers, dv = (2, d) if dv is None else (1, dv)
@@ -215,7 +215,7 @@ def _cost(n, t_pad, n_tiles, kv_heads, groups, d, keys, n_chunk, itemsize, q_ite
         flops=2 * rows_total * (d + dv) * (keys + n_chunk),
         transcendentals=rows_total * (keys + n_chunk),
         bytes_accessed=(buffers * n * (n_tiles * keys + n_chunk) * kv_heads * d * itemsize
-                        + rows_total * (d * q_itemsize + dv * 4)))
+                        + rows_total * (d + dv) * q_itemsize))
 
 
 def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None, rows=None, page_size, sinks=None,
@@ -304,7 +304,9 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
                             pltpu.VMEM((kv_heads, rows_per_tile, 1), jnp.float32),
                             pltpu.VMEM((kv_heads, rows_per_tile, dv), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((n, kv_heads, t_pad * groups, dv), jnp.float32),
+        # in q's dtype: every caller casts the output to it at once, and a bfloat16 verify's float32
+        # output, converted after the kernel, cost another pass over it (4 MB a Qwen3-8B layer at 128 rows)
+        out_shape=jax.ShapeDtypeStruct((n, kv_heads, t_pad * groups, dv), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,

@@ -17,6 +17,7 @@ from dflash_jax.platform import target_platform
 
 
 _UNFUSED_PLATFORMS = {"tpu"}
+_ROLLED_ROPE_PLATFORMS = {"tpu"}  # `apply_rope` as a lane roll of whole rows
 
 
 def unfused(x):
@@ -44,7 +45,12 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if x.dtype != jnp.float32:  # the same values: on a TPU (`unfused`) converted again for the scaling,
+            # else the compiler keeps x's float32 copy for both uses, written and read back (16 MB a
+            # Qwen3-8B layer's norms at the verify's 128 rows)
+            x32 = unfused(x).astype(jnp.float32)
+        x32 = x32 * scale
         if not self.with_weight:
             return x32.astype(x.dtype)
         init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
@@ -82,6 +88,12 @@ def apply_rope(x, cos, sin):
         return jnp.concatenate([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
+    if target_platform() in _ROLLED_ROPE_PLATFORMS:
+        # the same products, bit for bit, over whole head_dim-wide rows: x1 * cos + x2 * (-sin) and
+        # x2 * cos + x1 * sin. A TPU pads the halves' 64-wide minor axis to its 128 lanes (two
+        # passes over twice the bytes): the verify's 16 rows a slot read 15 MB more per layer.
+        cos2, sin2 = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+        return x * cos2 + jnp.roll(x, half, axis=-1) * sin2
     pairs = x.reshape(*x.shape[:-1], 2, half)
     x1, x2 = pairs[..., 0, :], pairs[..., 1, :]
     return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2).reshape(x.shape)
