@@ -58,10 +58,12 @@ def test_tokenizer_chat_template_and_drafter_fit_the_target():
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """`python -m infer` with no arguments, once for the module."""
+    """`python -m infer` with no arguments but `--speculation fixed`, once for the module: every cycle
+    verifies the whole block, so tau is the trained drafter's (auto speculation, the default, runs
+    plain decoding where drafting does not pay, as on a CPU; `.ci/run` runs the demo as it is)."""
     d = tmp_path_factory.mktemp("demo")
     out, summary = d / "out.jsonl", d / "summary.json"
-    assert main(["--output", str(out), "--summary-json", str(summary)]) == 0
+    assert main(["--output", str(out), "--summary-json", str(summary), "--speculation", "fixed"]) == 0
     return d, read_jsonl(out), json.loads(summary.read_text())
 
 

@@ -119,6 +119,7 @@ def rotating(gen: BatchEngine) -> BatchEngine:
     return gen
 
 
+@pytest.mark.heavy  # everyday, `python -m infer`'s demo (tests/test_demo.py) runs auto speculation
 def test_switching_draft_lengths_keeps_plain_decodings_tokens_and_compiles_nothing_after_warmup():
     target, tparams, drafter, dparams = setup("qwen3-v8")
     kw = dict(batch_size=3, max_new_tokens=24, max_prompt_len=32, page_size=16, prefill_chunk=16, sync_every=2)
