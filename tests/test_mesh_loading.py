@@ -280,7 +280,7 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
     probe.start()
     try:
         code = main(["--target", str(fixture / "target"), "--drafter", str(fixture / "drafter"),
-                     "--input", str(prompts), "--max-new-tokens", "40",
+                     "--input", str(prompts), "--max-new-tokens", "40", "--speculation", "fixed",  # the reference's
                      "--mesh", "data=2,model=4", "--batch-size", "2", "--output", str(out), "--quiet"])
     finally:
         checkpoint.load_model, BatchEngine.__init__ = load_model, init
