@@ -159,13 +159,9 @@ SPECULATION_SERVERS = {"plain": ("--block-size", "1"), "fixed": ("--speculation"
                        "auto": ("--speculation", "auto")}
 
 
-def run_speculation_bench(args) -> dict:
-    """Served tokens/s of plain decoding, fixed DFlash and auto speculation, each in a server of its
-    own (all three up at once, their timed runs alternating, the median of --repeats each) at each
-    concurrency; auto against the better of the other two (the goal: >= 0.95x), and every stream's
-    tokens equal plain decoding's."""
-    from dflash_jax.engine.scheduler import bucket
-
+def serve_setup(args):
+    """Both serving benches' start: the batch (default 8), the concurrency levels (default 1, the batch,
+    32), the pair and the held-out prompts (as many as the largest level), described as they load."""
     args.batch_size = args.batch_size or 8
     levels = int_list(args.serve_concurrency, "--serve-concurrency") if args.serve_concurrency else \
         sorted({1, args.batch_size, 32})
@@ -173,6 +169,17 @@ def run_speculation_bench(args) -> dict:
     print(describe_pair(pair))
     prompts, snippets, kind = heldout_prompts(args, pair, max(args.num_prompts, max(levels)))
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    return levels, pair, prompts
+
+
+def run_speculation_bench(args) -> dict:
+    """Served tokens/s of plain decoding, fixed DFlash and auto speculation, each in a server of its
+    own (all three up at once, their timed runs alternating, the median of --repeats each) at each
+    concurrency; auto against the better of the other two (the goal: >= 0.95x), and every stream's
+    tokens equal plain decoding's."""
+    from dflash_jax.engine.scheduler import bucket
+
+    levels, pair, prompts = serve_setup(args)
     max_prompt, n = bucket(max(len(p) for p in prompts)), args.max_new_tokens
     servers = {}
     try:
@@ -218,13 +225,7 @@ def run_serve_bench(args) -> dict:
 
     if args.target and not args.drafter:
         raise SystemExit("error: --serve needs --drafter with --target")
-    args.batch_size = args.batch_size or 8
-    levels = int_list(args.serve_concurrency, "--serve-concurrency") if args.serve_concurrency else \
-        sorted({1, args.batch_size, 32})
-    pair = get_pair(args)
-    print(describe_pair(pair))
-    prompts, snippets, kind = heldout_prompts(args, pair, max(args.num_prompts, max(levels)))
-    print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
+    levels, pair, prompts = serve_setup(args)
     max_prompt = bucket(max(len(p) for p in prompts))
     long_len = args.serve_long_prompt
     if long_len:
