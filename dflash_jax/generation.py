@@ -701,6 +701,8 @@ class JobRun:
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
         if len(gen.candidates) > 1:  # auto speculation: the draft lengths it ran, and why
             summary["speculation"] = gen.policy.summary()
+        elif gen.auto_refusal:
+            summary["speculation"] = {"fixed": gen.auto_refusal}
         if gen.spec.draft_window:
             summary["draft_window"] = gen.spec.draft_window
         if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept

@@ -48,7 +48,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                         help="auto: compile plain decoding and a few draft lengths (0, 3, 7, B-1; with --draft-tokens "
                              "K or --tree-budget N: 0 and that) and run, at each sync, the one of the most expected "
                              "tokens/s, from each one's timed cost and the acceptance measured; output unchanged. "
-                             "fixed: always --draft-tokens (or the tree)"),
+                             "fixed: always --draft-tokens (or the tree), and what auto runs for a DFlash2 drafter's sampled rows "
+                             "under --acceptance rejection (their tokens would depend on K)"),
     "draft_window": dict(type=int, metavar="N",
                          help="the drafter sees only each row's last N committed positions, its context cache a "
                               "ring of them (N plus a write's worth per row, even with --kv-pages): its memory "

@@ -95,6 +95,8 @@ def print_summary(s: dict, say):
     if s.get("dflash2"):
         verified += (" (a DFlash2 drafter: drafts drawn from its candidate selector, accepted by rejection sampling)"
                      if s["acceptance"] == "rejection" else " (a DFlash2 drafter: its candidate selector's drafts)")
+    if "fixed" in s.get("speculation", {}):
+        say(f"speculation fixed, not auto: {s['speculation']['fixed']}")
     if "heldout" in s:  # the demo pair: the figure to expect first
         h = s["heldout"]
         say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "

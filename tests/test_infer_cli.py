@@ -674,6 +674,11 @@ def test_a_dflash2_drafter_runs_sampled_and_its_acceptance_rule_is_part_of_resum
     assert all(len(r["output_ids"]) == 16 for r in records)
     s = json.loads(summary.read_text())
     assert s["dflash2"] and s["acceptance"] == "rejection"
+    # Auto speculation would draw other tokens at other draft lengths: the run was fixed, and said why
+    assert "rejection acceptance" in s["speculation"]["fixed"]
+    rerun = tmp_path / "rerun.jsonl"
+    assert main(pair + ["--output", str(rerun), "--quiet"]) == 0
+    assert [r["output_ids"] for r in read_jsonl(rerun)] == [r["output_ids"] for r in records]
     code = main(pair + ["--output", str(out), "--acceptance", "match", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and 'was generated with --acceptance "rejection", this run has "match"' in err, err

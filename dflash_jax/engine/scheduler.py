@@ -194,7 +194,11 @@ class BatchEngine:
         if speculation not in SPECULATION_MODES:
             raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         spec = self.spec
-        if speculation == "fixed" or not spec.uses_drafter:
+        # Auto never changes the output. A DFlash2 drafter's rejection acceptance keeps the target's
+        # distribution, but which tokens a seed gives depends on K: so with it auto runs fixed.
+        self.auto_refusal = ("a DFlash2 drafter's rejection acceptance draws different tokens at each draft length "
+                             "(--acceptance match keeps them)") if speculation == "auto" and spec.rejection else None
+        if speculation == "fixed" or not spec.uses_drafter or self.auto_refusal:
             return (spec.num_drafts,)
         if candidates is None:
             explicit = spec.draft_tokens is not None or spec.tree_budget
