@@ -63,7 +63,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize("body,chat,status,param", [
     ([], False, 400, None),
     ({"prompt": "x", "model": "other"}, False, 404, "model"),
-    ({"prompt": "x", "n": 2}, False, 400, "n"),
+    ({"prompt": "x", "n": 65}, False, 400, "n"),
     ({"prompt": "x", "n": 0}, False, 400, "n"),
     ({"prompt": "x", "best_of": 3}, False, 400, "best_of"),
     ({"prompt": "x", "logprobs": 1}, False, 400, "logprobs"),
@@ -439,6 +439,54 @@ def test_app_stop_string_cuts_the_answer_and_cancels_the_row():
         r = client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [3], "return_token_ids": True})
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == [0, 2, 2, 3] and choice["text"] == "a\n\nd" and choice["finish_reason"] == "stop"
+
+
+def test_n_choices_are_rows_of_their_own_streamed_and_not():
+    """n = 3: three engine rows of the prompt, choice 0 keyed by the seed (the n = 1 request's row),
+    the others by streams derived from it; the answer has a choice per row, in order, and usage
+    counts the prompt once; a stream tags each chunk with its choice, each ending once."""
+    engine = FakeEngine()
+    with app_client(engine) as client:
+        r = client.post("/v1/completions", json={"prompt": "xy", "n": 3, "seed": 5, "temperature": 1.0,
+                                                 "return_token_ids": True})
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert all(c["text"] == "bde" and c["finish_reason"] == "length" for c in body["choices"])
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11}
+        rows = [q.row_id for q in engine.requests[-3:]]
+        assert rows[0] == 5 and len(set(rows)) == 3
+        assert all(q.prompt == [120, 121] for q in engine.requests[-3:])
+        client.post("/v1/completions", json={"prompt": "xy", "n": 3, "seed": 5, "temperature": 1.0})
+        assert [q.row_id for q in engine.requests[-3:]] == rows  # the same seed, the same streams
+
+        got = events(client.post("/v1/chat/completions", json={"messages": CHAT, "n": 2, "stream": True,
+                                                               "stream_options": {"include_usage": True}}))
+        assert got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 6
+        chunks = [c["choices"][0] for c in got[:-2]]
+        for i in (0, 1):
+            mine = [c for c in chunks if c["index"] == i]
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+            assert "".join(c["delta"].get("content", "") for c in mine) == "bde"
+            assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+
+
+def test_a_refused_choice_cancels_the_ones_queued():
+    """The queue fills after the first of n = 2 rows: 429, and the row queued is cancelled."""
+    from dflash_jax.engine.streaming import QueueFull
+
+    engine = FakeEngine()
+    submit = engine.submit
+
+    def second_refused(req):
+        if len(engine.requests) == 1:
+            raise QueueFull("the queue is full")
+        submit(req)
+
+    engine.submit = second_refused
+    with app_client(engine) as client:
+        r = client.post("/v1/completions", json={"prompt": "x", "n": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert len(engine.requests) == 1 and engine.requests[0].cancelled
 
 
 def test_app_errors():
@@ -873,6 +921,12 @@ def test_seeded_sampling_is_reproducible_alone_and_among_others(server):
     assert results[2]["ids"] != alone["ids"]  # greedy
     other = one_request(server, prompt, 24, **{**SAMPLED, "seed": 4321})
     assert other["ids"] != alone["ids"] and len(other["ids"]) == 24
+    # n = 2 with the seed: choice 0 is the request alone, choice 1 a stream of its own, the same twice
+    kw = {**SAMPLED, "extra_body": {**SAMPLED["extra_body"], "return_token_ids": True}}
+    twice = [server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, n=2, **kw)
+             for _ in range(2)]
+    ids = [[c.token_ids for c in sorted(t.choices, key=lambda c: c.index)] for t in twice]
+    assert ids[0] == ids[1] and ids[0][0] == alone["ids"] and ids[0][1] != alone["ids"]
     for r in results:
         check_usage(r)
         assert r["ids"] and r["finish"] in ("stop", "length")
@@ -944,7 +998,7 @@ def test_bad_requests_answer_in_openai_schema(server):
     client = server.client()
     base = dict(model=MODEL, prompt="def f(x):\n", max_tokens=4)
     cases = [
-        (dict(n=2), openai.BadRequestError, 400, "n", None, "n = 1"),
+        (dict(n=65), openai.BadRequestError, 400, "n", None, "limit (64 choices"),
         (dict(logprobs=2), openai.BadRequestError, 400, "logprobs", None, "logprobs"),
         (dict(prompt=[5] * 100), openai.BadRequestError, 400, "prompt", "context_length_exceeded",
          "prompt of 100 tokens is longer than the context (64 tokens)"),

@@ -4,12 +4,12 @@
 the server's defaults otherwise) in a subprocess; clients send, until the time is up, a mix of:
 random prompt lengths, prompts that share long prefixes (whole pages: prefix-cache hits), greedy and
 seeded sampled requests, streamed and not, cancelled streams (the client goes away after a few
-chunks), stop strings and stop token ids, `n` given as 1 and as 2 (which the server refuses with a
-400), and repeats of the same requests. At the end:
+chunks), stop strings and stop token ids, `n` of 1 to 3 choices (and over the server's limit, which
+it refuses with a 400), and repeats of the same requests. At the end:
 
-- nothing is lost or duplicated: every accepted request ended exactly once (the server's
-  finished-requests counter equals the requests it accepted), every answer that was not cancelled
-  has a finish reason and at most max_tokens tokens, and every repeat of a greedy request, or of a
+- nothing is lost or duplicated: every accepted request's rows (one per choice) ended exactly once
+  (the server's finished-requests counter equals the rows it accepted), every choice of an answer
+  that was not cancelled has a finish reason and at most max_tokens tokens, and every repeat of a greedy request, or of a
   sampled one with its seed, streamed or not, got the same tokens as its first run;
 - the page pool is whole again (its free and cached pages are all its pages, and no row holds any);
 - the server's memory does not grow after the first minute: its resident set, sampled every
@@ -29,6 +29,8 @@ import threading
 import time
 
 import pytest
+
+from infer.serve.prepare import MAX_N
 
 from test_serve import REPO, START_TIMEOUT, Server, free_port, tail
 
@@ -80,19 +82,23 @@ def make_request(rng: random.Random, prefixes: list[list[int]], repeats: list[di
     elif kind < 0.25:
         body["stop_token_ids"] = [rng.randrange(5, 4000) for _ in range(3)]
     if rng.random() < 0.1:
-        body["n"] = rng.choice((1, 2))
+        body["n"] = rng.choice((1, 2, 3, MAX_N + 1))
     return body
 
 
 async def send(client, url: str, body: dict, cancel_after: int | None) -> dict:
-    """One request; returns what came back: status, token ids, finish reason, whether it was cancelled."""
+    """One request; returns what came back: status, each choice's token ids and finish reason (by
+    index), whether it was cancelled."""
     if not body["stream"]:
         r = await client.post(f"{url}/v1/completions", json=body, timeout=300)
         if r.status_code != 200:
             return dict(status=r.status_code, error=r.json()["error"]["message"])
-        choice = r.json()["choices"][0]
-        return dict(status=200, ids=choice["token_ids"], finish_reason=choice["finish_reason"], cancelled=False)
-    ids, reason, chunks = [], None, 0
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(body.get("n", 1))), choices
+        return dict(status=200, ids=[c["token_ids"] for c in choices], finish_reason=[c["finish_reason"] for c in choices],
+                    cancelled=False)
+    n = body.get("n", 1)
+    ids, reason, chunks = [[] for _ in range(n)], [None] * n, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         if r.status_code != 200:
             await r.aread()
@@ -101,11 +107,13 @@ async def send(client, url: str, body: dict, cancel_after: int | None) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choice = json.loads(line[6:])["choices"][0]
-            ids += choice.get("token_ids") or []
-            reason = choice.get("finish_reason") or reason
+            i = choice["index"]
+            assert reason[i] is None, f"choice {i} went on after its finish reason"
+            ids[i] += choice.get("token_ids") or []
+            reason[i] = choice.get("finish_reason")
             chunks += 1
-            if cancel_after is not None and chunks >= cancel_after and reason is None:
-                return dict(status=200, ids=ids, finish_reason=None, cancelled=True)  # the client goes away
+            if cancel_after is not None and chunks >= cancel_after and None in reason:
+                return dict(status=200, ids=ids, finish_reason=reason, cancelled=True)  # the client goes away
     return dict(status=200, ids=ids, finish_reason=reason, cancelled=False)
 
 
@@ -136,20 +144,22 @@ async def traffic(url: str, seconds: float, seed: int) -> list[tuple[dict, dict]
 def check_answers(log: list[tuple[dict, dict]]) -> dict:
     """Every answer is whole and every repeat equals its first run; returns counts by outcome."""
     first: dict[str, list[int]] = {}
-    counts = dict(ok=0, cancelled=0, refused_n=0, repeats=0)
+    counts = dict(ok=0, cancelled=0, refused_n=0, repeats=0, choices=0)
     for body, got in log:
-        if body.get("n", 1) != 1:
-            assert got["status"] == 400 and "n = 1" in got["error"], got
+        if body.get("n", 1) > MAX_N:
+            assert got["status"] == 400 and "limit" in got["error"], got
             counts["refused_n"] += 1
             continue
         assert got["status"] == 200, (body, got)
-        assert len(got["ids"]) <= body["max_tokens"]
+        assert all(len(ids) <= body["max_tokens"] for ids in got["ids"])
         if got["cancelled"]:
             counts["cancelled"] += 1
             continue
-        assert got["finish_reason"] in ("stop", "length"), got
-        assert got["finish_reason"] == "stop" or len(got["ids"]) == body["max_tokens"]
+        for ids, reason in zip(got["ids"], got["finish_reason"], strict=True):
+            assert reason in ("stop", "length"), got
+            assert reason == "stop" or len(ids) == body["max_tokens"]
         counts["ok"] += 1
+        counts["choices"] += len(got["ids"]) > 1
         key = json.dumps({k: v for k, v in body.items() if k != "stream"}, sort_keys=True)
         if key in first:
             assert got["ids"] == first[key], f"a repeat of {key[:200]} got other tokens"
@@ -182,10 +192,11 @@ def test_mixed_traffic_soak(tmp_path, request):
         sampler.stopped.set()
         metrics = server.wait_idle(timeout=120)
         counts = check_answers(log)
-        accepted = len(log) - counts["refused_n"]
+        accepted = sum(body.get("n", 1) for body, got in log if got["status"] == 200)  # rows: one per choice
         finished = sum(v for k, v in metrics.items() if k.startswith("dflash_requests_finished_total"))
         assert finished == accepted, f"{accepted} requests accepted, {finished} ended"
         assert counts["ok"] > 50 and counts["cancelled"] > 0 and counts["repeats"] > 0 and counts["refused_n"] > 0
+        assert counts["choices"] > 0
         assert metrics["dflash_prefix_cache_hit_rate"] > 0  # the shared prefixes were served from the cache
         total = metrics["dflash_kv_pages_total"]
         assert total == KV_PAGES and metrics["dflash_kv_pages_held"] == 0

@@ -98,35 +98,41 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
 # --------------------------------------------------------------------------- the engine
 
 
-def submit(model, request: PreparedRequest) -> tuple[StreamRequest, asyncio.Queue]:
-    """Queue the request on the engine; returns its engine request and the asyncio queue its
-    (tokens, result) deliveries arrive on."""
+def submit(model, request: PreparedRequest) -> tuple[list[StreamRequest], asyncio.Queue]:
+    """Queue the request's rows (one per choice) on the engine; returns their engine requests and
+    the asyncio queue their (choice, tokens, result) deliveries arrive on. A refusal cancels the
+    rows already queued."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    emit = lambda tokens, result: loop.call_soon_threadsafe(events.put_nowait, (tokens, result))
-    engine_request = StreamRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, request.row_id)
+    queued: list[StreamRequest] = []
     try:
-        model.engine.submit(engine_request)
-    except QueueFull as e:
-        raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
-                       code="queue_full") from None
-    except Closed as e:
-        raise APIError(503, str(e), type="server_error", code="unavailable") from None
-    except DFlashError as e:
+        for i, row_id in enumerate(request.choice_row_ids()):
+            emit = lambda tokens, result, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, tokens, result))
+            engine_request = StreamRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, row_id)
+            model.engine.submit(engine_request)
+            queued.append(engine_request)
+    except (QueueFull, Closed, DFlashError) as e:
+        for engine_request in queued:
+            engine_request.cancelled = True
+        if isinstance(e, QueueFull):
+            raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
+                           code="queue_full") from None
+        if isinstance(e, Closed):
+            raise APIError(503, str(e), type="server_error", code="unavailable") from None
         raise APIError(400, str(e)) from None
-    return engine_request, events
+    return queued, events
 
 
 async def _complete(http_request: HTTPRequest, body, chat: bool):
     model = http_request.app.state.model
     request = prepare_request(model, body, chat)
-    engine_request, events = submit(model, request)
-    decoded = StreamedText(model, request)
+    engine_requests, events = submit(model, request)
+    decoded = [StreamedText(model, request) for _ in engine_requests]
     ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if request.stream:
-        return StreamingResponse(event_stream(request, engine_request, events, decoded, ident, model.name),
+        return StreamingResponse(event_stream(request, engine_requests, events, decoded, ident, model.name),
                                  media_type="text/event-stream")
-    result = await collect(http_request, engine_request, events, decoded)
-    if result is None:
+    results = await collect(http_request, engine_requests, events, decoded)
+    if results is None:
         return None  # the client went away
-    return response(request, decoded, result, ident, model.name)
+    return response(request, decoded, results, ident, model.name)

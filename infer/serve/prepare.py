@@ -3,13 +3,14 @@ prompt's token ids, max_tokens, the row's sampling and random stream, and how th
 shaped (stop strings and ids, streaming, usage, token ids).
 
 What pydantic cannot know is checked here: the model's name, the fields the server does not
-support (n or best_of > 1, logprobs, echo, suffix, several prompts), the server's max_tokens
-limit, and the engine's own refusal (a prompt longer than the context, a token outside the
+support (best_of > 1, logprobs, echo, suffix, several prompts), n's limit, the server's
+max_tokens limit, and the engine's own refusal (a prompt longer than the context, a token outside the
 vocabulary). Each is an `APIError` in OpenAI's schema.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,16 @@ class PreparedRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    n: int = 1  # choices: rows of the same prompt, each its own random stream (`choice_row_ids`)
+
+    def choice_row_ids(self) -> list[int]:
+        """The row id (random stream) of each of the n choices. Choice 0's is the request's, so a
+        seeded request's first choice is the same whatever n; the others are derived from it."""
+        return [self.row_id] + [int.from_bytes(hashlib.blake2b(f"{self.row_id}:{i}".encode(), digest_size=4).digest(),
+                                               "little") for i in range(1, self.n)]
+
+
+MAX_N = 64  # choices per request: each is a row of the batch, so more would only queue
 
 
 def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
@@ -61,7 +72,7 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
         sampling=Sampling(temperature, top_k, top_p, per_row=True), row_id=row_id, stop=stop,
         stop_ids=set(body.stop_token_ids or []), stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
-        return_token_ids=bool(body.return_token_ids))
+        return_token_ids=bool(body.return_token_ids), n=body.n or 1)
     why = model.engine.check(prepared.prompt_ids, prepared.max_tokens)
     if why:
         raise APIError(400, why, "messages" if chat else "prompt", code="context_length_exceeded"
@@ -73,8 +84,8 @@ def _refuse_unsupported(model, body, chat: bool) -> None:
     if body.model is not None and body.model != model.name:
         raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{model.name}'", "model",
                        code="model_not_found")
-    if body.n not in (None, 1):
-        raise APIError(400, "only n = 1 is supported", "n")
+    if body.n is not None and body.n > MAX_N:
+        raise APIError(400, f"n {body.n} is more than this server's limit ({MAX_N} choices per request)", "n")
     if not chat and body.best_of not in (None, 1):
         raise APIError(400, "only best_of = 1 is supported", "best_of")
     if body.logprobs not in (None, False) or (chat and body.top_logprobs is not None):

@@ -4,7 +4,7 @@ the responses and stream chunks it sends, and its error body.
 A request that does not fit its model is answered 400 in OpenAI's error schema
 ({"error": {"message", "type", "param", "code"}}): `validation_error` turns pydantic's errors
 into that answer, naming the field at fault as `param` (`messages[i]` for a chat message).
-What the models accept but the server does not do (n > 1, logprobs, echo, ...) is refused
+What the models accept but the server does not do (best_of > 1, logprobs, echo, ...) is refused
 later, by `infer.serve.prepare`, with a message that says so.
 """
 
@@ -42,7 +42,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: PositiveInt | None = None
+    n: PositiveInt | None = Field(None, description="choices to generate, each its own row and random stream")
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None

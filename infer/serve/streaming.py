@@ -4,8 +4,9 @@ or is half a UTF-8 character is held back), and the two ways it reaches the clie
 into one response (`collect`) or sent as server-sent events (`event_stream`, ending in
 `data: [DONE]`).
 
-The engine delivers (tokens, result) pairs on an asyncio queue (`submit` in
-`infer.serve.handlers`); `result` is None until the row has ended.
+A request of n choices runs n rows. The engine delivers (choice, tokens, result) on one asyncio
+queue (`submit` in `infer.serve.handlers`); `result` is None until that choice's row has ended.
+`decoded` is then a list: each choice's `StreamedText`.
 """
 
 from __future__ import annotations
@@ -72,49 +73,67 @@ def finish_reason(decoded: StreamedText, result) -> str:
     return "stop" if decoded.stopped or result.finish_reason == "stop" else "length"
 
 
-def usage(request, decoded: StreamedText) -> Usage:
-    n, prompt = len(decoded.ids), len(request.prompt_ids)
+def usage(request, decoded: list[StreamedText]) -> Usage:
+    """The prompt counts once, whatever n; the completion tokens are every choice's."""
+    n, prompt = sum(len(d.ids) for d in decoded), len(request.prompt_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n)
 
 
 ENGINE_FAILED = "the engine failed; see the server's log"
 
 
-async def collect(http_request, engine_request, events: asyncio.Queue, decoded: StreamedText):
-    """Wait for the row to end, adding its tokens to `decoded`; the engine's Result, or None when
-    the client went away (its row is then cancelled)."""
-    result = None
+def _deliver(engine_requests, decoded: list[StreamedText], results: list, delivery) -> tuple[int, int]:
+    """Add one delivery (choice, tokens, result) to its choice; a stop string or stop id ends the
+    row at the engine's next sync. Returns (the choice, its token count before)."""
+    i, tokens, result = delivery
+    was = len(decoded[i].ids)
+    decoded[i].add(tokens)
+    if decoded[i].stopped and result is None:
+        engine_requests[i].stopped = engine_requests[i].cancelled = True  # ends as "stop" at the engine's next sync
+    results[i] = result
+    return i, was
+
+
+def _cancel_unfinished(engine_requests, results: list) -> None:
+    for engine_request, result in zip(engine_requests, results):
+        if result is None:
+            engine_request.cancelled = True  # the client went away (or the server is stopping): free the slot
+
+
+async def collect(http_request, engine_requests, events: asyncio.Queue, decoded: list[StreamedText]):
+    """Wait for every choice's row to end, adding its tokens to its `decoded`; the engine's Results,
+    or None when the client went away (its rows are then cancelled)."""
+    results: list = [None] * len(engine_requests)
     try:
-        while result is None:
+        while any(r is None for r in results):
             try:
-                tokens, result = await asyncio.wait_for(events.get(), timeout=1.0)
+                delivery = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 if await http_request.is_disconnected():
-                    engine_request.cancelled = True  # the client went away: its slot is freed at the next sync
-                    return None
+                    return None  # the client went away: its slots are freed at the next sync
                 continue
-            decoded.add(tokens)
-            if decoded.stopped:
-                engine_request.stopped = engine_request.cancelled = True  # ends as "stop" at the engine's next sync
+            _deliver(engine_requests, decoded, results, delivery)
     finally:
-        if result is None:
-            engine_request.cancelled = True
-    if result.finish_reason == "error":
+        _cancel_unfinished(engine_requests, results)
+    if any(r.finish_reason == "error" for r in results):
         raise APIError(500, ENGINE_FAILED, type="server_error")
-    return result
+    return results
 
 
-def response(request, decoded: StreamedText, result, ident: str, model_name: str) -> dict:
-    """The whole answer of a request not streamed."""
-    choice = Choice(index=0, finish_reason=finish_reason(decoded, result), logprobs=None)
-    if request.chat:
-        choice.message = AssistantMessage(role="assistant", content=decoded.text)
-    else:
-        choice.text = decoded.text
-    if request.return_token_ids:
-        choice.token_ids = decoded.ids
+def response(request, decoded: list[StreamedText], results, ident: str, model_name: str) -> dict:
+    """The whole answer of a request not streamed: a choice per row, in order."""
+    choices = []
+    for i, (d, result) in enumerate(zip(decoded, results)):
+        choice = Choice(index=i, finish_reason=finish_reason(d, result), logprobs=None)
+        if request.chat:
+            choice.message = AssistantMessage(role="assistant", content=d.text)
+        else:
+            choice.text = d.text
+        if request.return_token_ids:
+            choice.token_ids = d.ids
+        choices.append(choice)
     return dump(Completion(id=ident, object="chat.completion" if request.chat else "text_completion",
-                           created=int(time.time()), model=model_name, choices=[choice],
+                           created=int(time.time()), model=model_name, choices=choices,
                            usage=usage(request, decoded)))
 
 
@@ -129,8 +148,9 @@ class _Chunks:
     def _line(self, body: Completion) -> str:
         return f"data: {json.dumps(dump(body), ensure_ascii=False)}\n\n"
 
-    def chunk(self, text: str | None, reason: str | None, ids: list[int] | None = None, role: bool = False) -> str:
-        choice = Choice(index=0, finish_reason=reason, logprobs=None)
+    def chunk(self, index: int, text: str | None, reason: str | None, ids: list[int] | None = None,
+              role: bool = False) -> str:
+        choice = Choice(index=index, finish_reason=reason, logprobs=None)
         if self.request.chat:
             delta = AssistantMessage(role="assistant") if role else AssistantMessage()
             if text is not None:
@@ -146,40 +166,37 @@ class _Chunks:
             body.usage = None
         return self._line(body)
 
-    def usage(self, decoded: StreamedText) -> str:
+    def usage(self, decoded: list[StreamedText]) -> str:
         return self._line(Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
                                      choices=[], usage=usage(self.request, decoded)))
 
 
-async def event_stream(request, engine_request, events: asyncio.Queue, decoded: StreamedText, ident: str,
+async def event_stream(request, engine_requests, events: asyncio.Queue, decoded: list[StreamedText], ident: str,
                        model_name: str):
-    """The server-sent events of a streamed request: a chunk at each delivery of tokens (text
-    held back as `StreamedText` says), the finish reason on the last, usage if asked for, then
-    `data: [DONE]`; an engine failure ends it with an error event instead."""
+    """The server-sent events of a streamed request: a chunk at each delivery of a choice's tokens
+    (its index in the chunk; text held back as `StreamedText` says), the finish reason on each
+    choice's last, usage if asked for, then `data: [DONE]`; an engine failure ends it with an error
+    event instead."""
     chunks = _Chunks(request, ident, model_name)
-    result = None
+    results: list = [None] * len(engine_requests)
     try:
         if request.chat:
-            yield chunks.chunk("", None, role=True)
-        while result is None:
-            tokens, result = await events.get()
-            was = len(decoded.ids)
-            decoded.add(tokens)
-            if decoded.stopped and result is None:
-                engine_request.stopped = engine_request.cancelled = True  # a stop string: ends ("stop") next sync
-            final = result is not None
-            text = decoded.delta(final=final)
-            new_ids = decoded.ids[was:]
-            if final:
+            for i in range(len(engine_requests)):
+                yield chunks.chunk(i, "", None, role=True)
+        while any(r is None for r in results):
+            i, was = _deliver(engine_requests, decoded, results, await events.get())
+            result = results[i]
+            text = decoded[i].delta(final=result is not None)
+            new_ids = decoded[i].ids[was:]
+            if result is not None:
                 if result.finish_reason == "error":
                     yield f"data: {json.dumps(APIError(500, ENGINE_FAILED, type='server_error').body())}\n\n"
                     return
-                yield chunks.chunk(text, finish_reason(decoded, result), new_ids)
+                yield chunks.chunk(i, text, finish_reason(decoded[i], result), new_ids)
             elif text or new_ids:
-                yield chunks.chunk(text, None, new_ids)
+                yield chunks.chunk(i, text, None, new_ids)
         if request.include_usage:
             yield chunks.usage(decoded)
         yield "data: [DONE]\n\n"
     finally:
-        if result is None:
-            engine_request.cancelled = True  # the client went away (or the server is stopping): free the slot
+        _cancel_unfinished(engine_requests, results)
