@@ -38,6 +38,12 @@ def write_jsonl(path, rows):
 # ----------------------------------------------------------------------------- the reference pair
 
 
+# One draft length throughout: for the tests of what speculation does not touch (row errors, stop
+# tokens, resume, input forms), which then compile one cycle program, not auto's four. Auto runs
+# end to end in the library API's test and the row-limit tests (tokens unchanged whichever K runs).
+FIXED = ["--speculation", "fixed"]
+
+
 def tiny_pair(max_new_tokens=40):
     """The parity fixture's pair on its greedy cases' prompts (its prompts.jsonl), verifying the whole
     block every cycle as the reference does (`--speculation fixed`: its acceptance lengths)."""
@@ -132,8 +138,8 @@ def test_stop_tokens_come_from_the_generation_config(tmp_path):
     target = tmp_path / "target"
     shutil.copytree(tiny() / "target", target)
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": [5, 6, 7, 8]}])
-    common = ["--target", str(target), "--drafter", str(tiny() / "drafter"), "--input", str(prompts),
-              "--max-new-tokens", "30", "--quiet"]
+    common = FIXED + ["--target", str(target), "--drafter", str(tiny() / "drafter"), "--input", str(prompts),
+                      "--max-new-tokens", "30", "--quiet"]
     assert main(common + ["--output", str(tmp_path / "a.jsonl")]) == 0
     plain = read_jsonl(tmp_path / "a.jsonl")[0]["output_ids"]
     stop = plain[6]
@@ -254,8 +260,8 @@ def test_prompt_messages_turns_and_input_ids(chat_pair, tmp_path):
     ]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(["--target", str(target), "--drafter", str(drafter), "--input", str(inp), "--output", str(out),
-                 "--max-new-tokens", "6", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
+    assert main(FIXED + ["--target", str(target), "--drafter", str(drafter), "--input", str(inp), "--output", str(out),
+                         "--max-new-tokens", "6", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
     got = {r["id"]: r for r in read_jsonl(out)}
     assert set(got) == {"p", "m", "t", 4}  # a row without id is named by its line number
     for r in got.values():
@@ -393,8 +399,8 @@ def test_too_long_prompt_is_a_row_error_and_other_rows_complete(tmp_path, capsys
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     # The settings of test_row_limits_and_a_large_cache_give_the_same_rows: the same compiled programs.
-    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
-              "--output", str(out), "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--quiet"]
+    common = FIXED + ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
+                      "--output", str(out), "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--quiet"]
     assert main(common + ["--max-prompt-len", "128"]) == EXIT_ROW_ERRORS
     got = {r["id"]: r for r in read_jsonl(out)}
     assert got["long"]["error"] == "line 2: prompt of 140 tokens is longer than the context (128 tokens)"
@@ -518,8 +524,9 @@ def test_resume_takes_only_this_runs_rows(tmp_path, capsys, monkeypatch):
     b = write_jsonl(tmp_path / "B.jsonl", [{"input_ids": [7, 8, 3]}, {"input_ids": [9, 6]}, {"input_ids": [4]}])
     out = tmp_path / "AB.jsonl"
     # The settings of test_too_long_prompt_is_a_row_error_and_other_rows_complete: its programs.
-    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--output", str(out),
-              "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--max-prompt-len", "128", "--quiet"]
+    common = FIXED + ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--output", str(out),
+                      "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos", "--max-prompt-len", "128",
+                      "--quiet"]
     assert main(common + ["--input", str(a)]) == 0
     first = read_jsonl(out)
     assert {r["id"] for r in first} == {1, 2}

@@ -305,7 +305,7 @@ def test_infer_cli_with_a_moe_target_and_its_drafter_equals_plain_decoding(hf_mo
     inp.write_text("".join(json.dumps({"id": i, "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
     out = tmp_path / "out.jsonl"
     assert main(["--target", str(target), "--drafter", str(drafter), "--input", str(inp), "--output", str(out),
-                 "--max-new-tokens", "10", "--ignore-eos", "--quiet", "--batch-size", "2"]) == 0
+                 "--max-new-tokens", "10", "--ignore-eos", "--quiet", "--batch-size", "2", "--speculation", "fixed"]) == 0
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     config, params = load_target(target)
     plain = BatchEngine(config, params, max_new_tokens=10, max_prompt_len=16)

@@ -205,7 +205,7 @@ def test_infer_cli_on_a_two_device_mesh_with_a_page_pool_equals_plain_decoding(p
         cmd = [sys.executable, "-m", "infer", "--target", str(target_dir), "--drafter", str(drafter_dir),
                "--input", str(rows), "--output", str(out), "--max-new-tokens", "12", "--max-prompt-len", "24",
                "--batch-size", "2", "--mesh", "model=2", "--kv-pages", "8", "--page-size", "16", "--ignore-eos",
-               "--quiet", *flags]
+               "--quiet", "--speculation", "fixed", *flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = {int(r["id"]): r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
