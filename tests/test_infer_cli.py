@@ -464,7 +464,9 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, large, tmp_pat
     assert got["full"]["r8"]["error"] == "line 9: prompt of 200 tokens is longer than the context (128 tokens)"
     if large:
         assert got["large"]["r8"]["num_output_tokens"] == 24  # the large cache holds it
-        assert {k: v for k, v in got["large"].items() if k != "r8"} == {k: v for k, v in got["full"].items() if k != "r8"}
+        # Tokens, not acceptance lengths: under auto speculation those depend on the K each cycle ran
+        tokens = lambda rows: {k: (v["output_ids"], v["finish_reason"]) for k, v in rows.items() if k != "r8"}
+        assert tokens(got["large"]) == tokens(got["full"])
     for i, limit in enumerate(limits[:8]):
         a, b = got["full"][f"r{i}"], got["limited"][f"r{i}"]
         n = limit or 24

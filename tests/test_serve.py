@@ -669,14 +669,16 @@ def tail(path: Path, n: int = 4000) -> str:
 
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
-    """`python -m infer` on PROMPTS, started at once so that it runs while the server compiles."""
+    """`python -m infer` on PROMPTS, started at once so that it runs while the server compiles (both
+    with `--speculation fixed`, as the server: see `server`)."""
     d = tmp_path_factory.mktemp("offline")
     rows = [{"id": i, ("input_ids" if isinstance(p, list) else "prompt"): p, "max_new_tokens": n} for i, p, n in PROMPTS]
     (d / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = d / "stderr.txt"
     with open(err, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "infer", "--input", str(d / "in.jsonl"), "--output",
-                                 str(d / "out.jsonl"), "--max-new-tokens", "128", "--batch-size", "4", "--quiet"],
+                                 str(d / "out.jsonl"), "--max-new-tokens", "128", "--batch-size", "4", "--quiet",
+                                 "--speculation", "fixed"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     yield proc, d / "out.jsonl", err
     if proc.poll() is None:
@@ -745,13 +747,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(offline_run, tmp_path_factory):
-    """The demo pair served on a free port; SIGTERM at the end must end it with exit status 0."""
+    """The demo pair served on a free port; SIGTERM at the end must end it with exit status 0.
+    `--speculation fixed`: every cycle drafts, so these tests serve DFlash cycles throughout (auto
+    would run plain decoding on a CPU, where it wins); auto is served in tests/test_soak.py."""
     pytest.importorskip("openai")
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
     port = free_port()
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--max-prompt-len", "64", "--batch-size", "4",
-                                 "--port", str(port), "--max-waiting", "80"],
+                                 "--port", str(port), "--max-waiting", "80", "--speculation", "fixed"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     srv = Server(proc, port, log)
     deadline = time.monotonic() + START_TIMEOUT
