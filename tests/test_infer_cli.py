@@ -376,21 +376,27 @@ def test_a_terminal_gets_readable_rows_and_a_pipe_json():
         assert stream.getvalue() == (text if tty else json.dumps(record) + "\n")
 
 
-def test_missing_files_and_incompatible_drafter(tmp_path):
+def test_missing_files_and_incompatible_drafter(tmp_path, capsys):
+    # The real command once (its stderr is the one line, nothing from the imports); the rest in-process.
     code, err = run_cli(["--target", str(tmp_path / "nope"), "--input", str(tmp_path / "x.jsonl")])
     assert code == 2 and "does not exist" in err and err.count("\n") == 1
+
+    def cli(args):
+        code = main(args)
+        return code, capsys.readouterr().err
+
     write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
-    code, err = run_cli(["--target", str(tiny() / "target"), "--input", str(tmp_path / "in.jsonl"),
-                         "--drafter", str(tmp_path / "nope")])
+    code, err = cli(["--target", str(tiny() / "target"), "--input", str(tmp_path / "in.jsonl"),
+                     "--drafter", str(tmp_path / "nope")])
     assert code == 2 and "nope does not exist" in err
     bad = tmp_path / "drafter"
     shutil.copytree(tiny() / "drafter", bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [1, 7]
     (bad / "config.json").write_text(json.dumps(cfg))
-    code, err = run_cli(["--target", str(tiny() / "target"), "--drafter", str(bad), "--input", str(tmp_path / "in.jsonl")])
-    assert code == 2 and "taps target layers [7], but the target has 6 layers" in err, err
-    code, err = run_cli(["--drafter", str(tiny() / "drafter")])
+    code, err = cli(["--target", str(tiny() / "target"), "--drafter", str(bad), "--input", str(tmp_path / "in.jsonl")])
+    assert code == 2 and "taps target layers [7], but the target has 6 layers" in err and err.count("\n") == 1, err
+    code, err = cli(["--drafter", str(tiny() / "drafter")])
     assert code == 2 and "--drafter needs --target" in err
 
 
@@ -649,8 +655,8 @@ def test_rows_set_their_own_sampling(tmp_path):
     sampled with those flags (keys are per row position and seed), and the other rows stay greedy."""
     rng = np.random.default_rng(1)
     rows = [{"id": f"r{i}", "input_ids": rng.integers(1, 400, 6 + i).tolist()} for i in range(3)]
-    common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--max-new-tokens", "12",
-              "--batch-size", "2", "--ignore-eos", "--seed", "3", "--quiet"]
+    common = FIXED + ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--max-new-tokens",
+                      "12", "--batch-size", "2", "--ignore-eos", "--seed", "3", "--quiet"]
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [dict(rows[0], temperature=0.8, top_k=20), *rows[1:]])
     plain = write_jsonl(tmp_path / "plain.jsonl", rows)
     outs = {k: tmp_path / f"out-{k}.jsonl" for k in ("mixed", "sampled", "greedy")}

@@ -245,10 +245,10 @@ def test_block_loss_ignores_tokens_it_must_not_see(models):
     assert abs(loss(tokens.at[:, 5].set((tokens[0, 5] + 1) % 60)) - ref) > 1e-4
     # Hard-anchor sampling changes which anchors are drawn, never what a block sees: with one
     # eligible anchor the loss is the same (the difficulty tap is split off the drafter's features).
-    for tilt in (dict(anchor_hardness=3.0), dict(anchor_miss=3.0), dict(anchor_hardness=1.0, anchor_miss=2.0)):
-        tilted = dataclasses.replace(spec, **tilt)
-        assert float(drafter_loss(dparams, tparams, tilted, tokens, mask, jax.random.PRNGKey(0))[0]) == \
-            pytest.approx(ref, abs=1e-6)
+    # (Both tilts at once: each is a program of its own to compile.)
+    tilted = dataclasses.replace(spec, anchor_hardness=1.0, anchor_miss=2.0)
+    assert float(drafter_loss(dparams, tparams, tilted, tokens, mask, jax.random.PRNGKey(0))[0]) == \
+        pytest.approx(ref, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- config
