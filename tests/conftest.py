@@ -101,3 +101,17 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_addoption(parser):
     parser.addoption("--soak-minutes", type=float, default=3.0,
                      help="how long tests/test_soak.py's mixed traffic runs (default 3, as in CI)")
+
+
+# Under -n, each worker takes whole test files in collection order (`--dist loadfile`), the next
+# one as it finishes. A suite that ends on one worker running a long file while the others wait is
+# as long as that file's start plus the file: so the slowest files (by CI's --durations) go first,
+# and the short ones fill in at the end. Within a file the order is unchanged.
+SLOW_FILES_FIRST = ("test_scale.py", "test_soak.py", "test_spec_decode.py", "test_infer_cli.py", "test_tree.py",
+                    "test_training.py", "test_serve.py", "test_bench.py", "test_demo.py", "test_qwen3_next.py",
+                    "test_streaming.py", "test_page_pool.py", "test_hybrid.py", "test_aot.py", "test_dflash2.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: each file stays whole

@@ -40,7 +40,7 @@ def write_jsonl(path, rows):
 
 # One draft length throughout: for the tests of what speculation does not touch (row errors, stop
 # tokens, resume, input forms), which then compile one cycle program, not auto's four. Auto runs
-# end to end in the library API's test and the row-limit tests (tokens unchanged whichever K runs).
+# end to end in the library API's test and the sampled row-limit test (tokens unchanged whichever K runs).
 FIXED = ["--speculation", "fixed"]
 
 
@@ -453,7 +453,7 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, large, tmp_pat
     limited = write_jsonl(tmp_path / "limited.jsonl", [
         {**r, "max_new_tokens": m} if m else r for r, m in zip(rows, limits)])
     common = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"),
-              "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos"]
+              "--max-new-tokens", "24", "--batch-size", "2", "--ignore-eos"] + (FIXED if not sampled else [])
     if sampled:
         common += ["--temperature", "0.8", "--top-k", "20", "--seed", "3"]
     outs = {name: tmp_path / f"out-{name}.jsonl" for name in ("full", "limited", "large")}

@@ -239,7 +239,8 @@ def numpy_distribution(logits, sampling):
 heavy = lambda *args: pytest.param(*args, marks=pytest.mark.heavy)  # the full matrix: `-m heavy`
 
 GREEDY_CASES = [  # everyday: a dense (Qwen3), a hybrid (Qwen3.5) and a Gemma 4 pair; `-m heavy` the rest (Llama and
-    # Qwen3-MoE decode plainly as the full recompute everyday; gpt-oss's chain is heavy, its tree everyday: test_tree)
+    # Qwen3-MoE decode plainly as transformers' `generate` everyday, in test_moe.py; gpt-oss's chain is heavy, its
+    # tree everyday: test_tree)
     ("qwen3-v8", 8, SLOTS), heavy("llama-v8", 8, SLOTS), heavy("qwen3_moe-v8", 4, SLOTS), heavy("gpt_oss-v8", 8, SLOTS),
     ("qwen3_5-v8", 4, SLOTS), ("gemma4-v8", 8, SLOTS), heavy("qwen3_5_moe-v8", 4, 5), heavy("qwen3_5-v8", 8, 8),
     heavy("qwen3_5-v8", 2, 1), heavy("gemma4-v8", 4, 8), heavy("gpt_oss-v8", 8, 5), heavy("llama-v8", 8, 8),
@@ -279,8 +280,9 @@ def reference_greedy(params, config, prompt_list, max_new):
     return [s[len(p):] for s, p in zip(seqs, prompt_list)]
 
 
-@pytest.mark.parametrize("name", [n if n in ("qwen3-v8", "llama-v8", "qwen3_moe-v8", "gpt_oss-v8") else heavy(n)
-                                  for n in sorted(SETUPS)])  # the newer families and the 128-token vocabularies: heavy
+@pytest.mark.parametrize("name", [n if n in ("qwen3-v8", "llama-v8") else heavy(n)
+                                  for n in sorted(SETUPS)])  # the MoE families (their plain greedy equals transformers'
+# `generate` everyday: test_moe.py), the newer families and the 128-token vocabularies: heavy
 def test_plain_greedy_equals_full_recompute_reference(name):
     target, tparams, _, _ = setup(name)
     ref = reference_greedy(tparams, target, prompts(name), MAX_NEW)
