@@ -107,7 +107,7 @@ def pytest_addoption(parser):
 # one as it finishes. A suite that ends on one worker running a long file while the others wait is
 # as long as that file's start plus the file: so the slowest files (by CI's --durations) go first,
 # and the short ones fill in at the end. Within a file the order is unchanged.
-SLOW_FILES_FIRST = ("test_scale.py", "test_soak.py", "test_spec_decode.py", "test_infer_cli.py", "test_tree.py",
+SLOW_FILES_FIRST = ("test_scale.py", "test_no_hang.py", "test_soak.py", "test_spec_decode.py", "test_infer_cli.py", "test_tree.py",
                     "test_training.py", "test_serve.py", "test_bench.py", "test_demo.py", "test_qwen3_next.py",
                     "test_streaming.py", "test_page_pool.py", "test_hybrid.py", "test_aot.py", "test_dflash2.py")
 
