@@ -238,11 +238,11 @@ def numpy_distribution(logits, sampling):
 
 heavy = lambda *args: pytest.param(*args, marks=pytest.mark.heavy)  # the full matrix: `-m heavy`
 
-GREEDY_CASES = [  # everyday: a dense (Qwen3), a hybrid (Qwen3.5) and a Gemma 4 pair; `-m heavy` the rest (Llama and
-    # Qwen3-MoE decode plainly as transformers' `generate` everyday, in test_moe.py; gpt-oss's chain is heavy, its
-    # tree everyday: test_tree)
+GREEDY_CASES = [  # everyday: a dense (Qwen3) and a hybrid (Qwen3.5) pair; `-m heavy` the rest (Llama and Qwen3-MoE
+    # decode plainly as transformers' `generate` everyday, in test_moe.py; gpt-oss's and Gemma 4's chains are heavy,
+    # their trees everyday: test_tree)
     ("qwen3-v8", 8, SLOTS), heavy("llama-v8", 8, SLOTS), heavy("qwen3_moe-v8", 4, SLOTS), heavy("gpt_oss-v8", 8, SLOTS),
-    ("qwen3_5-v8", 4, SLOTS), ("gemma4-v8", 8, SLOTS), heavy("qwen3_5_moe-v8", 4, 5), heavy("qwen3_5-v8", 8, 8),
+    ("qwen3_5-v8", 4, SLOTS), heavy("gemma4-v8", 8, SLOTS), heavy("qwen3_5_moe-v8", 4, 5), heavy("qwen3_5-v8", 8, 8),
     heavy("qwen3_5-v8", 2, 1), heavy("gemma4-v8", 4, 8), heavy("gpt_oss-v8", 8, 5), heavy("llama-v8", 8, 8),
     heavy("qwen3-v8", 2, 8), heavy("qwen3-v8", 4, 8), heavy("qwen3-v8", 8, 8), heavy("qwen3-v8", 4, 1),
     heavy("llama-v8", 2, 8), heavy("llama-v8", 4, 8), heavy("qwen3-v128", 4, 8), heavy("llama-v128", 8, 3),
