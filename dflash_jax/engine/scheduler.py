@@ -155,6 +155,10 @@ class BatchEngine:
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
             tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
         )
+        # Auto never changes the output. A DFlash2 drafter's rejection acceptance keeps the target's
+        # distribution, but which tokens a seed gives depends on K: so with it auto runs fixed.
+        self.auto_refusal = ("a DFlash2 drafter's rejection acceptance draws different tokens at each draft length "
+                             "(--acceptance match keeps them)") if speculation == "auto" and self.spec.rejection else None
         self.candidates = self._candidates(speculation, candidates)
         if 0 in self.candidates and self.spec.uses_drafter:  # auto's plain cycles keep their taps for later
             self.spec = dataclasses.replace(self.spec, lazy_context=True)
@@ -190,14 +194,11 @@ class BatchEngine:
 
     def _candidates(self, speculation: str, candidates) -> tuple[int, ...]:
         """The draft lengths calls may run: the spec's own (fixed, or plain decoding), or auto's
-        (`candidates`, default `default_candidates`; with draft_tokens or a tree given: 0 and that)."""
+        (`candidates`, default `default_candidates`; with draft_tokens or a tree given: 0 and that); the
+        spec's own where auto is refused (`auto_refusal`)."""
         if speculation not in SPECULATION_MODES:
             raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         spec = self.spec
-        # Auto never changes the output. A DFlash2 drafter's rejection acceptance keeps the target's
-        # distribution, but which tokens a seed gives depends on K: so with it auto runs fixed.
-        self.auto_refusal = ("a DFlash2 drafter's rejection acceptance draws different tokens at each draft length "
-                             "(--acceptance match keeps them)") if speculation == "auto" and spec.rejection else None
         if speculation == "fixed" or not spec.uses_drafter or self.auto_refusal:
             return (spec.num_drafts,)
         if candidates is None:
