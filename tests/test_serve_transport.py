@@ -458,16 +458,17 @@ def test_incremental_decoding_decodes_a_window_not_the_whole():
 
 @heavy
 def test_sigterm_with_requests_in_flight_cuts_none_silently(tmp_path):
-    """The demo pair served with --shutdown-timeout 0.5 and more long requests than slots, some
-    streamed: SIGTERM while they run. Each non-streamed answer is whole (200, every token asked for)
-    or a 503 in OpenAI's schema; each stream ends in [DONE] after its finish reason or in an error
-    event; nothing is plain text. The server exits 0, its log without a traceback."""
+    """The demo pair served with --shutdown-timeout 0 and three times more long requests than slots,
+    half streamed: SIGTERM once the first stream has its first chunk. Each non-streamed answer is
+    whole (200, every token asked for, or a stop) or a 503 in OpenAI's schema; each stream ends in
+    [DONE] after its finish reason or in an error event; nothing is plain text. The server exits 0,
+    its log without a traceback."""
     import httpx
 
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", str(port), "--batch-size", "2",
-                                 "--max-prompt-len", "64", "--shutdown-timeout", "0.5"], cwd=REPO, stdout=out,
+                                 "--max-prompt-len", "64", "--shutdown-timeout", "0"], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -483,18 +484,24 @@ def test_sigterm_with_requests_in_flight_cuts_none_silently(tmp_path):
         else:
             pytest.fail(f"the server was not ready:\n{tail(log)}")
 
-        async def one(client, k):
+        async def one(client, k, first: asyncio.Event):
             body = {"prompt": f"def f{k}(x):\n", "max_tokens": 128, "temperature": 0}
             if k % 2:
+                lines = []
                 async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    return "stream", r.status_code, [line async for line in r.aiter_lines() if line]
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line)
+                            first.set()
+                    return "stream", r.status_code, lines
             r = await client.post("/v1/completions", json=body)
             return "plain", r.status_code, r
 
         async def crowd():
+            first = asyncio.Event()
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-                tasks = [asyncio.create_task(one(client, k)) for k in range(6)]
-                await asyncio.sleep(1.5)
+                tasks = [asyncio.create_task(one(client, k, first)) for k in range(6)]
+                await asyncio.wait_for(first.wait(), 60)
                 proc.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*tasks)
 
@@ -527,4 +534,5 @@ def test_sigterm_with_requests_in_flight_cuts_none_silently(tmp_path):
     text = log.read_text()
     assert code == 0, text[-4000:]
     assert "Traceback" not in text and "Exception in ASGI" not in text, text[-4000:]
-    assert 503 in kinds or "cut" in kinds, kinds  # some were cut (128 tokens x 6 on 2 slots outlast 2 s)
+    # With 2 slots, most of the six were queued or running when the engine cancelled them: cut, and said so.
+    assert 503 in kinds and "cut" in kinds, kinds
