@@ -94,6 +94,15 @@ class _Counts:
             return cls.compiled, cls.from_cache
 
 
+def step_line(done: int, total: int, label: str = "") -> str:
+    """What a warm-up is doing, as its log says it, given progress(done, total, label): `done` steps
+    finished, the step `label` starting (the log's "compiling 5/14: prompts of 64 tokens x 1" is the
+    5th step running, 4 done). After the last (done = total): "compiled 14/14"."""
+    if done >= total:
+        return f"compiled {total}/{total}"
+    return f"compiling {done + 1}/{total}" + (f": {label}" if label else "")
+
+
 class CompileProgress:
     """A progress bar over a warm-up's steps (`BatchEngine.warmup(progress=...)`), with the
     programs compiled so far and how many of them came from the persistent cache:
@@ -129,7 +138,7 @@ class CompileProgress:
         programs = f"{compiled} programs ({cached} from the cache)"
         if not self.file.isatty():
             if done < total:
-                print(f"  compiling {done + 1}/{total}: {label} [{time.perf_counter() - self.t0:.0f}s, {programs} so far]",
+                print(f"  {step_line(done, total, label)} [{time.perf_counter() - self.t0:.0f}s, {programs} so far]",
                       file=self.file, flush=True)
             return
         if self.bar is None:

@@ -500,7 +500,8 @@ def test_app_errors():
             assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
         key = {"Authorization": "Bearer k"}
         assert client.get("/v1/models", headers=key).status_code == 200
-        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200  # no key needed
+        assert client.get("/health").status_code == 200  # no key needed
+        assert client.get("/metrics").status_code == 401 and client.get("/metrics", headers=key).status_code == 200
 
         r = client.post("/v1/completions", content=b"{nope", headers=key)
         assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"

@@ -11,8 +11,9 @@ A thin edge: it parses requests, turns them into token ids and engine requests, 
 engine's tokens back into text and OpenAI's response schema. Its modules:
 
 - `__main__`: the flags (`build_parser`) and `main`: start-up, the loading thread, exit statuses.
-- `app`: `create_app`, wiring only: routes, dependencies, error handlers, shutdown.
-- `handlers`: one function per endpoint, the API-key and warming-up checks, `submit` to the engine.
+- `app`: `create_app`, wiring only: routes, dependencies, error handlers, shutdown, and what every
+  request passes before it is read (the API key, the body's size and read deadline).
+- `handlers`: one function per endpoint, the warming-up check, `submit` to the engine.
 - `protocol`: OpenAI's wire format as pydantic models (requests, responses, the error body) and
   the mapping of validation errors to a 400 in that error schema (`APIError`).
 - `prepare`: a validated request turned into what the engine runs (`PreparedRequest`).

@@ -9,12 +9,17 @@ error, exit status 2), open the port at once, load and compile on a thread while
 """
 
 import argparse
+import os
 import signal
 import sys
 import threading
 import traceback
 
 from dflash_jax.errors import DFlashError
+
+# After --shutdown-timeout the engine cancels what still runs; uvicorn waits this much longer for
+# those requests to send their 503s and stream error events before it closes their connections.
+SHUTDOWN_GRACE = 5.0
 
 # --------------------------------------------------------------------------- flags
 
@@ -45,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (default: the target directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every path but /health")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for a slot; more are answered 429")
     p.add_argument("--all-admission-widths", action="store_true",
@@ -58,8 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
                      overrides={"sync_every": SERVER_SYNC_EVERY}, helps=SERVER_HELPS)
     p.add_argument("--enable-thinking", action="store_true",
                    help="chat template default for enable_thinking (a request's chat_template_kwargs overrides it)")
+    # Transport: what a request may cost the server before it runs, and how a shutdown ends the rest.
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="the largest request body; larger ones are answered 413 (default: 8 MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a request's body may take to arrive after its headers; a slower one is answered "
+                        "408 and its connection closed (default: 30)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long requests in flight may run on before they are cancelled")
+                   help="on SIGTERM, how long requests in flight may run on before they are cancelled (each then "
+                        "answered 503, or a stream ended with an error event)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
@@ -72,6 +84,12 @@ def main(argv=None) -> int:
     """Exit status: 0 after a requested shutdown (SIGTERM, SIGINT); 2 for bad flags or a model
     that cannot load; 3 when the engine failed while serving (or the device stalled)."""
     args = build_parser().parse_args(argv)
+    for flag, value, least in (("--max-request-bytes", args.max_request_bytes, 1),
+                               ("--request-read-timeout", args.request_read_timeout, 1e-9),
+                               ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        if value is not None and value < least:
+            print(f"error: {flag} must be {'>= 0' if least == 0 else '> 0'}, got {value:g}", file=sys.stderr)
+            return 2
     try:
         import uvicorn
     except ImportError:
@@ -87,10 +105,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cache = enable_compile_cache(lambda *a: print(*a, file=sys.stderr))
-    app = create_app(model, args.api_key)
+    app = create_app(model, args.api_key, max_request_bytes=args.max_request_bytes,
+                     request_read_timeout=args.request_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE)
+    cancel_running = threading.Timer(args.shutdown_timeout, _cancel_running, (model,))
+    cancel_running.daemon = True
+    server = _server_class(uvicorn)(config, model, cancel_running)
     url = f"http://{args.host}:{args.port}"
 
     def load():
@@ -110,18 +131,72 @@ def main(argv=None) -> int:
     print(f"listening on {url}: /health answers 503 \"warming up\" until the engine has loaded and compiled "
           f"(a first start compiles every program; {'a restart loads them from ' + cache if cache else 'no compilation cache'})",
           file=sys.stderr, flush=True)
-    threading.Thread(target=load, name="dflash-load", daemon=True).start()
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
     # handlers it found: these note it, so that a requested shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    loader = threading.Thread(target=load, name="dflash-load", daemon=True)
+    loader.start()
     server.run()
+    cancel_running.cancel()
+    if loader.is_alive():  # a shutdown asked for while loading: nothing to finish, and a compile to not wait for
+        print("stopped while loading", file=sys.stderr, flush=True)
+        os._exit(0)
     if model.failure is not None:
         return 2 if isinstance(model.failure, DFlashError) else 1
     if model.engine is not None and model.engine.error is not None:
         print(f"error: the engine failed: {model.engine.error}", file=sys.stderr)
         return 3
     return 0
+
+
+def _cancel_running(model) -> None:
+    """--shutdown-timeout after SIGTERM: the engine cancels the requests still running, each of
+    which then answers that it was cut (503; a stream's error event)."""
+    if model.engine is not None:
+        model.engine.close(cancel_running=True, timeout=SHUTDOWN_GRACE)
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, its shutdown in the order that lets every open request say how it ended:
+        on SIGTERM it stops taking connections and waits for those open (--shutdown-timeout plus
+        SHUTDOWN_GRACE), while `cancel_running` (a timer started by the signal) has the engine cancel
+        what still runs after --shutdown-timeout, so each of those requests writes its error before
+        uvicorn closes the connections.
+
+        While the model loads, it puts its signal handlers back at each tick: an accelerator's
+        runtime (libtpu) installs its own for SIGTERM when it starts, which prints a stack trace."""
+
+        def __init__(self, config, model, cancel_running: threading.Timer):
+            super().__init__(config)
+            self.model, self.cancel_running, self.signals_seen = model, cancel_running, None
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                self.cancel_running.start()
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            state = getattr(self.model, "state", "ready")
+            if state in ("loading", "compiling") or state != self.signals_seen:
+                _reassert_signal_handlers()
+                self.signals_seen = state
+            return await super().on_tick(counter)
+
+    return Server
+
+
+def _reassert_signal_handlers() -> None:
+    """Install Python's handlers for SIGTERM and SIGINT again (on the main thread), over whatever
+    native code installed since: Python does not see a handler a library sets with sigaction.
+    Off the main thread (where uvicorn installs none either) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """One handler per endpoint, each declared with its route on `router` (which `infer.serve.app`
 includes): an endpoint is added here, in one place. Each reads the served model from the app's
-state (`app.state.model`, a `ServedModel`); the API key and the warming-up check run before them,
-as FastAPI dependencies (`authorize`, `require_ready`).
+state (`app.state.model`, a `ServedModel`); the warming-up check runs before them, as a FastAPI
+dependency (`require_ready`). The API key is checked before the app reads a request
+(`infer.serve.app`'s middleware). Tokenizing a prompt runs on a worker thread, so that a long
+one holds neither /health nor the streams.
 """
 
 from __future__ import annotations
@@ -25,14 +27,6 @@ from infer.serve.streaming import StreamedText, collect, event_stream, response
 # --------------------------------------------------------------------------- dependencies
 
 
-def authorize(http_request: HTTPRequest) -> None:
-    """401 unless the request carries the server's API key (when it has one)."""
-    api_key = http_request.app.state.api_key
-    if api_key is not None and http_request.headers.get("authorization") != f"Bearer {api_key}":
-        raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                       type="authentication_error", code="invalid_api_key")
-
-
 def require_ready(http_request: HTTPRequest) -> None:
     """503 while the engine loads and compiles (or after it failed to)."""
     model = http_request.app.state.model
@@ -47,9 +41,9 @@ def require_ready(http_request: HTTPRequest) -> None:
 # --------------------------------------------------------------------------- endpoints
 
 router = APIRouter()
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)}
 _COMPLETION = {200: {"model": Completion, "content": {"text/event-stream": {}}}, **_ERRORS}
-_V1 = dict(methods=["POST"], dependencies=[Depends(authorize), Depends(require_ready)], response_model=None,
+_V1 = dict(methods=["POST"], dependencies=[Depends(require_ready)], response_model=None,
            responses=_COMPLETION)
 
 
@@ -67,8 +61,7 @@ async def health(http_request: HTTPRequest):
     return {"status": "ok"}
 
 
-@router.get("/v1/models", dependencies=[Depends(authorize)],
-            responses={200: {"model": ModelList}, 401: _ERRORS[401]})
+@router.get("/v1/models", responses={200: {"model": ModelList}, 401: _ERRORS[401]})
 async def list_models(http_request: HTTPRequest):
     """GET /v1/models: the one model served."""
     state = http_request.app.state
@@ -125,7 +118,8 @@ def submit(model, request: PreparedRequest) -> tuple[list[StreamRequest], asynci
 
 async def _complete(http_request: HTTPRequest, body, chat: bool):
     model = http_request.app.state.model
-    request = prepare_request(model, body, chat)
+    # Encoding (a chat template, a tokenizer) takes time in proportion to the prompt: off the event loop.
+    request = await asyncio.to_thread(prepare_request, model, body, chat)
     engine_requests, events = submit(model, request)
     decoded = [StreamedText(model, request) for _ in engine_requests]
     ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)

@@ -79,14 +79,21 @@ class ServedModel:
         self.state = "compiling"
         with CompileProgress(f"compiling (block size {gen.spec.block_size}, batch {args.batch_size}, prompts up "
                              f"to {gen.max_prompt_len} tokens{longer})") as progress:
-            def step(done, total, label):
-                self.detail = f"compiling {done}/{total}" + (f": {label}" if label else "")
-                progress.step(done, total, label)
-
-            buckets = engine.warmup(progress=step)
+            buckets = engine.warmup(progress=self.compile_step(progress))
         say(f"prompt buckets {', '.join(map(str, buckets))}")
         self.engine = engine.start()
         self.state, self.detail = "ready", ""
+
+    def compile_step(self, progress):
+        """The warm-up's progress callback: `progress`'s (the log's line) and /health's detail,
+        which says the same step the log does."""
+        from dflash_jax.compiling import step_line
+
+        def step(done: int, total: int, label: str = ""):
+            self.detail = step_line(done, total, label)
+            progress.step(done, total, label)
+
+        return step
 
     # ------------------------------------------------------------------ text
 

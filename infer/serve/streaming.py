@@ -21,7 +21,15 @@ from infer.serve.protocol import APIError, AssistantMessage, Choice, Completion,
 class StreamedText:
     """A row's tokens as text, released as it grows: stop strings cut it (the row ends there)
     and text that may be the start of a stop string, or half a character, is held back.
-    `model`: what decodes ids (`ServedModel.decode`); `request`: its `stop` and `stop_ids`."""
+    `model`: what decodes ids (`ServedModel.decode`); `request`: its `stop` and `stop_ids`.
+
+    `text` is always `model.decode(ids)` (up to a stop string's cut), kept incrementally: the text
+    of a prefix of the ids is settled, and each delivery decodes only the new ids and the few settled
+    ones before them (`WINDOW`), whose own text is then taken off the front. Where that window's
+    text is not a prefix of the longer decode (a tokenizer whose decode joins across tokens, a
+    character still half), the whole is decoded instead, as it always was."""
+
+    WINDOW = 4  # settled tokens decoded again before the new ones (their context: a leading space, a byte)
 
     def __init__(self, model, request):
         self.model, self.request = model, request
@@ -29,6 +37,26 @@ class StreamedText:
         self.text, self.released = "", 0
         self.stopped = False  # a stop string or a request's stop token ended it
         self.hold = max((len(s) for s in request.stop), default=1) - 1
+        # decode(ids[:settled]) is settled_text; window_text is decode(ids[settled - WINDOW:settled]).
+        self._settled, self._settled_text, self._window_text = 0, "", ""
+
+    def _text_of(self, k: int) -> str:
+        """decode(ids[:k]), for k at or past the settled ids, decoding only from the window on."""
+        start = max(0, self._settled - self.WINDOW)
+        if start == 0:
+            return self.model.decode(self.ids[:k])
+        tail = self.model.decode(self.ids[start:k])
+        if tail.startswith(self._window_text):
+            return self._settled_text + tail[len(self._window_text):]
+        return self.model.decode(self.ids[:k])
+
+    def _settle(self) -> None:
+        """The ids' text so far is final unless it ends in half a character (the next ids may complete it)."""
+        if self.text.endswith("\ufffd") or len(self.ids) <= self.WINDOW:
+            return
+        window = self.model.decode(self.ids[len(self.ids) - self.WINDOW:])
+        if window:  # (a window of special tokens alone would say nothing of the text before it)
+            self._settled, self._settled_text, self._window_text = len(self.ids), self.text, window
 
     def add(self, tokens: list[int]) -> None:
         if self.stopped:
@@ -39,16 +67,18 @@ class StreamedText:
                 break
         before = len(self.ids)
         self.ids += tokens
-        self.text = self.model.decode(self.ids)
+        self.text = self._text_of(len(self.ids))
         cut = self._stop_at(self.text)
         if cut is not None:
             # The row ends with the token that completed the stop string: later ones are dropped
             # (from the ids and the usage too), and the text ends before the stop string.
             for k in range(before + 1, len(self.ids) + 1):
-                if self._stop_at(self.model.decode(self.ids[:k])) is not None:
+                if self._stop_at(self._text_of(k)) is not None:
                     self.ids = self.ids[:k]
                     break
             self.text, self.stopped = self.text[:cut], True
+            return
+        self._settle()
 
     def _stop_at(self, text: str) -> int | None:
         """Where the earliest stop string starts in text (None: nowhere); text already released
@@ -70,7 +100,23 @@ class StreamedText:
 
 
 def finish_reason(decoded: StreamedText, result) -> str:
+    """A whole answer's finish reason (a row `cut_short` is answered with an error instead)."""
     return "stop" if decoded.stopped or result.finish_reason == "stop" else "length"
+
+
+ENGINE_FAILED = "the engine failed; see the server's log"
+SHUT_DOWN = "the server is shutting down and cancelled this request before its answer was complete; retry it"
+
+
+def cut_short(decoded: StreamedText, result) -> APIError | None:
+    """The error a row's answer is, where the server ended the row before the answer was whole:
+    the engine failed (500), or shutting down cancelled it (503). None for a whole answer (its
+    own end, max_tokens, or a stop string found before the cut)."""
+    if decoded.stopped or result.finish_reason in ("stop", "length"):
+        return None
+    if result.finish_reason == "cancelled":
+        return APIError(503, SHUT_DOWN, type="server_error", code="unavailable")
+    return APIError(500, ENGINE_FAILED, type="server_error")
 
 
 def usage(request, decoded: list[StreamedText]) -> Usage:
@@ -78,8 +124,6 @@ def usage(request, decoded: list[StreamedText]) -> Usage:
     n, prompt = sum(len(d.ids) for d in decoded), len(request.prompt_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n)
 
-
-ENGINE_FAILED = "the engine failed; see the server's log"
 
 
 def _deliver(engine_requests, decoded: list[StreamedText], results: list, delivery) -> tuple[int, int]:
@@ -102,7 +146,8 @@ def _cancel_unfinished(engine_requests, results: list) -> None:
 
 async def collect(http_request, engine_requests, events: asyncio.Queue, decoded: list[StreamedText]):
     """Wait for every choice's row to end, adding its tokens to its `decoded`; the engine's Results,
-    or None when the client went away (its rows are then cancelled)."""
+    or None when the client went away (its rows are then cancelled). A row the server cut raises
+    its `cut_short` error."""
     results: list = [None] * len(engine_requests)
     try:
         while any(r is None for r in results):
@@ -115,8 +160,9 @@ async def collect(http_request, engine_requests, events: asyncio.Queue, decoded:
             _deliver(engine_requests, decoded, results, delivery)
     finally:
         _cancel_unfinished(engine_requests, results)
-    if any(r.finish_reason == "error" for r in results):
-        raise APIError(500, ENGINE_FAILED, type="server_error")
+    errors = [e for d, r in zip(decoded, results) if (e := cut_short(d, r)) is not None]
+    if errors:
+        raise max(errors, key=lambda e: e.status == 500)  # an engine failure says the most
     return results
 
 
@@ -175,8 +221,9 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
                        model_name: str):
     """The server-sent events of a streamed request: a chunk at each delivery of a choice's tokens
     (its index in the chunk; text held back as `StreamedText` says), the finish reason on each
-    choice's last, usage if asked for, then `data: [DONE]`; an engine failure ends it with an error
-    event instead."""
+    choice's last, usage if asked for, then `data: [DONE]`. A row the server cut (an engine
+    failure, or shutting down) ends it with an error event, `data: {"error": {...}}`, and no
+    `[DONE]`."""
     chunks = _Chunks(request, ident, model_name)
     results: list = [None] * len(engine_requests)
     try:
@@ -189,8 +236,9 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
             text = decoded[i].delta(final=result is not None)
             new_ids = decoded[i].ids[was:]
             if result is not None:
-                if result.finish_reason == "error":
-                    yield f"data: {json.dumps(APIError(500, ENGINE_FAILED, type='server_error').body())}\n\n"
+                error = cut_short(decoded[i], result)
+                if error is not None:  # the answer was cut: the stream says so, and ends without [DONE]
+                    yield f"data: {json.dumps(error.body())}\n\n"
                     return
                 yield chunks.chunk(i, text, finish_reason(decoded[i], result), new_ids)
             elif text or new_ids:
