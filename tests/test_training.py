@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -436,8 +437,9 @@ def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
 
 
 def damage(step_dir, how):
-    """Every file of a checkpoint's state cut to half ("truncate") or overwritten with random bytes ("garble")."""
-    for f in (p for p in (step_dir / "state").rglob("*") if p.is_file()):
+    """Every file of a checkpoint's state cut to half ("truncate"), or every file of the checkpoint
+    overwritten with random bytes ("garble")."""
+    for f in (p for p in (step_dir / "state" if how == "truncate" else step_dir).rglob("*") if p.is_file()):
         data = f.read_bytes()
         f.write_bytes(data[:len(data) // 2] if how == "truncate" else os.urandom(len(data)))
 
@@ -452,7 +454,7 @@ class DataPosition:
 
 
 @pytest.mark.parametrize("how", ["truncate", "garble"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, how):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, caplog, how):
     """Checkpoints at steps 4 and 8, step 8's files damaged: resume restores step 4 (its state and
     data position), warns in one line naming both steps, and moves step 8 aside, so that the run
     saves step 8 again. With only a damaged checkpoint: a one-line error naming it."""
@@ -474,6 +476,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     err = capsys.readouterr().err.splitlines()
     warnings = [line for line in err if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: checkpoint step 8 cannot be restored (")
+    assert err == [warnings[0], f"resumed from step 4 ({tmp_path / 'checkpoints'})"], err
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]  # nothing of orbax's
     assert "resuming from step 4 instead" in warnings[0], warnings
     assert (tmp_path / "checkpoints-damaged" / "8").is_dir() and mngr.all_steps() == [4]
     save(mngr, 8, {"w": state["w"] * 8, "step": jnp.int32(8)}, {"position": 8})  # the step saves again

@@ -4,7 +4,9 @@ orbax checkpoints that resume bit-identically."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -72,13 +74,27 @@ def eval_prompts(records, tokenizer, thinking: bool) -> list[list[int]]:
     return [p for p in prompts if p]
 
 
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax's log lines off (absl's logger): what it cannot read of a damaged checkpoint, it logs
+    as it lists the steps, then raises when one is restored; `resume` says it once, in one line."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 def checkpoint_manager(out: Path, cfg: dict):
     import orbax.checkpoint as ocp
 
     t = cfg["train"]
     options = ocp.CheckpointManagerOptions(max_to_keep=t["keep"], create=True)
-    return ocp.CheckpointManager((out / CHECKPOINTS).absolute(), options=options,
-                                 item_names=("state", "data"))
+    with quiet_orbax():
+        return ocp.CheckpointManager((out / CHECKPOINTS).absolute(), options=options,
+                                     item_names=("state", "data"))
 
 
 def save(mngr, step: int, state: TrainState, data_state: dict):
@@ -144,16 +160,17 @@ def resume(mngr, state: TrainState, data_iter, out: Path) -> tuple[int, TrainSta
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     ckpt_dir = out / CHECKPOINTS
     damaged = []
-    for step in steps:
-        try:
-            restored, data_state = restore(mngr, step, abstract)
-            data_iter.set_state(data_state)
-        except Exception as e:  # noqa: BLE001 (whatever a damaged checkpoint raises: try the one before)
-            damaged.append((step, restore_failure(e)))
-            continue
-        state, start = restored, step
-        break
-    else:
+    with quiet_orbax():
+        for step in steps:
+            try:
+                restored, data_state = restore(mngr, step, abstract)
+                data_iter.set_state(data_state)
+            except Exception as e:  # noqa: BLE001 (whatever a damaged checkpoint raises: try the one before)
+                damaged.append((step, restore_failure(e)))
+                continue
+            state, start = restored, step
+            break
+    if len(damaged) == len(steps):
         step, why = damaged[0]
         earlier = f", nor can the {len(steps) - 1} before it" if len(steps) > 1 else ", and there is no earlier one"
         raise CheckpointError(f"cannot resume: checkpoint {ckpt_dir / str(step)} cannot be restored ({why}){earlier}; "
