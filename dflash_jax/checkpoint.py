@@ -112,9 +112,13 @@ def _shards(index_path: Path) -> list[Path]:
 
 def iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[str, "safetensors_io.LazyTensor"]]:
     """Every tensor of an HF directory, one at a time, as a lazy tensor (read on demand;
-    bfloat16 via ml_dtypes)."""
+    bfloat16 via ml_dtypes). Every shard's header is checked against its file before a tensor is
+    read (`safetensors_io.check_safetensors_header`)."""
     if (hf_dir / "model.safetensors.index.json").is_file():
-        for f in _shards(hf_dir / "model.safetensors.index.json"):
+        shards = _shards(hf_dir / "model.safetensors.index.json")
+        for f in shards:
+            safetensors_io.read_header(f)
+        for f in shards:
             yield from safetensors_io.iter_lazy_tensors(f)
     elif (hf_dir / "model.safetensors").is_file():
         yield from safetensors_io.iter_lazy_tensors(hf_dir / "model.safetensors")

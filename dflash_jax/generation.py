@@ -28,8 +28,10 @@ from typing import Any, Callable
 
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
 from dflash_jax.engine.options import EngineOptions
+from dflash_jax.engine.sampling import (check_max_new_tokens, check_seed, check_temperature, check_top_k,
+                                        check_top_p)
 from dflash_jax.engine.tree import check_tree
-from dflash_jax.errors import InputError
+from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 
 _ENGINE = EngineOptions()  # the engine fields' defaults
@@ -87,12 +89,13 @@ class GenerationJob:
             raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
         if self.tree_budget and self.drafter_dir is None:
             raise InputError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
-        if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
+        # What the engine casts to int32 or float32 is bounded here, before anything loads.
+        check_temperature(self.temperature, "--temperature")
+        check_top_p(self.top_p, "--top-p")
+        check_top_k(self.top_k, "--top-k")
+        check_seed(self.seed, "--seed")
+        if self.max_new_tokens is not None:
+            check_max_new_tokens(self.max_new_tokens, "--max-new-tokens")
         if self.output is not None and self.input_path.exists() and Path(self.output).exists() \
                 and os.path.samefile(self.input_path, self.output):
             raise InputError(f"--output {self.output} is the input file: results would be appended to the prompts; "
@@ -191,13 +194,7 @@ def _row_sampling(obj: dict, where: str) -> dict:
         if key not in obj:
             continue
         value = obj[key]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if key == "temperature" and not (number and value >= 0):
-            raise InputError(f"{where}: temperature must be a number >= 0, got {json.dumps(value)}")
-        if key == "top_p" and not (number and 0 < value <= 1):
-            raise InputError(f"{where}: top_p must be a number in (0, 1], got {json.dumps(value)}")
-        if key == "top_k" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise InputError(f"{where}: top_k must be an integer >= 0 (0 = off), got {json.dumps(value)}")
+        {"temperature": check_temperature, "top_p": check_top_p, "top_k": check_top_k}[key](value, f"{where}: {key}")
         out[key] = value
     return out
 
@@ -246,8 +243,8 @@ def read_rows(path: Path, warn=lambda message: None) -> list[InputRow]:
         if kind == "turns" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
             raise InputError(f"{where}: turns must be a non-empty list of strings")
         limit = obj.get("max_new_tokens")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise InputError(f"{where}: max_new_tokens must be a positive integer")
+        if limit is not None:
+            check_max_new_tokens(limit, f"{where}: max_new_tokens")
         row_id = obj.get("id", n)
         if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
             raise InputError(f"{where}: id must be a string or an integer")
@@ -317,7 +314,9 @@ class Resume:
     position, which keys its random stream) and with the same settings. Those rows are `done`
     (a line holding an error is retried); anything else is an InputError naming the line and
     the setting that differs, before a model loads. A torn last line (an interrupted write) is
-    cut off."""
+    cut off. A row's result must be its last line (a row whose line holds an error is retried,
+    its new line appended): a line after it with the same id is an InputError naming both lines
+    (two runs that wrote one output at once)."""
 
     def __init__(self, path: Path, rows: list[InputRow], keys: dict, settings: dict, input_path: Path):
         self.done: set = set()
@@ -329,6 +328,7 @@ class Resume:
             with open(path, "r+b") as f:
                 f.truncate(keep)
         by_id = {r.id: r for r in rows}
+        results: dict = {}  # row id -> the line of its result
         again = "pass --overwrite to start it over, or choose another --output"
         for n, line in enumerate(data[:keep].splitlines(), 1):
             if not line.strip():
@@ -358,33 +358,123 @@ class Resume:
             if fp.get("input") != keys[row.id]:
                 raise InputError(f"{where}: id {row.id!r} was generated from another row than {input_path} line "
                                  f"{row.line} (its prompt, limits or position differ); {again}")
+            if row.id in results:
+                raise InputError(f"{path} lines {results[row.id]} and {n} both hold the row of id {row.id!r} (two runs "
+                                 f"wrote this output at once?): remove one of them, or {again}")
             if "error" not in obj:
                 self.done.add(row.id)
+                results[row.id] = n
+
+
+class OutputLock:
+    """A run's hold on its output file, so that two runs never append to one output: an
+    exclusive `flock` on a lock file beside it (OUTPUT.lock, holding the holder's pid), taken
+    before the output is read for resuming and kept until the run ends, then the lock file is
+    removed. A second run on the same output gets an InputError naming the first one's pid. A
+    run that is killed leaves the lock file behind, but not its lock: the next run takes it.
+    path None (stdout, or not process 0): nothing is locked."""
+
+    def __init__(self, path: Path | None):
+        self.fd = None
+        if path is None:
+            return
+        import fcntl
+
+        check_output_path(path)
+        self.path = path.with_name(path.name + ".lock")
+        fd = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the output may name a new directory
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    fd = None
+                    raise InputError(f"{path} is being written by another run (pid {pid}); wait for it to end, "
+                                     f"or choose another --output") from None
+                try:  # the holder may have removed the file between our open and our lock: lock the new one
+                    current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    current = False
+                if current:
+                    break
+                os.close(fd)
+                fd = None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            if fd is not None:
+                os.close(fd)
+            raise InputError(f"cannot write --output {path}: cannot create its lock file {self.path}: "
+                             f"{e.strerror or e}") from None
+        self.fd = fd
+
+    def release(self):
+        if self.fd is None:
+            return
+        try:  # removed while still locked: a run that opened it meanwhile sees it gone and retries
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class OutputWriteError(DFlashError):
+    """A result line could not be written (a full disk): `python -m infer` exits 5. The lines
+    written before it are kept, and a rerun with the same output resumes after them."""
 
 
 class JsonlWriter:
     """Appends records as JSON lines, each flushed as it is written: to `path` (its directory
     created), or to stdout without one. `format` makes a record's text (the CLI's writer shows
-    rows readably on a terminal)."""
+    rows readably on a terminal). A write that fails is an OutputWriteError naming the file."""
 
     def __init__(self, path: str | Path | None):
         self.owned = bool(path)
+        self.failed = False
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)  # the output may name a new directory
             self.file = open(path, "a", encoding="utf-8")
         else:
             self.file = sys.stdout
+        self.name = str(path) if path else "stdout"
 
     def format(self, record: dict, row: InputRow | None) -> str:
         return json.dumps(record, ensure_ascii=False) + "\n"
 
     def write(self, record: dict, row: InputRow | None = None):
-        self.file.write(self.format(record, row))
-        self.file.flush()
+        try:
+            self.file.write(self.format(record, row))
+            self.file.flush()
+        except OSError as e:
+            self.failed = True
+            raise OutputWriteError(write_failure(self.name, e, self.owned)) from None
 
     def close(self):
-        if self.owned:
+        if not self.owned:
+            return
+        try:
             self.file.close()
+        except OSError as e:  # its buffer could not be flushed: the file is closed all the same
+            if not self.failed:
+                self.failed = True
+                raise OutputWriteError(write_failure(self.name, e, True)) from None
+
+
+def write_failure(name: str, e: OSError, resumable: bool) -> str:
+    """The one line saying where results could not be written (and, for a file, that a rerun resumes)."""
+    kept = "; the rows written are kept and a rerun resumes" if resumable else ""
+    return f"could not write {name}: {e.strerror or e}{kept}"
 
 
 class _NoWriter:
@@ -418,12 +508,23 @@ def run_job(job: GenerationJob, make_record: RecordMaker | None = None,
 
     The steps: `plan_job` (rows, configs, resume: nothing loaded), the first turns encoded,
     `JobRun.screen` (rows that cannot run), `JobRun.load_engine` (weights, BatchEngine),
-    `JobRun.decode` (every turn of every row), `JobRun.summary` (and the baseline)."""
+    `JobRun.decode` (every turn of every row), `JobRun.summary` (and the baseline).
+
+    The output is locked for the run (`OutputLock`): a second run on the same output is an
+    InputError naming the first one's pid. A write that fails (a full disk) is an
+    OutputWriteError; the lines written before it are kept, and a rerun resumes."""
+    import jax
+
+    job = job.resolved()
+    with OutputLock(Path(job.output) if job.output and jax.process_index() == 0 else None):
+        return _run_job(job, make_record, writer)
+
+
+def _run_job(job: GenerationJob, make_record: RecordMaker | None, writer: Callable[[Path | None], Any]):
     import jax
 
     from dflash_jax.engine import GenerationStats
 
-    job = job.resolved()
     say = (lambda *a: None) if job.quiet else (lambda *a: print(*a, file=sys.stderr))
     plan = plan_job(job, say)
     if plan.demo_note:
@@ -726,14 +827,20 @@ class JobRun:
         return summary
 
 
-def prepare_output(path: Path, overwrite: bool):
-    """Check that the output can be written before anything loads (and, to start over, empty it):
-    a one-line InputError naming the problem otherwise."""
+def check_output_path(path: Path):
+    """An output path that names a file, under directories (that may not exist yet): a one-line
+    InputError otherwise."""
     if path.is_dir():
         raise InputError(f"--output {path} is a directory; give a file name")
     blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise InputError(f"cannot write --output {path}: {blocked} is a file, not a directory")
+
+
+def prepare_output(path: Path, overwrite: bool):
+    """Check that the output can be written before anything loads (and, to start over, empty it):
+    a one-line InputError naming the problem otherwise."""
+    check_output_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # the output may name a new directory
         with open(path, "w" if overwrite else "a", encoding="utf-8"):

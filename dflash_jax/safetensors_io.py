@@ -29,7 +29,8 @@ NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def read_header(path: str | Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where tensor data starts)."""
+    """(header without __metadata__, byte offset where tensor data starts), checked against the
+    file (`check_safetensors_header`)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -40,10 +41,58 @@ def read_header(path: str | Path) -> tuple[dict, int]:
             if n > 100 * 2**20:
                 raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
             header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read safetensors header of {path}: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
+    check_safetensors_header(path, header, size - 8 - n)
     return header, 8 + n
+
+
+def check_safetensors_header(path: Path, header: dict, data_len: int):
+    """Refuse, with a one-line CheckpointError naming the file and the tensor, a header whose
+    tensors do not match the data they say they hold, before any is read: each tensor's dtype
+    must be one we read, its shape a list of sizes, its byte size (its dtype's width x its
+    elements) the length of its data_offsets; and the offsets, sorted, must tile the data after
+    the header exactly (from 0, each tensor starting where the one before ends, the last ending at
+    the file's end): no gap, no overlap, nothing past the end. A header edited by hand (a dtype
+    of another width, shifted offsets) or a file cut short would otherwise load garbage."""
+    spans = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: its header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{where} has unsupported dtype {dtype}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise CheckpointError(f"{where} has a bad shape {json.dumps(shape)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where} has bad data_offsets {json.dumps(offsets)}")
+        size = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        for d in shape:
+            size *= d
+        if offsets[1] - offsets[0] != size:
+            raise CheckpointError(f"{where}: its data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but "
+                                  f"{dtype} {shape} is {size} bytes (a wrong dtype, shape or offsets)")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap of {begin - end} bytes before it"
+            raise CheckpointError(f"{path}: tensor {name} starts at data byte {begin}, where the tensor before it "
+                                  f"ends at {end}: it {what} (shifted data_offsets?)")
+        end = stop
+    if end != data_len:
+        last = max(spans)[2] if spans else None
+        what = f"the tensors end at data byte {end}" + (f" (tensor {last})" if last else "")
+        raise CheckpointError(f"{path}: {what}, but the file holds {data_len} bytes of data "
+                              f"({'cut short' if end > data_len else 'bytes no tensor accounts for'}; shifted "
+                              f"data_offsets or a truncated file?)")
 
 
 class LazyTensor:
@@ -91,10 +140,8 @@ class ArrayTensor:
 
 def iter_lazy_tensors(path: str | Path) -> Iterator[tuple[str, LazyTensor]]:
     """(name, LazyTensor) for every tensor in the file; nothing is read yet."""
-    header, start = read_header(path)
+    header, start = read_header(path)  # checked against the file
     for name, info in header.items():
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, _ = info["data_offsets"]
         yield name, LazyTensor(Path(path), name, start + begin, info["shape"], SAFETENSORS_DTYPES[info["dtype"]])
 

@@ -144,7 +144,8 @@ def add_generation_flags(p: argparse.ArgumentParser):
     p.add_argument("--top-p", type=float, default=JOB.top_p, help="nucleus sampling: keep the smallest set of tokens "
                                                                 "whose probability reaches P (1 = off)")
     p.add_argument("--top-k", type=int, default=JOB.top_k, help="keep only the K most likely tokens (0 = off)")
-    p.add_argument("--seed", type=int, default=JOB.seed, help="seed of the sampling keys (per row and position)")
+    p.add_argument("--seed", type=int, default=JOB.seed, help="seed of the sampling keys (per row and position): any integer, taken "
+                                                               "modulo 2**32 (as the server's request seeds)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the stop tokens")
     p.add_argument("--compare-baseline", action="store_true",
                    help="also time plain decoding of the same prompts and report the speedup")

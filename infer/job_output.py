@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_jax.generation import GenerationResult, InputRow, JsonlWriter
+from dflash_jax.generation import GenerationResult, InputRow, JsonlWriter, OutputWriteError, write_failure
 
 
 class Writer(JsonlWriter):
@@ -64,17 +64,31 @@ def readable_record(record: dict, prompt: str | None) -> str:
 
 def report(result: GenerationResult, summary_json: str | None = None, quiet: bool = False):
     """The end of a run, on process 0: the summary on stderr, the demo's completion (unless
-    quiet), the summary as JSON to `summary_json`. Nothing when nothing ran (every row was done)."""
+    quiet), the summary as JSON to `summary_json`. When nothing ran (every row was already done,
+    which `run_job` says in one line), only `summary_json`: a summary of no rows, naming the
+    rows already done. A summary that cannot be written is an OutputWriteError."""
     import jax
 
-    if result.summary is None or jax.process_index() != 0:
+    if jax.process_index() != 0:
+        return
+    if result.summary is None:
+        if summary_json:
+            write_summary(summary_json, {"rows": 0, "errors": 0, "already_done": result.skipped,
+                                         "note": f"all {result.skipped} rows were already done; nothing ran"})
         return
     print_summary(result.summary, lambda *a: print(*a, file=sys.stderr))
     if result.sample is not None and not quiet:
         prompt, text = result.sample
         print(f"\none completion (prompt, then >>> and the generated text):\n{prompt}>>>{text}", file=sys.stderr)
     if summary_json:
-        Path(summary_json).write_text(json.dumps(result.summary, indent=2) + "\n")
+        write_summary(summary_json, result.summary)
+
+
+def write_summary(path: str, summary: dict):
+    try:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as e:
+        raise OutputWriteError(write_failure(path, e, False)) from None
 
 
 def print_summary(s: dict, say):

@@ -127,6 +127,23 @@ def rewrite_tensors(path, edit):
     safetensors_io.save_file(tensors, path / "model.safetensors")
 
 
+def edit_header(path, edit):
+    """Rewrite a safetensors file's JSON header through edit(header), its data unchanged."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+
+
+def shift(header, name, by):
+    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+
+
 def bad_dirs(root, good):
     import shutil
 
@@ -157,6 +174,17 @@ def bad_dirs(root, good):
     d = copy("shape")
     rewrite_tensors(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 63), np.float32)}))
     cases["wrong shape"] = (d, CheckpointError, r"q_proj.weight' has shape \(64, 63\), expected \(64, 64\)")
+    d = copy("header_dtype")  # float32 data said to be bfloat16: half the bytes it spans
+    edit_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="BF16"))
+    cases["wrong dtype in the header"] = (d, CheckpointError, r"model.safetensors: tensor model.norm.weight: its "
+                                          r"data_offsets \[\d+, \d+\] hold 256 bytes, but BF16 \[64\] is 128 bytes")
+    d = copy("header_offsets")  # a tensor's offsets moved 4 bytes on: it overlaps the next one
+    edit_header(d / "model.safetensors", lambda h: shift(h, "model.norm.weight", 4))
+    cases["shifted data_offsets"] = (d, CheckpointError, "model.safetensors: tensor .* starts at data byte .*: it "
+                                     "(overlaps the tensor before it|leaves a gap of 4 bytes)")
+    d = copy("cut")  # the file cut short
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-4])
+    cases["truncated file"] = (d, CheckpointError, "but the file holds .* bytes of data .*cut short")
     d = copy("badjson")
     (d / "config.json").write_text("{not json")
     cases["bad config json"] = (d, ConfigError, "not valid JSON")
@@ -169,7 +197,8 @@ def bad_cases(tmp_path_factory, hf_dirs):
 
 
 CASES = ["missing dir", "not a model dir", "unsupported model_type", "no weights", "missing tensor",
-         "extra tensor", "tensor beyond the config's layers", "wrong shape", "bad config json"]
+         "extra tensor", "tensor beyond the config's layers", "wrong shape", "bad config json",
+         "wrong dtype in the header", "shifted data_offsets", "truncated file"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -178,6 +207,41 @@ def test_bad_input_raises_one_line_error(case, bad_cases):
     with pytest.raises(exc, match=pattern) as info:
         load_target(path)
     assert "\n" not in str(info.value)
+
+
+def test_a_header_that_does_not_tile_its_data_is_refused_naming_the_tensor(tmp_path):
+    """A file written by the safetensors package, its header then edited: a dtype of another
+    width, offsets shifted (one tensor, or all), a gap: each a one-line error naming the file and
+    the tensor, before any tensor is read; the unedited file reads."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "t.safetensors"
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64),
+              "c": np.ones((3,), np.float16)}
+    save_file(arrays, str(path))
+    good = path.read_bytes()
+    got = dict(safetensors_io.iter_tensors(path))
+    assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+    cases = [
+        (lambda h: h["a"].update(dtype="F16"), r"tensor a: its data_offsets \[\d+, \d+\] hold 24 bytes, but F16 "
+                                               r"\[2, 3\] is 12 bytes"),
+        (lambda h: h["b"].update(dtype="I32"), "tensor b: .* hold 32 bytes, but I32 \\[4\\] is 16 bytes"),
+        (lambda h: h["c"].update(shape=[2]), "tensor c: .* hold 6 bytes, but F16 \\[2\\] is 4 bytes"),
+        (lambda h: [shift(h, k, 8) for k in "abc"], "tensor .* starts at data byte 8, where the tensor before it ends "
+                                                   "at 0: it leaves a gap of 8 bytes"),
+        (lambda h: shift(h, "c", -2), "tensor c starts at data byte .*: it overlaps the tensor before it"),
+        (lambda h: h["a"].update(data_offsets=[0, -24]), "tensor a has bad data_offsets"),
+        (lambda h: h["b"].update(dtype="Q4"), "tensor b has unsupported dtype Q4"),
+    ]
+    for edit, message in cases:
+        path.write_bytes(good)
+        edit_header(path, edit)
+        with pytest.raises(CheckpointError, match=message) as err:
+            list(safetensors_io.iter_lazy_tensors(path))
+        assert str(err.value).startswith(f"{path}: tensor ") and "\n" not in str(err.value)
+    path.write_bytes(good + b"\0" * 8)  # bytes past the last tensor
+    with pytest.raises(CheckpointError, match="the tensors end at data byte 62 .*, but the file holds 70 bytes"):
+        safetensors_io.read_header(path)
 
 
 @pytest.mark.parametrize("case", ["missing dir", "unsupported model_type", "wrong shape"])

@@ -4,6 +4,7 @@ API beneath it (`GenerationJob`, `run_job`)."""
 import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -489,7 +490,7 @@ def test_row_limits_and_a_large_cache_give_the_same_rows(sampled, large, tmp_pat
     assert code == 2 and "over.jsonl line 1: max_new_tokens 25 is more than --max-new-tokens 24" in err
     write_jsonl(tmp_path / "zero.jsonl", [{"input_ids": [1, 2], "max_new_tokens": 0}])
     code, err = run_cli(common + ["--input", str(tmp_path / "zero.jsonl")])
-    assert code == 2 and "zero.jsonl line 1: max_new_tokens must be a positive integer" in err
+    assert code == 2 and "zero.jsonl line 1: max_new_tokens must be an integer in 1..2147483647, got 0" in err
 
 
 def test_every_flag_has_help_and_shows_its_default():
@@ -641,12 +642,162 @@ def test_rows_that_cannot_run_are_found_before_loading_and_exit_4(tmp_path, caps
 
 
 def test_help_documents_resume_row_keys_and_exit_codes():
+    from dflash_jax.generation import ROW_KEYS
     from infer.cli import build_parser
 
     text = " ".join(build_parser().format_help().split())
     for phrase in ("--overwrite", "resumes", "fingerprint", "did you mean", "DFLASH_COMPILE_CACHE", "Exit status",
-                   "4 done, but some rows could not run", "temperature, top_p and top_k"):
+                   "4 done, but some rows could not run", "temperature, top_p and top_k",
+                   "5 the output could not be written", "locked", "exactly one of: prompt (text), input_ids"):
         assert phrase in text, phrase
+    for key in ROW_KEYS:  # every key a row may have, each named
+        assert f" {key} (" in text or f" {key}," in text or f" {key} and" in text, key
+
+
+def test_numbers_the_engine_casts_are_bounded_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """top_k, max_new_tokens and token ids are int32 on the device, temperatures float32: a flag or
+    row past what the engine holds is a one-line error (exit status 2) before a model loads, not an
+    overflow traceback after. A seed is any integer (taken modulo 2**32)."""
+    from dflash_jax.engine.sampling import seed_int32
+
+    refuse_to_load(monkeypatch)
+    good = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
+
+    def raw(name, line):
+        (tmp_path / name).write_text(line + "\n")
+        return ["--input", str(tmp_path / name)]
+
+    big = 2**31
+    cases = [
+        (["--input", str(good), "--top-k", str(big)], f"--top-k must be an integer in 0..{big - 1} (0 = off), got {big}"),
+        (["--input", str(good), "--max-new-tokens", str(big)], f"--max-new-tokens must be an integer in 1..{big - 1}"),
+        (["--input", str(good), "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), "
+                                                          "got NaN"),
+        (["--input", str(good), "--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (raw("k.jsonl", f'{{"input_ids": [1], "top_k": {big}}}'), f"k.jsonl line 1: top_k must be an integer in "
+                                                                   f"0..{big - 1} (0 = off), got {big}"),
+        (raw("m.jsonl", f'{{"input_ids": [1], "max_new_tokens": {big}}}'),
+         f"m.jsonl line 1: max_new_tokens must be an integer in 1..{big - 1}, got {big}"),
+        (raw("t.jsonl", '{"input_ids": [1], "temperature": Infinity}'),
+         "t.jsonl line 1: temperature must be a finite number >= 0 (0 = greedy), got Infinity"),
+        (raw("i.jsonl", f'{{"input_ids": [1, {2**40}]}}'),
+         f"i.jsonl line 1: token id {2**40} is outside the target's vocabulary (0..511)"),
+    ]
+    pair = ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--quiet"]
+    for extra, message in cases:
+        code = main(pair + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (extra, err)
+    # Seeds: any integer; the engine's int32 is the seed modulo 2**32 (the int32 range unchanged).
+    assert [seed_int32(s) for s in (0, 5, -1, big - 1, -big)] == [0, 5, -1, big - 1, -big]
+    assert seed_int32(big) == -big and seed_int32(2**32 + 5) == 5 and seed_int32(-(2**40) + 7) == 7
+    assert np.int32(seed_int32(10**30)) == seed_int32(10**30 + 2**32)
+
+
+@pytest.mark.heavy  # a sampled engine: one more compile
+def test_seeds_a_multiple_of_2_to_the_32_apart_give_the_same_tokens(tmp_path):
+    """--seed 2**32 + 3 runs (no int32 overflow) and samples the tokens --seed 3 does."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [9, 10]}])
+    common = FIXED + ["--target", str(tiny() / "target"), "--drafter", str(tiny() / "drafter"), "--input", str(inp),
+                      "--max-new-tokens", "12", "--temperature", "1.0", "--ignore-eos", "--quiet"]
+    got = []
+    for seed in (3, 2**32 + 3, 4):
+        out = tmp_path / f"out-{seed}.jsonl"
+        assert main(common + ["--seed", str(seed), "--output", str(out)]) == 0
+        got.append([r["output_ids"] for r in read_jsonl(out)])
+    assert got[0] == got[1] != got[2]
+
+
+def fake_output(path, job, lines=None):
+    """Lines that a run of `job` would resume (their fingerprints its own), written without running
+    it: for each (row id, kind) of `lines` ("result" or "error"; default each row's result once)."""
+    from dataclasses import replace
+
+    from dflash_jax.generation import plan_job
+
+    plan = plan_job(replace(job.resolved(), overwrite=True), lambda *a: None)  # (what the output holds aside)
+    lines = lines if lines is not None else [(r.id, "result") for r in plan.rows]
+    made = [{"id": i, **({"output_ids": [1]} if kind == "result" else {"error": "line 1: why"}),
+             "fingerprint": {"input": plan.keys[i], **plan.settings}} for i, kind in lines]
+    return write_jsonl(path, made)
+
+
+def test_resume_refuses_a_row_written_twice_and_a_finished_run_still_writes_its_summary(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Two runs that wrote one output at once leave each row twice: a rerun names both lines (a row
+    whose first line is an error was retried: not a duplicate). With every row already done,
+    --summary-json is still written (no rows ran), and one line says so."""
+    from dflash_jax.generation import GenerationJob
+
+    refuse_to_load(monkeypatch)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [3]}])
+    out, summary = tmp_path / "out.jsonl", tmp_path / "s.json"
+    job = GenerationJob(target=tiny() / "target", input=inp, output=out)
+    args = ["--target", str(tiny() / "target"), "--input", str(inp), "--output", str(out), "--quiet"]
+    fake_output(out, job, [("a", "result"), ("b", "result"), ("a", "result"), ("b", "result")])
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{out} lines 1 and 3 both hold the row of id 'a'" in err and "--overwrite" in err, err
+    fake_output(out, job, [("a", "result"), ("b", "error"), ("a", "error")])
+    code = main(args)
+    assert code == 2 and f"{out} lines 1 and 3 both hold the row of id 'a'" in capsys.readouterr().err
+
+    fake_output(out, job, [("a", "error"), ("b", "result"), ("a", "error"), ("a", "result")])  # retried twice
+    assert main(args + ["--summary-json", str(summary)]) == 0
+    assert capsys.readouterr().err == f"{out}: all 2 rows already done, nothing to generate\n"
+    s = json.loads(summary.read_text())
+    assert s["rows"] == 0 and s["errors"] == 0 and s["already_done"] == 2 and "nothing ran" in s["note"]
+
+
+def too_long_rows(path):
+    """Rows longer than the tiny target's context: a run writes their error lines without loading a model."""
+    context = json.loads((tiny() / "target" / "config.json").read_text())["max_position_embeddings"]
+    return write_jsonl(path, [{"id": "long", "input_ids": [5] * (context + 1)}])
+
+
+def test_a_second_run_on_an_output_being_written_is_refused(tmp_path, capsys, monkeypatch):
+    """The output is locked for a run (a lock file beside it, holding the pid): a second run on it,
+    here or in another process, is one line and exit status 2 naming the holder's pid; once the
+    first ends (even without releasing it, as a killed run), the output runs, and its lock file goes."""
+    from dflash_jax.generation import OutputLock
+
+    refuse_to_load(monkeypatch)
+    inp, out = too_long_rows(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    args = ["--target", str(tiny() / "target"), "--input", str(inp), "--output", str(out), "--quiet"]
+    lock = out.with_name("out.jsonl.lock")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from dflash_jax.generation "
+                               f"import OutputLock; lock = OutputLock(Path({str(out)!r})); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2 and err == (f"error: {out} is being written by another run (pid {holder.pid}); wait for it "
+                                     f"to end, or choose another --output\n"), err
+        assert not out.exists()
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0 and lock.exists()  # it ended without releasing: its file stays, its lock not
+    with OutputLock(out):  # in this process, as a run holds it
+        assert main(args) == 2 and f"(pid {os.getpid()})" in capsys.readouterr().err
+    assert main(args) == EXIT_ROW_ERRORS and len(read_jsonl(out)) == 1 and not lock.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_one_line_and_exit_status_5(tmp_path, capsys, monkeypatch):
+    """Every write to /dev/full fails with ENOSPC: the run says so in one line and exits 5."""
+    from infer.cli import EXIT_WRITE_FAILED
+
+    refuse_to_load(monkeypatch)
+    inp, out = too_long_rows(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    out.symlink_to("/dev/full")
+    code = main(["--target", str(tiny() / "target"), "--input", str(inp), "--output", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == EXIT_WRITE_FAILED == 5, err
+    assert err == f"error: could not write {out}: No space left on device; the rows written are kept and a rerun " \
+                  f"resumes\n", err
+    assert not out.with_name("out.jsonl.lock").exists()
 
 
 @pytest.mark.heavy  # a per-row sampling engine and a sampled one: two more compiles

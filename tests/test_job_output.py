@@ -1,7 +1,11 @@
 """`infer.job_output`: what a terminal shows of a row (no model needed)."""
 
 import contextlib
+import errno
 import io
+import json
+
+import pytest
 
 from dflash_jax.generation import InputRow
 from infer.job_output import Writer, abbreviated_ids, prompt_text, readable_record
@@ -39,3 +43,28 @@ def test_text_rows_still_show_their_text():
     assert prompt_text(InputRow("r", 1, "turns", ["hi", "and now?"])) == "and now?\n"
     assert prompt_text(InputRow("r", 1, "messages", [{"role": "user", "content": "hi"}])) == "hi\n"
     assert readable_record(RECORD, prompt_text(InputRow("r", 1, "prompt", "Hello"))).endswith("Hello>>> world\n\n")
+
+
+def test_a_write_that_fails_keeps_the_lines_before_it_and_says_so_in_one_line(tmp_path):
+    """A full disk on the third line: an OutputWriteError naming the file and that a rerun resumes;
+    the two lines written before it are whole, and closing the writer raises nothing more."""
+    from dflash_jax.generation import OutputWriteError
+
+    out = tmp_path / "out.jsonl"
+    writer = Writer(out)
+    writer.write(dict(RECORD, id="a"))
+    writer.write(dict(RECORD, id="b"))
+    real_flush = writer.file.flush
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.file.flush = full
+    with pytest.raises(OutputWriteError) as err:
+        writer.write(dict(RECORD, id="c"))
+    assert str(err.value) == f"could not write {out}: No space left on device; the rows written are kept and a " \
+                             f"rerun resumes"
+    writer.file.flush = real_flush
+    writer.close()
+    lines = out.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines[:2]] == ["a", "b"]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -433,6 +434,83 @@ def test_resume_after_kill_is_bit_identical(short_run, tmp_path):
     m_b = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_second"} for l in lines]
     assert strip(m_a) == strip(m_b)  # same losses at every logged step, none duplicated
+
+
+def damage(step_dir, how):
+    """Every file of a checkpoint's state cut to half ("truncate"), or every file of the checkpoint
+    overwritten with random bytes ("garble")."""
+    for f in (p for p in (step_dir / "state" if how == "truncate" else step_dir).rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        f.write_bytes(data[:len(data) // 2] if how == "truncate" else os.urandom(len(data)))
+
+
+class DataPosition:
+    """What resume() restores a data position into."""
+
+    state = None
+
+    def set_state(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("how", ["truncate", "garble"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, caplog, how):
+    """Checkpoints at steps 4 and 8, step 8's files damaged: resume restores step 4 (its state and
+    data position), warns in one line naming both steps, and moves step 8 aside, so that the run
+    saves step 8 again. With only a damaged checkpoint: a one-line error naming it."""
+    from dflash_jax.errors import CheckpointError
+    from train.trainer import checkpoint_manager, resume, save
+
+    cfg = {"train": {"keep": 3}}
+    state = {"w": jnp.arange(8.0), "step": jnp.int32(0)}
+    mngr = checkpoint_manager(tmp_path, cfg)
+    for step in (4, 8):
+        save(mngr, step, {"w": state["w"] * step, "step": jnp.int32(step)}, {"position": step})
+    mngr.close()
+    damage(tmp_path / "checkpoints" / "8", how)
+
+    mngr, data = checkpoint_manager(tmp_path, cfg), DataPosition()
+    start, got = resume(mngr, state, data, tmp_path)
+    assert start == 4 and int(got["step"]) == 4 and data.state == {"position": 4}
+    np.testing.assert_array_equal(np.asarray(got["w"]), 4 * np.arange(8.0))
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: checkpoint step 8 cannot be restored (")
+    assert err == [warnings[0], f"resumed from step 4 ({tmp_path / 'checkpoints'})"], err
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]  # nothing of orbax's
+    assert "resuming from step 4 instead" in warnings[0], warnings
+    assert (tmp_path / "checkpoints-damaged" / "8").is_dir() and mngr.all_steps() == [4]
+    save(mngr, 8, {"w": state["w"] * 8, "step": jnp.int32(8)}, {"position": 8})  # the step saves again
+    mngr.close()
+
+    only = tmp_path / "only"
+    mngr = checkpoint_manager(only, cfg)
+    save(mngr, 4, state, {"position": 4})
+    mngr.close()
+    damage(only / "checkpoints" / "4", how)
+    with pytest.raises(CheckpointError) as info:
+        resume(checkpoint_manager(only, cfg), state, DataPosition(), only)
+    message = str(info.value)
+    assert message.startswith(f"cannot resume: checkpoint {only / 'checkpoints' / '4'} cannot be restored (")
+    assert "there is no earlier one" in message and "\n" not in message
+
+
+@pytest.mark.heavy  # a 4-step resumed run on top of the short run's
+def test_a_run_resumes_past_a_damaged_checkpoint_bit_identically(short_run, tmp_path):
+    """The short run's last checkpoint (step 16) damaged: `python -m train` warns, resumes from step
+    12 and ends with the very parameters of the undamaged run."""
+    import shutil
+
+    tmp, conv = short_run
+    shutil.copytree(tmp / "straight", tmp_path / "run")
+    damage(tmp_path / "run" / "checkpoints" / "16", "truncate")
+    proc = train_cli(tmp_path, "run", f"data.conversations={conv}", *RESUME_RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: checkpoint step 16 cannot be restored (" in proc.stderr and "resuming from step 12" in proc.stderr
+    a, step_a = restore_params(tmp / "straight")
+    b, step_b = restore_params(tmp_path / "run")
+    assert step_a == step_b == 16
+    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 @pytest.mark.heavy

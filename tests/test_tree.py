@@ -377,6 +377,48 @@ def test_the_cli_refuses_a_tree_without_a_drafter(capsys, tmp_path):
     assert code == 2 and "--tree-budget" in err and err.count("\n") == 1, err
 
 
+def test_a_budget_past_what_a_tree_can_hold_is_refused_naming_the_limit():
+    """A tree's N + 1 nodes are one verify block within the target's context; below the root it
+    holds at most the block's distinct token paths. Past either: a one-line InputError naming the
+    limit (not a Python loop of budget x vocab iterations and an out-of-memory error later)."""
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.engine.tree import check_tree, max_tree_budget
+
+    target = ModelConfig(model_type="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=1024)
+    assert max_tree_budget(target, 16) == 1023
+    check_tree(target, 16, 1023)
+    with pytest.raises(InputError) as err:
+        check_tree(target, 16, 100000)
+    assert str(err.value) == ("--tree-budget 100000 is more than a draft tree can hold here: at most 1023 (a tree "
+                              "and its root are verified as one block within the target's context of 1024 positions)")
+    small = target.replace(vocab_size=4)  # block 3: 4 + 16 token paths below the root
+    assert max_tree_budget(small, 3) == 20 and max_tree_budget(small, 2) == 4
+    check_tree(small, 3, 20)
+    with pytest.raises(InputError, match=r"at most 20 \(a block of 3 over a vocabulary of 4 has only 20 token paths\)"):
+        check_tree(small, 3, 21)
+
+
+def test_the_cli_and_the_server_refuse_a_budget_past_the_limit_before_loading(capsys, monkeypatch):
+    """The demo pair (a 1024-token context): --tree-budget 100000 is one line and exit status 2 from
+    `python -m infer` and `python -m infer.serve`, before a weight is read."""
+    import dflash_jax.checkpoint as checkpoint
+    from infer.cli import main
+    from infer.serve.__main__ import main as serve_main
+
+    def no(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(checkpoint, "load_model", no)
+    message = "--tree-budget 100000 is more than a draft tree can hold here: at most 1023"
+    for run in (main, serve_main):
+        code = run(["--tree-budget", "100000", "--port", "0"] if run is serve_main else
+                   ["--tree-budget", "100000", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (run, err)
+
+
 # --------------------------------------------------------------------------- 4. the "tree" attention kind
 
 ALAYERS, APAGE = 2, 8

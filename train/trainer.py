@@ -4,7 +4,9 @@ orbax checkpoints that resume bit-identically."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.checkpoint import load_drafter
+from dflash_jax.errors import CheckpointError
 from dflash_jax.data import conversation_tokens, make_dataset, read_jsonl
 from dflash_jax.drafter import (DrafterConfig, check_pair, retap,
                                 init_drafter_params)
@@ -71,13 +74,27 @@ def eval_prompts(records, tokenizer, thinking: bool) -> list[list[int]]:
     return [p for p in prompts if p]
 
 
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax's log lines off (absl's logger): what it cannot read of a damaged checkpoint, it logs
+    as it lists the steps, then raises when one is restored; `resume` says it once, in one line."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 def checkpoint_manager(out: Path, cfg: dict):
     import orbax.checkpoint as ocp
 
     t = cfg["train"]
     options = ocp.CheckpointManagerOptions(max_to_keep=t["keep"], create=True)
-    return ocp.CheckpointManager((out / CHECKPOINTS).absolute(), options=options,
-                                 item_names=("state", "data"))
+    with quiet_orbax():
+        return ocp.CheckpointManager((out / CHECKPOINTS).absolute(), options=options,
+                                     item_names=("state", "data"))
 
 
 def save(mngr, step: int, state: TrainState, data_state: dict):
@@ -109,16 +126,66 @@ def trim_metrics(path: Path, upto_step: int):
     path.write_text("".join(l + "\n" for l in keep))
 
 
+def restore_failure(e: Exception) -> str:
+    """What went wrong restoring a checkpoint, in one short line (orbax and TensorStore raise
+    many kinds, some with pages of detail)."""
+    text = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def set_aside(ckpt_dir: Path, step: int) -> Path:
+    """Move a damaged checkpoint out of the manager's directory (so the step can be saved again),
+    into CHECKPOINTS-damaged/ beside it: kept for a look, never restored. Its new path."""
+    damaged = ckpt_dir.with_name(ckpt_dir.name + "-damaged")
+    damaged.mkdir(exist_ok=True)
+    dest, n = damaged / str(step), 1
+    while dest.exists():
+        dest, n = damaged / f"{step}.{n}", n + 1
+    os.rename(ckpt_dir / str(step), dest)
+    return dest
+
+
 def resume(mngr, state: TrainState, data_iter, out: Path) -> tuple[int, TrainState]:
     """(step, state) to start from: the latest checkpoint's, its data position restored into
-    data_iter (and metric lines of later steps dropped), else (0, state)."""
-    start = mngr.latest_step()
-    if start is None:
+    data_iter (and metric lines of later steps dropped), else (0, state).
+
+    A checkpoint that cannot be restored (damaged: files truncated or garbled) is moved to
+    CHECKPOINTS-damaged/ with a one-line warning naming it and the step resumed from instead, the
+    latest one that restores; when none does, a one-line CheckpointError naming the latest."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
         return 0, state
     # Restored straight into the layout (and onto the devices) each array will live on.
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    state, data_state = restore(mngr, start, abstract)
-    data_iter.set_state(data_state)
+    ckpt_dir = out / CHECKPOINTS
+    damaged = []
+    with quiet_orbax():
+        for step in steps:
+            try:
+                restored, data_state = restore(mngr, step, abstract)
+                data_iter.set_state(data_state)
+            except Exception as e:  # noqa: BLE001 (whatever a damaged checkpoint raises: try the one before)
+                damaged.append((step, restore_failure(e)))
+                continue
+            state, start = restored, step
+            break
+    if len(damaged) == len(steps):
+        step, why = damaged[0]
+        earlier = f", nor can the {len(steps) - 1} before it" if len(steps) > 1 else ", and there is no earlier one"
+        raise CheckpointError(f"cannot resume: checkpoint {ckpt_dir / str(step)} cannot be restored ({why}){earlier}; "
+                              f"move {ckpt_dir} away to train from the start")
+    if damaged:
+        if jax.process_index() == 0:
+            for step, why in damaged:
+                moved = set_aside(ckpt_dir, step)
+                log(f"warning: checkpoint step {step} cannot be restored ({why}): resuming from step {start} "
+                    f"instead; the damaged one is moved to {moved}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("damaged checkpoints set aside")
+        mngr.reload()
     if jax.process_index() == 0:
         trim_metrics(out / METRICS, start)
     log(f"resumed from step {start} ({out / CHECKPOINTS})")

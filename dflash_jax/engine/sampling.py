@@ -23,11 +23,75 @@ in the decoding state: greedy and sampled rows then share one batch and one comp
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.errors import DFlashError
+from dflash_jax.errors import DFlashError, InputError
+
+# --------------------------------------------------------------------------- bounds of what the engine casts
+
+# The device holds top_k, row limits, lengths and token ids as int32: a setting past this would
+# overflow where the engine casts it (numpy's OverflowError, after the models load), so the
+# edges (`GenerationJob`, `read_rows`) refuse it first with the checks below.
+INT32_MAX = 2**31 - 1
+
+
+def _shown(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_top_k(value, where: str):
+    """top_k: an integer in 0..INT32_MAX (0 = off; any k >= the vocabulary keeps every token).
+    where: the flag or the row naming it in the InputError (`--top-k`, `in.jsonl line 3: top_k`)."""
+    if not (_integer(value) and 0 <= value <= INT32_MAX):
+        raise InputError(f"{where} must be an integer in 0..{INT32_MAX} (0 = off), got {_shown(value)}")
+
+
+def check_temperature(value, where: str):
+    """temperature: a finite number >= 0 (0 = greedy)."""
+    if not (_number(value) and math.isfinite(value) and value >= 0):
+        raise InputError(f"{where} must be a finite number >= 0 (0 = greedy), got {_shown(value)}")
+
+
+def check_top_p(value, where: str):
+    """top_p: a number in (0, 1] (1 = off)."""
+    if not (_number(value) and 0 < value <= 1):
+        raise InputError(f"{where} must be a number in (0, 1], got {_shown(value)}")
+
+
+def check_max_new_tokens(value, where: str):
+    """max_new_tokens: an integer in 1..INT32_MAX."""
+    if not (_integer(value) and 1 <= value <= INT32_MAX):
+        raise InputError(f"{where} must be an integer in 1..{INT32_MAX}, got {_shown(value)}")
+
+
+def check_seed(value, where: str):
+    """A seed: any integer (the engine takes it modulo 2**32, `seed_int32`)."""
+    if not _integer(value):
+        raise InputError(f"{where} must be an integer, got {_shown(value)}")
+
+
+def seed_int32(seed: int) -> int:
+    """The int32 the engine keys a run's random streams with (`jax.random.PRNGKey`): the seed
+    modulo 2**32, as a signed 32-bit integer. Seeds in -2**31..2**31-1 are themselves; s and
+    s + 2**32 give the same streams (as the server's request seeds, also taken modulo 2**32)."""
+    return (int(seed) + 2**31) % 2**32 - 2**31
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:

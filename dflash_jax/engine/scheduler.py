@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
-from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling
+from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling, seed_int32
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.speculation import SPECULATION_MODES, Speculation, default_candidates
 from dflash_jax.engine.step import (DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles,
@@ -314,7 +314,7 @@ class BatchEngine:
                     table = put(page_table([pages[i] for i in chunk] if pages is not None else [], width,
                                            pages_per_row))
                 state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
-                                put(ids), np.int32(seed), put(limits), self.stop_ids, table,
+                                put(ids), np.int32(seed_int32(seed)), put(limits), self.stop_ids, table,
                                 row_sampling, starts=put(begin) if self.prefix_cache else None)
         return state
 

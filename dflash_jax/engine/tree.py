@@ -35,6 +35,22 @@ from dflash_jax.errors import InputError
 NEG_INF = -jnp.inf
 
 
+def max_tree_budget(target, block_size: int) -> int:
+    """The most nodes a draft tree can have for this target (a `ModelConfig`) and block: its N + 1
+    nodes are verified as one block of N + 1 positions, as a prompt of N + 1 tokens would be
+    prefilled (its K/V reserved past every row's last token), which the target's context bounds;
+    and a tree below the root holds at most the distinct token paths of the block's B - 1 depths
+    (vocab + vocab**2 + ...): more nodes would all be padding."""
+    context = target.max_position_embeddings - 1
+    paths, width = 0, 1
+    for _ in range(block_size - 1):
+        width *= target.vocab_size
+        paths += width
+        if paths >= context:
+            break
+    return min(context, paths)
+
+
 def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None, drafter=None):
     """Refuse, with an InputError naming the flag, a tree of `budget` nodes that cannot verify
     for this target (a `ModelConfig`), block and drafter (a `DrafterConfig`), before anything compiles."""
@@ -42,6 +58,12 @@ def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = 
         raise InputError(f"--tree-budget must be >= 0, got {budget}")
     if block_size < 2:
         raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
+    limit = max_tree_budget(target, block_size)
+    if budget > limit:
+        why = (f"a tree and its root are verified as one block within the target's context of "
+               f"{target.max_position_embeddings} positions" if limit == target.max_position_embeddings - 1 else
+               f"a block of {block_size} over a vocabulary of {target.vocab_size} has only {limit} token paths")
+        raise InputError(f"--tree-budget {budget} is more than a draft tree can hold here: at most {limit} ({why})")
     if draft_tokens is not None:
         raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
     if target.num_linear_layers:
@@ -125,7 +147,7 @@ def _build_row(anchor, log_probs, tokens, budget: int) -> Tree:
     # (j + 1)(r + 1) - 1 children of better parents and ranks, so only (j + 1)(r + 1) <= beam can
     # make the next beam: about beam * ln(beam) pairs (690 of 16384 for a budget of 128), listed
     # parent-major, the order ties go by.
-    pairs = np.array([(j, r) for j in range(beam) for r in range(k) if (j + 1) * (r + 1) <= beam], np.int32)
+    pairs = np.array([(j, r) for j in range(beam) for r in range(min(k, beam // (j + 1)))], np.int32)
     pair_parent, pair_rank = jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1])
 
     def extend(carry, d):
