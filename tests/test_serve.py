@@ -49,12 +49,13 @@ def fake_served(check=lambda ids, n: None, max_new=16):
     """What prepare_request and StreamedText use of a ServedModel, without a model: a character-per-token "tokenizer"."""
     chats = []
 
-    def chat(messages, kwargs):
-        chats.append((messages, kwargs))
+    def chat(messages, kwargs, template=None):
+        chats.append((messages, kwargs) if template is None else (messages, kwargs, template))
         return [7, 8, 9]
 
     return SimpleNamespace(name="m", max_new=max_new, encode=lambda p: p if isinstance(p, list) else [ord(c) for c in p],
-                           chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check))
+                           chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check),
+                           vocab_size=1000, trust_request_chat_template=False)
 
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -144,8 +145,8 @@ def test_job_chat_messages_and_template_kwargs():
     job = prepare_request(served, {"messages": messages, "max_tokens": 3, "max_completion_tokens": 5,
                        "chat_template_kwargs": {"enable_thinking": False}}, chat=True)
     assert job.chat and job.prompt_ids == [7, 8, 9] and job.max_tokens == 5  # max_completion_tokens wins
-    assert served.chats == [([{"role": "system", "content": ""}, {"role": "user", "content": "ab"}],
-                             {"enable_thinking": False})]
+    assert served.chats == [([{"role": "system", "content": ""}, {"role": "user", "content": "ab", "name": "x"}],
+                             {"enable_thinking": False})]  # a message's name goes to the template
     assert prepare_request(served, {"messages": CHAT, "max_tokens": 3}, chat=True).max_tokens == 3
     assert prepare_request(served, {"messages": CHAT}, chat=True).max_tokens == 16
 

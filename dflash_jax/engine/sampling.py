@@ -18,16 +18,66 @@ A BatchEngine samples either with one `Sampling` for every row (a compile-time s
 `Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
 in the decoding state: greedy and sampled rows then share one batch and one compiled program
 (`sample_rows`).
+
+Every setting is bounded where it is made (`check_sampling`, which `Sampling` runs): the engine
+casts temperature and top_p to float32 and top_k to int32 at admission, so an out-of-range value
+would otherwise fail there, on the engine's thread. The server and the batch CLI check their
+inputs with the same function (`sampling_problem` names the field and says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.errors import DFlashError
+
+INT32_MAX = 2**31 - 1
+# The smallest temperature that is not greedy: logits divided by a smaller one leave float32's
+# range (or the temperature itself rounds to 0 in float32). vLLM counts below 1e-5 as greedy.
+MIN_TEMPERATURE = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number: a smaller top_p rounds to 0
+
+
+class SamplingError(DFlashError):
+    """A sampling setting out of its bounds; `field` names it ("temperature", "top_k", "top_p")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sampling_problem(temperature, top_k, top_p) -> tuple[str, str] | None:
+    """The bounds of every sampling setting, in one place: the first setting out of them as
+    (field, why), why reading after the field's name ("must be ..., got X"); None when all fit.
+
+    temperature: 0 (greedy) or a number in [MIN_TEMPERATURE, float32's largest]. top_k: an
+    integer in 0..INT32_MAX (0: off; a k at or above the vocabulary keeps every token, so it is
+    off too). top_p: a number in (0, 1] (1: off), not so small that float32 rounds it to 0."""
+    if not (_real(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= _FLOAT32_MAX)):
+        return "temperature", f"must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} up, got {temperature!r}"
+    if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and 0 <= top_k <= INT32_MAX):
+        return "top_k", f"must be an integer in 0..{INT32_MAX} (0: off), got {top_k!r}"
+    if not (_real(top_p) and _FLOAT32_TINY <= top_p <= 1):
+        return "top_p", f"must be a number in (0, 1] (from {_FLOAT32_TINY:.2g} up), got {top_p!r}"
+    return None
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Raise SamplingError ("top_k must be ...") for the first setting out of its bounds (`sampling_problem`)."""
+    problem = sampling_problem(temperature, top_k, top_p)
+    if problem is not None:
+        raise SamplingError(problem[0], f"{problem[0]} {problem[1]}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -42,12 +92,7 @@ class Sampling:
     per_row: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p)  # SamplingError
 
     @property
     def greedy(self) -> bool:

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                      overrides={"sync_every": SERVER_SYNC_EVERY}, helps=SERVER_HELPS)
     p.add_argument("--enable-thinking", action="store_true",
                    help="chat template default for enable_thinking (a request's chat_template_kwargs overrides it)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (Jinja run on the server: for trusted clients "
+                        "only); without it such a request is answered 400")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may run on before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
