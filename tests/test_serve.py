@@ -1011,6 +1011,10 @@ def test_bad_requests_answer_in_openai_schema(server):
         (dict(temperature=-1), openai.BadRequestError, 400, "temperature", None, "temperature"),
         (dict(prompt=[10**7]), openai.BadRequestError, 400, "prompt", None, "outside the vocabulary"),
         (dict(model="gpt-4"), openai.NotFoundError, 404, "model", "model_not_found", "'gpt-4' does not exist"),
+        # Once the engine's end (int32 overflow at admission): now refused at the edge.
+        (dict(extra_body={"top_k": 2147483648}), openai.BadRequestError, 400, "top_k", None, "top_k must be"),
+        (dict(extra_body={"stop_sequences": ["\n"]}), openai.BadRequestError, 400, "stop_sequences", None,
+         "did you mean 'stop'?"),
     ]
     for kw, kind, status, param, code, message in cases:
         with pytest.raises(kind) as e:
@@ -1022,11 +1026,17 @@ def test_bad_requests_answer_in_openai_schema(server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 80}], max_tokens=4)
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
-    for body in (b"{not json", b'{"prompt": "x",', b"[1, 2]", b'"x"'):
+    for body in (b"{not json", b'{"prompt": "x",', b"[1, 2]", b'"x"', b'{"prompt": "\\ud800"}',
+                 b'{"prompt": "x", "model": "\\ud800"}'):
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                        timeout=TIMEOUT)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"], body
+    for kwargs in ({"return_tensors": "np"}, {"padding": "max_length", "max_length": 10**9}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                           extra_body={"chat_template_kwargs": kwargs})
+        assert e.value.param == "chat_template_kwargs"
 
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

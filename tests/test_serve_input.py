@@ -172,6 +172,9 @@ def test_every_known_field_not_done_is_accepted_at_its_no_op_and_refused_otherwi
     ({"temprature": 0.5}, True, "temprature", "did you mean 'temperature'?"),
     ({"max_new_tokens": 5}, False, "max_new_tokens", "did you mean 'max_tokens'?"),
     ({"frobnicate": 1}, False, "frobnicate", "unknown field 'frobnicate'"),
+    ({"stream_options": {"include_usge": True}}, False, "stream_options",
+     "unknown field 'include_usge' in stream_options; did you mean 'include_usage'?"),
+    ({"stream_options": {"continuous_usage_stats": True}}, True, "stream_options", "not supported"),
     ({"x" * 10000: 1}, False, "x" * 40 + "...", "unknown field 'xxxxx"),
 ])
 def test_fields_the_server_does_not_do_are_refused_naming_them(body, chat, param, says):
@@ -184,7 +187,8 @@ def test_fields_the_server_does_not_do_are_refused_naming_them(body, chat, param
 
 def test_harmless_fields_are_accepted_at_their_no_op_values():
     served = fake_served()
-    noop = {"user": "u", "stream_options": {"include_usage": True}, "service_tier": "auto", "metadata": {"a": "b"},
+    noop = {"user": "u", "stream_options": {"include_usage": True, "include_obfuscation": False,
+                                            "continuous_usage_stats": False}, "service_tier": "auto", "metadata": {"a": "b"},
             "store": False, "logprobs": False, "echo": False, "best_of": 1, "frequency_penalty": 0,
             "presence_penalty": 0.0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "logit_bias": {},
             "response_format": {"type": "text"}, "include_stop_str_in_output": False, "skip_special_tokens": True}
@@ -355,6 +359,8 @@ def hostile_bodies():
                 add(chat, {**ok, "max_tokens": 2, name: value})
         for key in ("stop_sequences", "", "\ud800", "k" * 10000, "prompt ", "Prompt"):
             add(chat, {**ok, key: 1})
+            add(chat, {**ok, key: "\ud800"})
+            add(chat, {**ok, "metadata": {key: {"a": [["\udc00"]]}}})
         for name, value in (("stop", ["s"] * 10000), ("stop", "s" * 100000), ("stop_token_ids", [1] * 10000),
                             ("user", "u" * 100000), ("metadata", {str(i): i for i in range(10000)})):
             add(chat, {**ok, "max_tokens": 2, name: value})

@@ -135,6 +135,11 @@ MESSAGE_NOT_DONE: dict[str, tuple[tuple, str]] = {
     "function_call": ((None,), "function calls are not supported (the server has no tool calling)"),
     "refusal": ((None,), "refusal is not supported"),
 }
+# stream_options' fields besides include_usage, the same way.
+STREAM_OPTIONS_NOT_DONE: dict[str, tuple[tuple, str]] = {
+    "continuous_usage_stats": ((None, False), "stream_options.continuous_usage_stats is not supported"),
+    "include_obfuscation": ((None, bool), "stream_options.include_obfuscation must be a boolean"),
+}
 ROLES = ("system", "developer", "user", "assistant")  # "developer" is rendered as "system"
 TOOL_ROLES = ("tool", "function")
 
@@ -186,6 +191,12 @@ def check_fields(body, chat: bool) -> None:
             raise APIError(400, f"'{name}' is not a {endpoint} field", name)
         if not any(_matches(value, want) for want in entry[1]):
             raise APIError(400, entry[2], name)
+    for name, value in ((body.stream_options and body.stream_options.model_extra) or {}).items():
+        entry = STREAM_OPTIONS_NOT_DONE.get(name)
+        if entry is None:
+            raise _unknown(name, {"include_usage", *STREAM_OPTIONS_NOT_DONE}, "stream_options", "stream_options")
+        if not any(_matches(value, want) for want in entry[0]):
+            raise APIError(400, entry[1], "stream_options")
 
 
 # --------------------------------------------------------------------------- the request

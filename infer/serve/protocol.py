@@ -55,16 +55,27 @@ def lone_surrogate(data: Any) -> tuple[list, str] | None:
     while stack:
         path, x = stack.pop()
         if isinstance(x, str):
-            bad = next((c for c in x if 0xD800 <= ord(c) <= 0xDFFF), None)
-            if bad is not None:
-                return path, f"\\u{ord(bad):04x}"
+            if (bad := _surrogate(x)) is not None:
+                return path, bad
         elif isinstance(x, dict):
             for key, value in reversed(list(x.items())):
-                if isinstance(key, str) and (found := lone_surrogate(key)) is not None:
-                    return path, found[1]
-                stack.append((path + [key], value))
+                if isinstance(key, str) and (bad := _surrogate(key)) is not None:
+                    return path, bad
+                if isinstance(value, (str, dict, list)):
+                    stack.append((path + [key], value))
         elif isinstance(x, list):
-            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(x))))
+            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(x))) if isinstance(v, (str, dict, list)))
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    """The first lone surrogate in text as an escape, or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"\\u{ord(text[e.start]):04x}"
     return None
 
 
@@ -80,6 +91,7 @@ class _Request(BaseModel):
         found = lone_surrogate(data)
         if found is not None:
             path, escape = found
+            path = [p[:40] + "..." if isinstance(p, str) and len(p) > 40 else p for p in path]
             where = _path(path) if path else "the request"
             raise PydanticCustomError("lone_surrogate", "{where} holds a lone surrogate ({escape}), which is not "
                                       "valid Unicode", {"where": where, "escape": escape, "param": _param(path)})
