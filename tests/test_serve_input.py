@@ -346,7 +346,7 @@ def hostile_bodies():
         for name in NUMERIC:
             for value in HOSTILE:
                 add(chat, {**ok, "max_tokens": 2, name: value})
-            for literal in (b"NaN", b"Infinity", b"-Infinity", b"1" * 5000):
+            for literal in (b"NaN", b"Infinity", b"-Infinity", b"1" * 4000, b"1" * 5000):
                 add(chat, json.dumps({**ok, "max_tokens": 2}).encode()[:-1] + b', "' + name.encode() + b'": ' + literal
                     + b"}")
         for name in ("stop", "stop_token_ids", "stream", "stream_options", "return_token_ids", "model", "user",

@@ -52,6 +52,12 @@ class SamplingError(DFlashError):
         self.field = field
 
 
+def _got(x) -> str:
+    """A value quoted in an error, cut short (a request's integer may have thousands of digits)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def _real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -64,11 +70,11 @@ def sampling_problem(temperature, top_k, top_p) -> tuple[str, str] | None:
     integer in 0..INT32_MAX (0: off; a k at or above the vocabulary keeps every token, so it is
     off too). top_p: a number in (0, 1] (1: off), not so small that float32 rounds it to 0."""
     if not (_real(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= _FLOAT32_MAX)):
-        return "temperature", f"must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} up, got {temperature!r}"
+        return "temperature", f"must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} up, got {_got(temperature)}"
     if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and 0 <= top_k <= INT32_MAX):
-        return "top_k", f"must be an integer in 0..{INT32_MAX} (0: off), got {top_k!r}"
+        return "top_k", f"must be an integer in 0..{INT32_MAX} (0: off), got {_got(top_k)}"
     if not (_real(top_p) and _FLOAT32_TINY <= top_p <= 1):
-        return "top_p", f"must be a number in (0, 1] (from {_FLOAT32_TINY:.2g} up), got {top_p!r}"
+        return "top_p", f"must be a number in (0, 1] (from {_FLOAT32_TINY:.2g} up), got {_got(top_p)}"
     return None
 
 

@@ -218,12 +218,12 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
                        code="model_not_found")
     check_fields(body, chat)
     if body.n is not None and body.n > MAX_N:
-        raise APIError(400, f"n {body.n} is more than this server's limit ({MAX_N} choices per request)", "n")
+        raise APIError(400, f"n {_short(str(body.n))} is more than this server's limit ({MAX_N} choices per request)", "n")
     top = model.max_new
     tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
     max_tokens = top if tokens is None else tokens
     if max_tokens > top:
-        raise APIError(400, f"max_tokens {max_tokens} is more than this server's limit ({top}, its "
+        raise APIError(400, f"max_tokens {_short(str(max_tokens))} is more than this server's limit ({top}, its "
                             f"--max-new-tokens)", "max_tokens")
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     top_p = 1.0 if body.top_p is None else float(body.top_p)
