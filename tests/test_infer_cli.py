@@ -602,7 +602,7 @@ def test_bad_files_and_flags_are_one_line_errors_before_anything_loads(tmp_path,
         (["--input", str(good), "--output", str(tmp_path / "afile" / "o.jsonl")], "afile is a file, not a directory"),
         (["--input", str(good), "--draft-tokens", "20"], "--draft-tokens 20 is more than a block of 8 holds (1..7)"),
         (["--input", str(misspelt)], "unknown key 'temprature' (did you mean 'temperature'?)"),
-        (["--input", str(bad_value)], "bad.jsonl line 1: top_p must be a number in (0, 1], got 0"),
+        (["--input", str(bad_value)], "bad.jsonl line 1: top_p must be a number in (0, 1] (from 1.2e-38 up), got 0"),
     ]
     for extra, message in cases:
         code = main(pair + extra + ["--quiet"])
@@ -669,17 +669,17 @@ def test_numbers_the_engine_casts_are_bounded_before_anything_loads(tmp_path, ca
 
     big = 2**31
     cases = [
-        (["--input", str(good), "--top-k", str(big)], f"--top-k must be an integer in 0..{big - 1} (0 = off), got {big}"),
+        (["--input", str(good), "--top-k", str(big)], f"--top-k must be an integer in 0..{big - 1} (0: off), got {big}"),
         (["--input", str(good), "--max-new-tokens", str(big)], f"--max-new-tokens must be an integer in 1..{big - 1}"),
-        (["--input", str(good), "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), "
-                                                          "got NaN"),
-        (["--input", str(good), "--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--input", str(good), "--temperature", "nan"], "--temperature must be 0 (greedy) or a number from 1e-05 up, got NaN"),
+        (["--input", str(good), "--temperature", "inf"], "--temperature must be 0 (greedy) or a number from 1e-05 up, got Infinity"),
+        (["--input", str(good), "--temperature", "1e-9"], "--temperature must be 0 (greedy) or a number from 1e-05 up"),
         (raw("k.jsonl", f'{{"input_ids": [1], "top_k": {big}}}'), f"k.jsonl line 1: top_k must be an integer in "
-                                                                   f"0..{big - 1} (0 = off), got {big}"),
+                                                                   f"0..{big - 1} (0: off), got {big}"),
         (raw("m.jsonl", f'{{"input_ids": [1], "max_new_tokens": {big}}}'),
          f"m.jsonl line 1: max_new_tokens must be an integer in 1..{big - 1}, got {big}"),
         (raw("t.jsonl", '{"input_ids": [1], "temperature": Infinity}'),
-         "t.jsonl line 1: temperature must be a finite number >= 0 (0 = greedy), got Infinity"),
+         "t.jsonl line 1: temperature must be 0 (greedy) or a number from 1e-05 up, got Infinity"),
         (raw("i.jsonl", f'{{"input_ids": [1, {2**40}]}}'),
          f"i.jsonl line 1: token id {2**40} is outside the target's vocabulary (0..511)"),
     ]

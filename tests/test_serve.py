@@ -49,12 +49,13 @@ def fake_served(check=lambda ids, n: None, max_new=16):
     """What prepare_request and StreamedText use of a ServedModel, without a model: a character-per-token "tokenizer"."""
     chats = []
 
-    def chat(messages, kwargs):
-        chats.append((messages, kwargs))
+    def chat(messages, kwargs, template=None):
+        chats.append((messages, kwargs) if template is None else (messages, kwargs, template))
         return [7, 8, 9]
 
     return SimpleNamespace(name="m", max_new=max_new, encode=lambda p: p if isinstance(p, list) else [ord(c) for c in p],
-                           chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check))
+                           chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check),
+                           vocab_size=1000, trust_request_chat_template=False)
 
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -144,8 +145,8 @@ def test_job_chat_messages_and_template_kwargs():
     job = prepare_request(served, {"messages": messages, "max_tokens": 3, "max_completion_tokens": 5,
                        "chat_template_kwargs": {"enable_thinking": False}}, chat=True)
     assert job.chat and job.prompt_ids == [7, 8, 9] and job.max_tokens == 5  # max_completion_tokens wins
-    assert served.chats == [([{"role": "system", "content": ""}, {"role": "user", "content": "ab"}],
-                             {"enable_thinking": False})]
+    assert served.chats == [([{"role": "system", "content": ""}, {"role": "user", "content": "ab", "name": "x"}],
+                             {"enable_thinking": False})]  # a message's name goes to the template
     assert prepare_request(served, {"messages": CHAT, "max_tokens": 3}, chat=True).max_tokens == 3
     assert prepare_request(served, {"messages": CHAT}, chat=True).max_tokens == 16
 
@@ -1011,6 +1012,10 @@ def test_bad_requests_answer_in_openai_schema(server):
         (dict(temperature=-1), openai.BadRequestError, 400, "temperature", None, "temperature"),
         (dict(prompt=[10**7]), openai.BadRequestError, 400, "prompt", None, "outside the vocabulary"),
         (dict(model="gpt-4"), openai.NotFoundError, 404, "model", "model_not_found", "'gpt-4' does not exist"),
+        # Once the engine's end (int32 overflow at admission): now refused at the edge.
+        (dict(extra_body={"top_k": 2147483648}), openai.BadRequestError, 400, "top_k", None, "top_k must be"),
+        (dict(extra_body={"stop_sequences": ["\n"]}), openai.BadRequestError, 400, "stop_sequences", None,
+         "did you mean 'stop'?"),
     ]
     for kw, kind, status, param, code, message in cases:
         with pytest.raises(kind) as e:
@@ -1022,11 +1027,17 @@ def test_bad_requests_answer_in_openai_schema(server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 80}], max_tokens=4)
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
-    for body in (b"{not json", b'{"prompt": "x",', b"[1, 2]", b'"x"'):
+    for body in (b"{not json", b'{"prompt": "x",', b"[1, 2]", b'"x"', b'{"prompt": "\\ud800"}',
+                 b'{"prompt": "x", "model": "\\ud800"}'):
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                        timeout=TIMEOUT)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"], body
+    for kwargs in ({"return_tensors": "np"}, {"padding": "max_length", "max_length": 10**9}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                           extra_body={"chat_template_kwargs": kwargs})
+        assert e.value.param == "chat_template_kwargs"
 
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

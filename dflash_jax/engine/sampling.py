@@ -18,6 +18,11 @@ A BatchEngine samples either with one `Sampling` for every row (a compile-time s
 `Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
 in the decoding state: greedy and sampled rows then share one batch and one compiled program
 (`sample_rows`).
+
+Every setting is bounded where it is made (`check_sampling`, which `Sampling` runs): the engine
+casts temperature and top_p to float32 and top_k to int32 at admission, so an out-of-range value
+would otherwise fail there, on the engine's thread. The server and the batch CLI check their
+inputs with the same function (`sampling_problem` names the field and says why).
 """
 
 from __future__ import annotations
@@ -34,56 +39,112 @@ from dflash_jax.errors import DFlashError, InputError
 
 # --------------------------------------------------------------------------- bounds of what the engine casts
 
-# The device holds top_k, row limits, lengths and token ids as int32: a setting past this would
-# overflow where the engine casts it (numpy's OverflowError, after the models load), so the
-# edges (`GenerationJob`, `read_rows`) refuse it first with the checks below.
+# The device holds top_k, row limits, lengths and token ids as int32, and temperature and top_p
+# as float32: a setting past these would overflow where the engine casts it (after the models
+# load, or on a server's engine thread), so every edge (`GenerationJob`, `read_rows`, the server's
+# requests, `StreamingEngine.submit`) refuses it first, with the bounds below: one home for them.
 INT32_MAX = 2**31 - 1
+# The smallest temperature that is not greedy: logits divided by a smaller one leave float32's
+# range (or the temperature itself rounds to 0 in float32). vLLM counts below 1e-5 as greedy.
+MIN_TEMPERATURE = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number: a smaller top_p rounds to 0
 
 
-def _shown(value) -> str:
+class SamplingError(DFlashError):
+    """A sampling setting out of its bounds; `field` names it ("temperature", "top_k", "top_p")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _got(x) -> str:
+    """A value quoted in an error, as JSON where it is JSON, cut short (a request's integer may
+    have thousands of digits)."""
     try:
-        return json.dumps(value)
+        text = json.dumps(x)
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(x)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
-def _integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def temperature_problem(x) -> str | None:
+    """Why a temperature is out of bounds (None: it fits): 0 (greedy) or MIN_TEMPERATURE..float32's largest."""
+    if _real(x) and (x == 0 or MIN_TEMPERATURE <= x <= _FLOAT32_MAX):
+        return None
+    return f"must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} up, got {_got(x)}"
+
+
+def top_k_problem(x) -> str | None:
+    """top_k: an integer in 0..INT32_MAX (0: off; a k at or above the vocabulary keeps every token, so it is off too)."""
+    return None if _integer(x) and 0 <= x <= INT32_MAX else f"must be an integer in 0..{INT32_MAX} (0: off), got {_got(x)}"
+
+
+def top_p_problem(x) -> str | None:
+    """top_p: a number in (0, 1] (1: off), not so small that float32 rounds it to 0."""
+    if _real(x) and _FLOAT32_TINY <= x <= 1:
+        return None
+    return f"must be a number in (0, 1] (from {_FLOAT32_TINY:.2g} up), got {_got(x)}"
+
+
+def max_new_tokens_problem(x) -> str | None:
+    """max_new_tokens: an integer in 1..INT32_MAX."""
+    return None if _integer(x) and 1 <= x <= INT32_MAX else f"must be an integer in 1..{INT32_MAX}, got {_got(x)}"
+
+
+def sampling_problem(temperature, top_k, top_p) -> tuple[str, str] | None:
+    """The first sampling setting out of its bounds as (field, why), why reading after the
+    field's name ("must be ..., got X"); None when all fit."""
+    for name, why in (("temperature", temperature_problem(temperature)), ("top_k", top_k_problem(top_k)),
+                      ("top_p", top_p_problem(top_p))):
+        if why is not None:
+            return name, why
+    return None
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Raise SamplingError ("top_k must be ...") for the first setting out of its bounds (`sampling_problem`)."""
+    problem = sampling_problem(temperature, top_k, top_p)
+    if problem is not None:
+        raise SamplingError(problem[0], f"{problem[0]} {problem[1]}")
+
+
+def _check(problem, value, where: str):
+    why = problem(value)
+    if why is not None:
+        raise InputError(f"{where} {why}")
 
 
 def check_top_k(value, where: str):
-    """top_k: an integer in 0..INT32_MAX (0 = off; any k >= the vocabulary keeps every token).
-    where: the flag or the row naming it in the InputError (`--top-k`, `in.jsonl line 3: top_k`)."""
-    if not (_integer(value) and 0 <= value <= INT32_MAX):
-        raise InputError(f"{where} must be an integer in 0..{INT32_MAX} (0 = off), got {_shown(value)}")
+    """An InputError naming `where` (the flag or the row: `--top-k`, `in.jsonl line 3: top_k`) past top_k's bounds."""
+    _check(top_k_problem, value, where)
 
 
 def check_temperature(value, where: str):
-    """temperature: a finite number >= 0 (0 = greedy)."""
-    if not (_number(value) and math.isfinite(value) and value >= 0):
-        raise InputError(f"{where} must be a finite number >= 0 (0 = greedy), got {_shown(value)}")
+    _check(temperature_problem, value, where)
 
 
 def check_top_p(value, where: str):
-    """top_p: a number in (0, 1] (1 = off)."""
-    if not (_number(value) and 0 < value <= 1):
-        raise InputError(f"{where} must be a number in (0, 1], got {_shown(value)}")
+    _check(top_p_problem, value, where)
 
 
 def check_max_new_tokens(value, where: str):
-    """max_new_tokens: an integer in 1..INT32_MAX."""
-    if not (_integer(value) and 1 <= value <= INT32_MAX):
-        raise InputError(f"{where} must be an integer in 1..{INT32_MAX}, got {_shown(value)}")
+    _check(max_new_tokens_problem, value, where)
 
 
 def check_seed(value, where: str):
     """A seed: any integer (the engine takes it modulo 2**32, `seed_int32`)."""
     if not _integer(value):
-        raise InputError(f"{where} must be an integer, got {_shown(value)}")
+        raise InputError(f"{where} must be an integer, got {_got(value)}")
 
 
 def seed_int32(seed: int) -> int:
@@ -106,12 +167,7 @@ class Sampling:
     per_row: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p)  # SamplingError
 
     @property
     def greedy(self) -> bool:

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_jax.engine.sampling import Sampling
+from dflash_jax.engine.sampling import Sampling, check_sampling
 from dflash_jax.engine.scheduler import BatchEngine, run_steps
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import cancel, prefill, prefill_part
@@ -66,6 +66,10 @@ class StreamRequest:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     first_token: float | None = None  # when the engine emitted its first token
     finished: bool = False
+
+
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _cancel_reason(req: StreamRequest) -> str:
@@ -201,18 +205,29 @@ class StreamingEngine:
     def check(self, prompt, max_new_tokens: int) -> str | None:
         """Why this request cannot run, or None."""
         top = self.gen.spec.max_new_tokens
-        if not 1 <= max_new_tokens <= top:
-            return f"max_tokens must be in 1..{top} (the server's --max-new-tokens), got {max_new_tokens}"
+        if not (_integer(max_new_tokens) and 1 <= max_new_tokens <= top):
+            return f"max_tokens must be in 1..{top} (the server's --max-new-tokens), got {max_new_tokens!r}"
+        if not (np.issubdtype(prompt.dtype, np.integer) if isinstance(prompt, np.ndarray)
+                else isinstance(prompt, (list, tuple)) and all(_integer(t) for t in prompt)):
+            return "a prompt must be a list of integer token ids"
         return self.gen.check_prompt(prompt, max_new_tokens)
 
     def submit(self, request: StreamRequest):
         """Queue a request (from any thread). Raises DFlashError for a request that cannot run,
-        QueueFull when max_waiting requests wait, Closed once the engine is closing."""
+        QueueFull when max_waiting requests wait, Closed once the engine is closing.
+
+        Everything admission casts to a device array is checked here (the prompt's ids, max_new_tokens,
+        the row id, the sampling settings): a value out of range fails this request, never the
+        engine's thread (which would end every request and the server)."""
         why = self.check(request.prompt, request.max_new_tokens)
         if why:
             raise DFlashError(why)
-        if not 0 <= request.row_id < 2**32:
-            raise DFlashError(f"row id {request.row_id} outside 0..2**32-1")
+        if not (_integer(request.row_id) and 0 <= request.row_id < 2**32):
+            raise DFlashError(f"row id {request.row_id!r} outside 0..2**32-1")
+        s = request.sampling
+        if not isinstance(s, Sampling):
+            raise DFlashError(f"a request's sampling must be a Sampling, got {type(s).__name__}")
+        check_sampling(s.temperature, s.top_k, s.top_p)  # a Sampling checks itself; this one may have been altered
         with self._lock:
             if self._closing.is_set() or self.error is not None:
                 raise Closed("the server is shutting down" if self.error is None else f"the engine failed: {self.error}")

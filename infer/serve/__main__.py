@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-read-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a request's body may take to arrive after its headers; a slower one is answered "
                         "408 and its connection closed (default: 30)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (Jinja run on the server: for trusted clients "
+                        "only); without it such a request is answered 400")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may run on before they are cancelled (each then "
                         "answered 503, or a stream ended with an error event)")

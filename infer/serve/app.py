@@ -42,6 +42,7 @@ def create_app(model, api_key: str | None = None, *, max_request_bytes: int | No
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
     app.include_router(handlers.router)
     return app
 
@@ -173,3 +174,10 @@ async def _http_error(_request, e: HTTPException) -> JSONResponse:
     """Starlette's own errors (404 for an unknown path, 405 for a wrong method, ...)."""
     err = APIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
     return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+async def _server_error(_request, e: Exception) -> JSONResponse:
+    """Anything else a handler raised: a 500 in OpenAI's schema, never a plain-text body (the
+    exception then goes on to uvicorn, which logs its traceback once)."""
+    err = APIError(500, "the server failed on this request; its log has the details", type="server_error")
+    return JSONResponse(err.body(), status_code=500)

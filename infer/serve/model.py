@@ -51,7 +51,10 @@ class ServedModel:
         self.context = min(self.max_prompt, self.tcfg.max_position_embeddings)
         pair.open_tokenizer()
         self.tokenizer, self.stops = pair.tokenizer, pair.stop_tokens
+        self.vocab_size = self.tcfg.vocab_size
         self.thinking = args.enable_thinking
+        # A request's own chat_template is Jinja run on the server: only when the operator says so.
+        self.trust_request_chat_template = args.trust_request_chat_template
         self.engine = None
         self.state, self.detail, self.failure = "loading", "reading the weights", None
 
@@ -104,11 +107,16 @@ class ServedModel:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
         return encode_text(self.tokenizer, prompt)
 
-    def chat(self, messages: list[dict], kwargs: dict) -> list[int]:
-        if not has_chat_template(self.tokenizer):
+    def chat(self, messages: list[dict], kwargs: dict, template: str | None = None) -> list[int]:
+        """messages through the chat template (a request's own `template` where the server trusts
+        one); kwargs: the template variables `infer.serve.prepare` let through."""
+        if template is None and not has_chat_template(self.tokenizer):
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        extra = {} if template is None else {"chat_template": template}
         try:
-            return encode_chat(self.tokenizer, messages, **{"enable_thinking": self.thinking, **kwargs})
+            return encode_chat(self.tokenizer, messages, **{"enable_thinking": self.thinking, **kwargs, **extra})
         except Exception as e:  # a template's own errors (a role it does not know, ...)
             raise APIError(400, f"the chat template refused these messages: {str(e).splitlines()[0]}",
                            "messages") from None

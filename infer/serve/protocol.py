@@ -4,17 +4,23 @@ the responses and stream chunks it sends, and its error body.
 A request that does not fit its model is answered 400 in OpenAI's error schema
 ({"error": {"message", "type", "param", "code"}}): `validation_error` turns pydantic's errors
 into that answer, naming the field at fault as `param` (`messages[i]` for a chat message).
-What the models accept but the server does not do (best_of > 1, logprobs, echo, ...) is refused
-later, by `infer.serve.prepare`, with a message that says so.
+A string anywhere in a request that is not valid Unicode (a lone surrogate, "\\ud800", which JSON
+can spell but UTF-8 cannot) is refused here too, before any field is read.
+
+The models declare the fields the server implements. Any other field lands in the model's extras,
+where `infer.serve.prepare` reads it against its table of fields the server knows but does not do
+(`NOT_DONE`: accepted at their no-op values, refused otherwise) and refuses the rest as unknown.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 StrictInt = Annotated[int, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonEmptyStr = Annotated[str, StringConstraints(strict=True, min_length=1)]
 
@@ -25,6 +31,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  code: str | None = None):
         super().__init__(message)
+        message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
     def body(self) -> dict:
@@ -32,14 +39,63 @@ class APIError(Exception):
                                                code=self.code)).model_dump()
 
 
+def _printable(text: str) -> str:
+    """text, with anything UTF-8 cannot carry (a lone surrogate) replaced: an error may quote a request."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 # --------------------------------------------------------------------------- requests
 
 
+def lone_surrogate(data: Any) -> tuple[list, str] | None:
+    """The path (keys and indices) to the first string in decoded JSON, key or value, that holds a
+    lone surrogate, and the surrogate as an escape ("\\ud800"); None when every string is valid
+    Unicode. Iterative, so a deeply nested body costs no recursion."""
+    stack = [([], data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            if (bad := _surrogate(x)) is not None:
+                return path, bad
+        elif isinstance(x, dict):
+            for key, value in reversed(list(x.items())):
+                if isinstance(key, str) and (bad := _surrogate(key)) is not None:
+                    return path, bad
+                if isinstance(value, (str, dict, list)):
+                    stack.append((path + [key], value))
+        elif isinstance(x, list):
+            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(x))) if isinstance(v, (str, dict, list)))
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    """The first lone surrogate in text as an escape, or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"\\u{ord(text[e.start]):04x}"
+    return None
+
+
 class _Request(BaseModel):
-    """What completions and chat requests share. Fields OpenAI defines that the server does not
-    read are accepted and ignored (extra="allow"), as OpenAI's clients send some by default."""
+    """What completions and chat requests share. Fields beyond these are kept as extras (read by
+    `infer.serve.prepare`: accepted at a no-op value, refused otherwise)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            path, escape = found
+            path = [p[:40] + "..." if isinstance(p, str) and len(p) > 40 else p for p in path]
+            where = _path(path) if path else "the request"
+            raise PydanticCustomError("lone_surrogate", "{where} holds a lone surrogate ({escape}), which is not "
+                                      "valid Unicode", {"where": where, "escape": escape, "param": _param(path)})
+        return data
 
     model: str | None = None
     n: PositiveInt | None = Field(None, description="choices to generate, each its own row and random stream")
@@ -50,25 +106,21 @@ class _Request(BaseModel):
     seed: StrictInt | None = Field(None, description="keys the request's random stream (modulo 2**32)")
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    return_token_ids: bool | None = Field(None, description="each choice (or chunk) carries its token ids")
+    return_token_ids: StrictBool | None = Field(None, description="each choice (or chunk) carries its token ids")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    best_of: PositiveInt | None = None
-    logprobs: StrictInt | None = None
-    echo: bool | None = None
-    suffix: str | None = None
 
 
 class TextPart(BaseModel):
@@ -85,6 +137,7 @@ class ChatMessage(BaseModel):
 
     role: Annotated[str, Field(strict=True)]
     content: Annotated[str, Field(strict=True)] | list[TextPart] | None = None
+    name: Annotated[str, Field(strict=True)] | None = Field(None, description="passed to the chat template")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -97,9 +150,11 @@ class ChatCompletionRequest(_Request):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool | None = None
-    top_logprobs: StrictInt | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="chat template variables (enable_thinking, thinking, reasoning_effort)")
+    chat_template: Annotated[str, Field(strict=True)] | None = Field(
+        None, description="a Jinja chat template to render the messages with; refused unless the server runs with "
+                          "--trust-request-chat-template")
 
 
 _Request.model_rebuild()
@@ -114,11 +169,11 @@ def validation_error(errors: list[dict]) -> APIError:
     loc = _strip_body(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
+    if first.get("type") == "lone_surrogate":
+        return APIError(400, first.get("msg", "a string is not valid Unicode"), first.get("ctx", {}).get("param"))
     if not loc or not isinstance(loc[0], str):
         return APIError(400, "the request body must be a JSON object")
-    param = loc[0]
-    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
-        param = f"messages[{loc[1]}]"
+    param = _param(loc)
     tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
     if tag is None:
         return APIError(400, f"'{_path(loc)}': {first.get('msg', 'invalid')}", param)
@@ -138,6 +193,15 @@ def _strip_body(loc) -> list:
 
 def _path(loc: list) -> str:
     return str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+
+
+def _param(loc: list) -> str | None:
+    """The `param` an error at loc names: the top-level field, or `messages[i]` for a chat message."""
+    if not loc or not isinstance(loc[0], str):
+        return None
+    if loc[0] == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        return f"messages[{loc[1]}]"
+    return loc[0]
 
 
 def _union_tag(part) -> bool:
