@@ -78,8 +78,10 @@ class ServedModel:
         self.pair.load_weights(engine_mesh(options.mesh))
         data = self.pair.mesh.shape["data"] if self.pair.mesh is not None else 1
         refused = None
-        if self.kv_default and data > 1 and options.prefix_cache != "on":  # the default pool, refused: per-row caches
+        if self.kv_default and data > 1:  # the default pool, refused: per-row caches
             refused = f"a page pool is shared by every row, so it needs a mesh whose data axis is 1 (this one's is {data})"
+            if options.prefix_cache == "on":
+                raise DFlashError(f"--prefix-cache on shares the page pool's pages: {refused}")
             options = self.options = dataclasses.replace(options, kv_pages=None, prefix_cache=None)
         gen = options.generator(self.pair, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
                                 sampling=Sampling(per_row=True),
