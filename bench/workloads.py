@@ -63,7 +63,7 @@ def _interleaved(engines: dict, prompts, repeats: int, seed: int) -> dict:
             warmed.add(id(gen))
         calls = []
         results, loop_cycles, admissions = counted_generate(gen, prompts, seed, limits, calls)
-        row_cycles = sum(len(r.acceptance_lengths) for r in results.values())
+        row_cycles = sum(r.cycles for r in results.values())
         waiting = [(busy, n) for busy, n, until_free, _ in calls if until_free]
         slot_cycles = sum(n * width for _, n, _, width in calls)
         waiting_cycles = sum(n for _, n in waiting)

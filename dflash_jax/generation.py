@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +30,7 @@ from dflash_jax.chat import encode_chat, encode_text, has_chat_template
 from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.sampling import (check_max_new_tokens, check_seed, check_temperature, check_top_k,
                                         check_top_p)
+from dflash_jax.engine.speculation import PRIOR_RATE
 from dflash_jax.engine.tree import check_tree
 from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
@@ -60,7 +61,8 @@ class GenerationJob:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
     acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
-    speculation: str = _ENGINE.speculation  # "auto": each sync's draft length picked by cost; "fixed": K always
+    speculation: str | None = None  # "auto": each sync's draft length picked by cost; "fixed": K always
+    # (None: auto; fixed for the demo on its own prompts, which shows the method: `speculation_mode`)
     draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     batch_size: int = _ENGINE.batch_size  # rows decoded together
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
@@ -104,7 +106,22 @@ class GenerationJob:
     @property
     def engine(self) -> EngineOptions:
         """The job's engine fields (batch, block, cache and page sizes, syncs, mesh, dtype, watchdog)."""
-        return EngineOptions.of(self)
+        values = {f.name: getattr(self, f.name) for f in fields(EngineOptions) if hasattr(self, f.name)}
+        return EngineOptions(**{**values, "speculation": self.speculation_mode})
+
+    @property
+    def demo_prompts(self) -> bool:
+        """The demo pair on its own prompts (no --target, no --input): the README's first command."""
+        return self.demo and self.input is None
+
+    @property
+    def speculation_mode(self) -> str:
+        """--speculation, or its default: auto, except for the demo on its own prompts, which runs
+        fixed (every cycle verifies the whole block: it shows DFlash, whose verify a CPU computes
+        token by token, where auto would mostly decode plainly; its summary says what auto would do)."""
+        if self.speculation is not None:
+            return self.speculation
+        return "fixed" if self.demo_prompts and self.block_size != 1 else _ENGINE.speculation
 
     @property
     def demo(self) -> bool:
@@ -125,10 +142,11 @@ class GenerationJob:
 
     def resolved(self) -> GenerationJob:
         """The job with its defaults that depend on others filled in: max_new_tokens (256; 128 for
-        the demo pair), and the demo on its own prompts compares with the baseline."""
+        the demo pair), speculation (`speculation_mode`), and the demo on its own prompts compares
+        with the baseline."""
         max_new = self.max_new_tokens if self.max_new_tokens is not None else (128 if self.demo else 256)
-        baseline = self.compare_baseline or (self.demo and self.input is None and self.block_size != 1)
-        return replace(self, max_new_tokens=max_new, compare_baseline=baseline)
+        baseline = self.compare_baseline or (self.demo_prompts and self.block_size != 1)
+        return replace(self, max_new_tokens=max_new, compare_baseline=baseline, speculation=self.speculation_mode)
 
 
 @dataclass(frozen=True)
@@ -784,7 +802,7 @@ class JobRun:
             line = self.make_record(r, record, self.conversations.get(r.id)) if self.make_record is not None \
                 else {"id": r.id, **record}
             self.out.write({**line, "fingerprint": {"input": self.plan.keys[r.id], **self.plan.settings}}, r)
-            shown = dict(tau=f"{stats.tau:.2f}") if gen.spec.block_size > 1 else {}
+            shown = dict(tau=f"{stats.tau:.2f}") if gen.spec.block_size > 1 and stats.cycles else {}
             bar.set_postfix(tok_s=f"{stats.tokens_per_second:.1f}", **shown, refresh=False)
             bar.update(1)  # redraws at most every mininterval
         if gen.prefix_cache and runnable:
@@ -793,17 +811,18 @@ class JobRun:
         return next_pending
 
     def summary(self) -> dict:
-        """The run's figures (and, with compare_baseline, plain decoding's and the speedup)."""
+        """The run's figures: tau over the cycles that drafted, the share of cycles each draft length
+        ran and, where auto ran plain decoding, why (`speculation_summary`); with compare_baseline,
+        plain decoding's and the speedup (`speedup_figures`)."""
         import jax
 
         job, gen, stats = self.job, self.gen, self.stats
         block_size = gen.spec.block_size
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
-        if len(gen.candidates) > 1:  # auto speculation: the draft lengths it ran, and why
-            summary["speculation"] = gen.policy.summary()
-        elif gen.auto_refusal:
-            summary["speculation"] = {"fixed": gen.auto_refusal}
+        if block_size > 1:  # what ran: the draft lengths, their shares and (auto) why
+            summary["speculation"] = speculation_summary(job.speculation if len(gen.candidates) > 1 else "fixed",
+                                                         gen.policy.summary(), gen.auto_refusal, gen.spec.tree_budget)
         if gen.spec.draft_window:
             summary["draft_window"] = gen.spec.draft_window
         if gen.spec.selector:  # a DFlash2 drafter: its selector drafts; how its sampled rows accept
@@ -813,18 +832,96 @@ class JobRun:
             self.say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
             summary["baseline"] = baseline_summary(self.engine(1), self.first, job.seed, self.limit,
                                                    self.row_sampling)
-            base_speed = summary["baseline"]["tokens_per_second"]
-            summary["speedup"] = round(stats.tokens_per_second / base_speed, 3) if base_speed else None
-            if jax.default_backend() == "cpu" and block_size > 1:
-                summary["note"] = cpu_note(gen.spec.verify_len, stats.tau)
+            summary.update(speedup_figures(summary, summary["baseline"], jax.default_backend()))
+            if jax.default_backend() == "cpu" and block_size > 1 and summary["tau"] is not None:
+                summary["note"] = cpu_note(gen.spec.verify_len, summary["tau"])
+            if job.demo_prompts and summary.get("speedup") is not None and job.speculation == "fixed":
+                summary["auto"] = auto_beside_fixed(summary["baseline"]["tokens_per_second"],
+                                                    summary["tokens_per_second"], summary["tau"])
         if gen.prefix_cache:
             cached, prompt = self.prefix
             summary["prefix_cache"] = dict(prompt_tokens=prompt, cached_prompt_tokens=cached,
                                            hit_rate=round(cached / prompt, 4) if prompt else 0.0)
-        summary["prompts"] = "the demo's prompts" if job.demo and job.input is None else str(self.plan.input_path)
+        summary["prompts"] = "the demo's prompts" if job.demo_prompts else str(self.plan.input_path)
         if job.demo and block_size > 1:
             summary["heldout"] = demo_figures()["heldout"]
         return summary
+
+
+# --------------------------------------------------------------------------- the summary's figures
+
+# Auto speculation's reason is given when plain decoding ran at least this share of the cycles.
+PLAIN_MOSTLY = 0.5
+
+
+def speculation_summary(mode: str, policy: dict, refusal: str | None = None, tree_budget: int = 0) -> dict:
+    """What ran, from the policy's record (`Speculation.summary`): the mode, the share of the
+    engine's cycles each draft length ran (`share`, K as a string; "0" plain decoding) and how
+    many (`cycles`); auto's measurements (candidates, acceptance rates, ms per cycle, `reading`)
+    and, where plain decoding ran at least PLAIN_MOSTLY of the cycles, why (`plain`:
+    `plain_reason`); fixed where auto was refused, why (`fixed`)."""
+    if mode != "auto" or refusal:
+        out = {"mode": "fixed", "share": policy["share"], "cycles": policy["cycles"]}
+        return {**out, "fixed": refusal} if refusal else out
+    out = {"mode": "auto", **policy}
+    why = plain_reason(policy["share"], policy.get("reading"), tree_budget)
+    return {**out, "plain": why} if why else out
+
+
+def draft_length_name(k: int | str, tree_budget: int = 0) -> str:
+    """K=0 (plain), K=15, the tree (32 nodes): a draft length for a person."""
+    k = int(k)
+    if not k:
+        return "K=0 (plain)"
+    return f"the tree ({k} nodes)" if tree_budget else f"K={k}"
+
+
+def plain_reason(share: dict, reading: dict | None, tree_budget: int = 0) -> str | None:
+    """Why auto speculation ran plain decoding, in the figures its choice used (`Speculation.reading`:
+    each draft length's cost in plain decoding's cycles, and the tokens per cycle the acceptance
+    measured gives it; a draft length pays where those tokens exceed that cost). None unless plain
+    decoding ran at least PLAIN_MOSTLY of the cycles and was timed."""
+    plain = share.get("0", 0.0)
+    if plain < PLAIN_MOSTLY or not reading or "0" not in reading["cycle_ms"]:
+        return None
+    ms, tokens, base = reading["cycle_ms"], reading["expected_tokens"], reading["cycle_ms"]["0"]
+    article = lambda n: "an" if str(n).startswith("8") or n in (11, 18) else "a"
+    costs = [f"{draft_length_name(k, tree_budget)}: {article(int(k) + 1)} {int(k) + 1}-token verify cost "
+             f"{ms[k] / base:.1f} plain steps for {tokens[k]:.2f} tokens a cycle" for k in ms if k != "0"]
+    best = int(reading["best"])
+    verdict = ("no draft length paid for its verify, so plain decoding gave the most tokens/s" if not best else
+               f"its last reading favours {draft_length_name(best, tree_budget)}, the earlier cycles' costs or "
+               f"acceptance differed")
+    return (f"auto ran plain decoding for {plain:.0%} of the engine's cycles: on this machine, at {reading['width']} slots, "
+            f"{'; '.join(costs)} (tokens from the acceptance measured per draft position, {PRIOR_RATE} where none "
+            f"was); {verdict}")
+
+
+def speedup_figures(summary: dict, baseline: dict, backend: str) -> dict:
+    """The speedup over plain decoding (`baseline`), where every cycle of the run drafted (or it
+    is plain decoding itself), with where both were timed (`timed_on`: jax's backend); where auto
+    speculation ran plain cycles, no speedup (None) and `no_speedup` says why, with both figures."""
+    base, speed = baseline["tokens_per_second"], summary["tokens_per_second"]
+    plain, drafted = summary.get("plain_cycles", 0), summary.get("cycles", 0)
+    if summary["block_size"] > 1 and plain:
+        share = summary.get("speculation", {}).get("share", {}).get("0")
+        engine = f"{share:.0%} of the engine's cycles, " if share is not None else ""
+        return {"speedup": None, "timed_on": backend,
+                "no_speedup": f"no DFlash speedup to report: auto speculation ran plain decoding for {engine}{plain} "
+                              f"of {plain + drafted} row cycles; this run {speed:.1f} tokens/s against plain "
+                              f"decoding's {base:.1f}, both timed on this machine's {backend.upper()}"}
+    return {"speedup": round(speed / base, 3) if base else None, "timed_on": backend}
+
+
+def auto_beside_fixed(plain_speed: float, dflash_speed: float, tau: float) -> str:
+    """For the demo, which runs fixed: what auto speculation, the default elsewhere, would do on
+    this machine, from the two timings the demo has (it picks by timed costs, at every sync)."""
+    verdict = ("would run plain decoding for most cycles on this machine" if plain_speed > dflash_speed else
+               "would draft on this machine too")
+    return (f"auto speculation (the default for your own runs) {verdict}: here plain decoding ran at "
+            f"{plain_speed:.1f} tokens/s against DFlash's {dflash_speed:.1f} at tau {tau:.3f}, and auto picks by such "
+            f"timed costs (`--speculation auto` runs it on the demo); on an accelerator a verify costs about one "
+            f"decoding step (docs/benchmarks.md)")
 
 
 def check_output_path(path: Path):
@@ -866,6 +963,8 @@ def result_record(res, tokenizer) -> dict:
         record["text"] = tokenizer.decode(res.output_ids, skip_special_tokens=True)
     record.update(acceptance_lengths=res.acceptance_lengths, num_output_tokens=len(res.output_ids),
                   finish_reason=res.finish_reason)
+    if res.plain_cycles:  # auto speculation's plain cycles: one token each, no acceptance length
+        record["plain_cycles"] = res.plain_cycles
     return record
 
 
@@ -879,7 +978,7 @@ def cpu_note(verify_len: int, tau: float) -> str:
     for the pair it names (a published one), not the demo's."""
     cost = demo_figures()["cost_report"]
     return (f"note: a CPU computes every verified token (a {verify_len}-token verify costs several decoding steps), "
-            f"so DFlash gains little or nothing here. Where a step is memory-bound (GPU/TPU), the cost report "
+            f"so DFlash gains little or loses here. Where a step is memory-bound (GPU/TPU), the cost report "
             f"projects {cost['projected_speedup']:.1f}x for another pair, {cost['shapes']}, at the paper's tau "
             f"{cost['tau']}; it is not a figure for this demo pair (tau {tau:.3f} here), too small to be memory-bound "
             f"anywhere (`{cost['command']}`)")

@@ -151,7 +151,11 @@ def add_generation_flags(p: argparse.ArgumentParser):
                    help="also time plain decoding of the same prompts and report the speedup")
     p.add_argument("--enable-thinking", action="store_true",
                    help="pass enable_thinking=True to the chat template (Qwen3); off by default")
-    add_engine_flags(p.add_argument_group("engine"), BATCH_ENGINE_FLAGS)
+    # --speculation's default is the job's (`GenerationJob.speculation_mode`): auto, but fixed for the demo
+    # on its own prompts, which is there to show DFlash's cycles.
+    add_engine_flags(p.add_argument_group("engine"), BATCH_ENGINE_FLAGS, overrides={"speculation": None},
+                     helps={"speculation": ENGINE_FLAGS["speculation"]["help"] + " (default: auto; fixed for the "
+                                                                              "demo pair on its own prompts)"})
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress messages (the summary stays)")
 

@@ -53,8 +53,11 @@ def readable_record(record: dict, prompt: str | None) -> str:
     """A row for a person: its id and figures, then the prompt and the completion after >>>."""
     if "error" in record:
         return f"--- {record['id']}: error: {record['error']}\n"
-    acc = record.get("acceptance_lengths") or []
-    tau = f", tau {sum(acc) / len(acc):.2f}" if acc and max(acc) > 1 else ""
+    acc, plain = record.get("acceptance_lengths") or [], record.get("plain_cycles", 0)
+    # tau over the cycles that drafted (auto speculation's plain cycles apart; block size 1: none)
+    tau = f", tau {sum(acc) / len(acc):.2f}" if acc and (plain or max(acc) > 1) else ""
+    if plain:
+        tau += f" over {len(acc)} drafting cycles, {plain} plain" if acc else f", {plain} plain cycles, none drafted"
     head = f"--- {record['id']}: {record['num_output_tokens']} tokens ({record['finish_reason']}{tau})"
     body = record.get("text")
     if body is None:
@@ -92,6 +95,11 @@ def write_summary(path: str, summary: dict):
 
 
 def print_summary(s: dict, say):
+    """The summary for a person: what ran (the draft lengths' shares of the cycles; where auto
+    ran plain decoding, why), tau over the cycles that drafted, and, with a baseline, the speedup
+    where every cycle drafted."""
+    from dflash_jax.generation import draft_length_name
+
     say("")
     say(f"rows {s['rows']} (errors {s['errors']}), output tokens {s['output_tokens']}, "
         f"{s['seconds']:.2f}s, {s['tokens_per_second']:.1f} tokens/s")
@@ -103,30 +111,55 @@ def print_summary(s: dict, say):
         say(f"plain autoregressive decoding (block size 1): {s['cycles']} decoding steps")
         return
     drafts = s.get("draft_tokens")
-    verified = f" ({drafts} drafts verified per cycle)" if drafts and drafts != s["block_size"] - 1 else ""
+    verified = f" ({drafts} drafts verified per drafting cycle)" if drafts and drafts != s["block_size"] - 1 else ""
     if s.get("tree_budget"):
-        verified = f" (a draft tree of {s['tree_budget']} nodes verified per cycle)"
+        verified = f" (a draft tree of {s['tree_budget']} nodes verified per drafting cycle)"
     if s.get("dflash2"):
         verified += (" (a DFlash2 drafter: drafts drawn from its candidate selector, accepted by rejection sampling)"
                      if s["acceptance"] == "rejection" else " (a DFlash2 drafter: its candidate selector's drafts)")
-    if "fixed" in s.get("speculation", {}):
-        say(f"speculation fixed, not auto: {s['speculation']['fixed']}")
+    spec = s.get("speculation", {})
+    if spec.get("fixed"):
+        say(f"speculation fixed, not auto: {spec['fixed']}")
     if "heldout" in s:  # the demo pair: the figure to expect first
         h = s["heldout"]
         say(f"this drafter's tau on held-out code ({h['prompts']}, block {h['block_size']}): {h['tau']}, the "
             f"figure to expect on new code (`{h['command']}`)")
-    say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {s['cycles']} cycles "
-        f"on {s.get('prompts', 'these prompts')}")
-    if "heldout" in s and s["tau"] > s["heldout"]["tau"]:
+    if spec.get("share"):
+        shares = ", ".join(f"{draft_length_name(k, s.get('tree_budget', 0))} {v:.1%}" for k, v in spec["share"].items())
+        say(f"speculation {spec['mode']}: the engine's cycles by draft length: {shares}")
+    if spec.get("plain"):
+        say(spec["plain"])
+    plain = s.get("plain_cycles", 0)
+    where = s.get("prompts", "these prompts")
+    if s["tau"] is None:  # auto ran plain decoding only: no acceptance to speak of
+        say(f"block size {s['block_size']}{verified}: no cycle drafted ({plain} plain decoding cycles), so no tau, "
+            f"on {where}")
+    else:
+        over = f"the {s['cycles']} row cycles that drafted" if plain else f"{s['cycles']} cycles"
+        rest = f" (of {s['cycles'] + plain}; {plain} ran plain decoding, one token each)" if plain else ""
+        say(f"block size {s['block_size']}{verified}: tau {s['tau']:.3f} (mean tokens per cycle) over {over}{rest} "
+            f"on {where}")
+    if "heldout" in s and s["tau"] is not None and s["tau"] > s["heldout"]["tau"]:
         say("  (above the held-out figure: completions that repeat a line are drafted whole; each row's tau is "
             "in its output)")
     hist = s["acceptance_histogram"]
     if hist:
         total = sum(hist.values())
-        say("acceptance length histogram:")
+        say("acceptance length histogram (cycles that drafted):" if plain else "acceptance length histogram:")
         for k, v in hist.items():
             say(f"  {int(k):3d}: {v:7d} ({100 * v / total:5.1f}%)")
     if "baseline" in s:
-        say(f"baseline (block size 1): {s['baseline']['tokens_per_second']:.1f} tokens/s; speedup {s['speedup']}x")
+        base = s["baseline"]["tokens_per_second"]
+        if s.get("speedup") is not None:
+            on = s.get("timed_on", "")
+            timed = f", both timed on this machine's {on.upper()}" if on else ""
+            say(f"baseline (block size 1): {base:.1f} tokens/s; speedup {s['speedup']}x (DFlash against plain "
+                f"decoding{timed})")
+        else:
+            say(f"baseline (block size 1): {base:.1f} tokens/s")
+    if "no_speedup" in s:
+        say(s["no_speedup"])
     if "note" in s:
         say(s["note"])
+    if "auto" in s:
+        say(s["auto"])

@@ -58,13 +58,24 @@ def test_tokenizer_chat_template_and_drafter_fit_the_target():
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """`python -m infer` with no arguments but `--speculation fixed`, once for the module: every cycle
-    verifies the whole block, so tau is the trained drafter's (auto speculation, the default, runs
-    plain decoding where drafting does not pay, as on a CPU; `.ci/run` runs the demo as it is)."""
+    """`python -m infer` with no arguments but its output files, once for the module: the demo runs
+    `--speculation fixed` by default, every cycle verifying the whole block, so tau is the trained
+    drafter's (auto speculation, the default elsewhere, runs plain decoding where drafting does not
+    pay, as on a CPU)."""
     d = tmp_path_factory.mktemp("demo")
     out, summary = d / "out.jsonl", d / "summary.json"
-    assert main(["--output", str(out), "--summary-json", str(summary), "--speculation", "fixed"]) == 0
+    assert main(["--output", str(out), "--summary-json", str(summary)]) == 0
     return d, read_jsonl(out), json.loads(summary.read_text())
+
+
+def test_the_demo_runs_fixed_speculation_unless_told_otherwise():
+    from dflash_jax.generation import GenerationJob
+
+    assert GenerationJob().speculation_mode == "fixed" and GenerationJob().resolved().speculation == "fixed"
+    assert GenerationJob().engine.speculation == "fixed"
+    assert GenerationJob(speculation="auto").resolved().speculation == "auto"  # asked for: auto runs
+    assert GenerationJob(input=DEMO_DIR / "prompts.jsonl").speculation_mode == "auto"  # your prompts: auto
+    assert GenerationJob(block_size=1).speculation_mode == "auto"  # plain decoding: nothing to fix
 
 
 def test_demo_runs_the_trained_pair_on_its_prompts(demo_run):
@@ -77,7 +88,16 @@ def test_demo_runs_the_trained_pair_on_its_prompts(demo_run):
         assert sum(r["acceptance_lengths"]) >= r["num_output_tokens"]
     # The drafter is trained: blocks of 16 are accepted several tokens deep, not 1.
     assert s["block_size"] == 16 and s["tau"] >= DEMO_MIN_TAU
+    # It ran DFlash: every cycle of every row drafted the whole block, none ran plain decoding.
+    assert s["speculation"]["mode"] == "fixed" and s["speculation"]["share"] == {"15": 1.0}
+    assert s["plain_cycles"] == 0 and all("plain_cycles" not in r for r in records)
+    assert s["cycles"] == sum(len(r["acceptance_lengths"]) for r in records)
     assert s["baseline"]["tau"] == 1.0 and s["speedup"] > 0  # the demo compares with plain decoding
+    assert s["timed_on"] == jax.default_backend()
+    # What auto speculation, the default for other runs, would do here, from the two timings.
+    verdict = "run plain decoding" if s["baseline"]["tokens_per_second"] > s["tokens_per_second"] else "draft"
+    assert s["auto"].startswith(f"auto speculation (the default for your own runs) would {verdict}")
+    assert f"at tau {s['tau']:.3f}" in s["auto"] and f"{s['baseline']['tokens_per_second']:.1f} tokens/s" in s["auto"]
     # Its tau is shown beside the held-out figure, and a CPU's speedup beside why and what the
     # cost report projects where a step is memory-bound.
     assert s["heldout"]["block_size"] == 16 and 1 < s["heldout"]["tau"] < s["tau"]

@@ -168,6 +168,13 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
     s = result.summary
     assert result.skipped == 0 and result.sample is None
     assert s["rows"] == 8 and s["errors"] == 0 and s["output_tokens"] == 320 and s["block_size"] == 8
+    # Auto speculation (the default): the rows' plain cycles are counted apart from those that drafted,
+    # whose tau is the summary's, exactly where the policy ran plain decoding.
+    spec = s["speculation"]
+    assert spec["mode"] == "auto" and spec["candidates"] == [0, 3, 7] and spec["reading"]["width"] == 8
+    assert (s["plain_cycles"] > 0) == (spec["cycles"]["0"] > 0) and s["cycles"] + s["plain_cycles"] > 0
+    assert sum(s["acceptance_histogram"].values()) == s["cycles"]
+    assert (s["tau"] is None) == (s["cycles"] == 0)
     cases = json.loads((tiny() / "greedy_cases.json").read_text())
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == [f"demo-{i}" for i in range(8)]

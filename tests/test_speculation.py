@@ -100,6 +100,50 @@ def test_the_policy_times_every_candidate_first_reprobes_by_time_and_fades_old_c
     assert counts.tried[0] <= 512.0 + 1e-9 and counts.rates()[0] > 0.45
 
 
+def test_the_reading_gives_the_figures_the_choice_rests_on():
+    policy = Speculation((0, 3, 15), depth=15, clock=lambda: 0.0)
+    assert policy.reading() is None  # nothing timed yet
+    for k, ms in ((0, 4.0), (3, 8.0), (15, 28.0)):
+        policy.time(k, 8, 2, 2 * ms / 1e3)
+    policy.time(0, 4, 2, 0.004)  # a narrower width: the widest is read by default
+    # Every row-cycle at K=3 accepted 2 of its drafts: rates 1, 1, 0 at positions 1..3, the prior elsewhere.
+    tried, accepted = np.zeros(15), np.zeros(15)
+    tried[:3], accepted[:2] = 1e4, 1e4
+    policy.observe(3, 8, 1000, None, tried, accepted)
+    r = policy.reading()
+    assert r["width"] == 8 and r["cycle_ms"] == {"0": 4.0, "3": 8.0, "15": 28.0}
+    tokens = {k: expected_tokens(policy.rates(), k) for k in (0, 3, 15)}
+    assert r["expected_tokens"] == {str(k): round(v, 3) for k, v in tokens.items()}
+    assert r["expected_tokens"]["3"] == pytest.approx(3.0, abs=0.01)  # 1 + the two always accepted
+    # The K pick would run: the most tokens per ms (3: 3 tokens for 2 plain steps).
+    assert r["best"] == max((0, 3, 15), key=lambda k: tokens[k] / {0: 4.0, 3: 8.0, 15: 28.0}[k]) == 3
+    assert policy.reading(4) == dict(width=4, best=0, cycle_ms={"0": 2.0}, expected_tokens={"0": 1.0})
+    s = policy.summary()
+    assert s["reading"] == r and s["cycles"] == {"0": 0, "3": 1000, "15": 0} and s["share"]["3"] == 1.0
+
+
+def test_a_plain_cycle_has_no_acceptance_length_and_no_tau():
+    """The engine records auto's plain cycle as 0 (`step.commit`): a row's Result keeps the acceptance
+    lengths of the cycles that drafted and counts the plain ones apart, and tau is theirs alone."""
+    from dflash_jax.engine.slots import GenerationStats, SlotLedger
+
+    ledger = SlotLedger(2, None, frozenset(), lambda row: 0)
+    output = np.arange(20)
+    mixed = ledger.result(0, output, 9, np.array([0, 0, 5, 0, 1, 0, 0, 0]), 6)
+    assert mixed.acceptance_lengths == [5, 1] and mixed.plain_cycles == 4 and mixed.cycles == 6
+    plain = ledger.result(1, output, 3, np.array([0, 0, 0, 0]), 3)
+    assert plain.acceptance_lengths == [] and plain.plain_cycles == 3
+    stats = GenerationStats(16)
+    stats.add(plain)
+    assert stats.tau is None and stats.summary()["tau"] is None  # nothing drafted: no tau at all
+    stats.add(mixed)
+    assert stats.tau == 3.0 and stats.cycles == 2 and stats.plain_cycles == 7
+    assert stats.summary()["acceptance_histogram"] == {"1": 1, "5": 1}
+    fixed = ledger.result(0, output, 9, np.array([5, 4, 0]), 2)  # past num_cycles: not a cycle
+    assert fixed.acceptance_lengths == [5, 4] and fixed.plain_cycles == 0
+    assert GenerationStats(1).tau == 0.0  # nothing ran
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -136,9 +180,10 @@ def test_switching_draft_lengths_keeps_plain_decodings_tokens_and_compiles_nothi
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
     share = auto.policy.share()
     assert all(share[k] > 0 for k in (0, 3, 7))  # every draft length ran
+    assert all(r.plain_cycles > 0 for r in results)  # each row ran plain cycles too, counted apart
     # The policy counts loop cycles (every row of a cycle runs its K): between the longest row's
     # cycles and all rows' together.
-    row_cycles = [len(r.acceptance_lengths) for r in results]
+    row_cycles = [r.cycles for r in results]  # drafting and plain
     assert max(row_cycles) <= sum(auto.policy.cycles.values()) <= sum(row_cycles)
     # The tally counts every accepted draft (a plain cycle accepts none), at its position.
     accepted = sum(a - 1 for r in results for a in r.acceptance_lengths)

@@ -28,8 +28,14 @@ from dflash_jax.kv.prefix import PrefixPool
 class Result:
     index: int  # position in the prompts given to `generate` (a request's row_id when streaming)
     output_ids: list[int]
-    acceptance_lengths: list[int]
+    acceptance_lengths: list[int]  # of each cycle that drafted (plain decoding's: 1 per step)
     finish_reason: str  # "stop" | "length" (streaming: also "cancelled", "error")
+    plain_cycles: int = 0  # auto speculation's plain cycles (no draft verified, one token each)
+
+    @property
+    def cycles(self) -> int:
+        """Every decoding cycle the row ran, drafting or plain."""
+        return len(self.acceptance_lengths) + self.plain_cycles
 
 
 class SlotLedger:
@@ -175,38 +181,49 @@ class SlotLedger:
 
     def result(self, index: int, output: np.ndarray, upto: int, acceptance: np.ndarray, num_cycles: int) -> Result:
         """The Result of a row from its output tokens (the first `upto` of them, cut at the first
-        stop token) and its acceptance lengths (the first num_cycles)."""
+        stop token) and its acceptance lengths (the first num_cycles; a 0 is auto speculation's
+        plain cycle, counted apart: `Result.plain_cycles`)."""
         tokens, stopped = self.cut(output[:upto].tolist())
-        return Result(index, tokens, acceptance[:num_cycles].tolist(), "stop" if stopped else "length")
+        lengths = acceptance[:num_cycles].tolist()
+        drafted = [a for a in lengths if a > 0]
+        return Result(index, tokens, drafted, "stop" if stopped else "length", len(lengths) - len(drafted))
 
 
 @dataclasses.dataclass
 class GenerationStats:
-    """Aggregates over Results: tau, acceptance histogram, tokens/s."""
+    """Aggregates over Results: tau and the acceptance histogram over the cycles that drafted
+    (`cycles`; plain decoding's steps, block size 1), auto speculation's plain cycles apart
+    (`plain_cycles`), tokens/s."""
 
     block_size: int
     tokens: int = 0
     cycles: int = 0
+    plain_cycles: int = 0
     seconds: float = 0.0
     histogram: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def add(self, result: Result):
         self.tokens += len(result.output_ids)
         self.cycles += len(result.acceptance_lengths)
+        self.plain_cycles += result.plain_cycles
         for a in result.acceptance_lengths:
             self.histogram[a] = self.histogram.get(a, 0) + 1
 
     @property
-    def tau(self) -> float:
-        return sum(k * v for k, v in self.histogram.items()) / max(1, self.cycles)
+    def tau(self) -> float | None:
+        """Mean tokens per cycle that drafted; None when none did (auto ran plain decoding only)."""
+        if not self.cycles:
+            return None if self.plain_cycles else 0.0
+        return sum(k * v for k, v in self.histogram.items()) / self.cycles
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict:
-        return dict(block_size=self.block_size, tau=round(self.tau, 4), cycles=self.cycles,
-                    output_tokens=self.tokens, seconds=round(self.seconds, 3),
+        tau = self.tau
+        return dict(block_size=self.block_size, tau=None if tau is None else round(tau, 4), cycles=self.cycles,
+                    plain_cycles=self.plain_cycles, output_tokens=self.tokens, seconds=round(self.seconds, 3),
                     tokens_per_second=round(self.tokens_per_second, 2),
                     acceptance_histogram={str(k): self.histogram[k] for k in sorted(self.histogram)})
 

@@ -181,10 +181,26 @@ class Speculation:
         total = sum(self.cycles.values())
         return {k: (n / total if total else 0.0) for k, n in sorted(self.cycles.items())}
 
+    def reading(self, width: int | None = None) -> dict | None:
+        """What the choice at `width` (default: the widest timed) rests on now, for a person: the
+        K `pick` would run there (no probe: `best`) and, per K timed there, its ms per cycle and
+        the tokens per cycle the measured rates give it (`expected_tokens`); None before any cost
+        is timed."""
+        widths = sorted({w for w, _ in self.samples})
+        if not widths:
+            return None
+        width = width if width in widths else widths[-1]
+        costs = {k: c for (w, k), c in self.costs.items() if w == width}
+        best = max(sorted(costs), key=lambda k: (self._tokens(k) / costs[k], -k))
+        return dict(width=width, best=best, cycle_ms={str(k): round(1e3 * c, 3) for k, c in sorted(costs.items())},
+                    expected_tokens={str(k): round(self._tokens(k), 3) for k in sorted(costs)})
+
     def summary(self) -> dict:
-        """For the run's summary: the candidates, the share of cycles each ran, the rates measured and
-        the costs (ms per cycle) at each width."""
+        """For the run's summary: the candidates, the share of cycles each ran (`cycles`: how many),
+        the rates measured, the costs (ms per cycle) at each width and the `reading` of the widest."""
         return dict(candidates=list(self.candidates), share={str(k): round(v, 4) for k, v in self.share().items()},
+                    cycles={str(k): n for k, n in sorted(self.cycles.items())},
                     acceptance_rates=[round(r, 4) for r in self.rates()],
-                    cycle_ms={f"{w}x{k}": round(1e3 * c, 3) for (w, k), c in sorted(self.costs.items())})
+                    cycle_ms={f"{w}x{k}": round(1e3 * c, 3) for (w, k), c in sorted(self.costs.items())},
+                    reading=self.reading())
 

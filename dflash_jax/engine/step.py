@@ -140,7 +140,8 @@ class DecodeState:
     anchor:         [batch] the next token: known, committed, not yet run by the target.
     output:         [batch, max_new + block] generated tokens (anchors included).
     num_generated:  [batch] valid entries of `output`.
-    acceptance:     [batch, max_new + 1] acceptance length (num_accepted + 1) of each cycle.
+    acceptance:     [batch, max_new + 1] acceptance length (num_accepted + 1) of each cycle; 0 for a
+                    plain cycle of auto speculation (no draft verified: one token).
     done:           [batch] the row needs no more cycles (also true for a free slot).
     max_new_tokens: [batch] this row's own limit (<= the spec's).
     temperature, top_k, top_p: [batch] this row's sampling (a per-row engine's; else unused).
@@ -522,7 +523,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     kept = jnp.arange(b)[None, :] <= num_accepted[:, None]
     stopped = active & (_hits_stop(target_tokens, stop_ids) & kept).any(axis=1)
     slot = jnp.arange(state.acceptance.shape[1])[None, :] == state.num_cycles[:, None]
-    acceptance = jnp.where(slot & active[:, None], (num_accepted + 1)[:, None], state.acceptance)
+    # Auto speculation's plain cycle (a drafter's engine verifying no draft) is recorded as 0: it
+    # drafted nothing, so it has no acceptance length (`SlotLedger.result` counts it apart).
+    length = jnp.zeros_like(num_accepted) if spec.uses_drafter and not spec.num_drafts else num_accepted + 1
+    acceptance = jnp.where(slot & active[:, None], length[:, None], state.acceptance)
     num_generated = state.num_generated + n_new
     context_cache, taps, num_taps = state.context_cache, state.taps, state.num_taps
     if spec.uses_drafter and spec.lazy_context and not spec.num_drafts:

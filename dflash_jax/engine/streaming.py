@@ -108,7 +108,7 @@ class EngineMetrics:
     cached_prompt_tokens: int = 0  # of them, served from the prefix cache (not prefilled)
     kv_pages: dict = dataclasses.field(default_factory=dict)  # a page pool's pages: total, free, cached (idle), held
     generation_tokens: int = 0
-    cycles: int = 0  # decoding cycles of finished rows (tau's denominator)
+    cycles: int = 0  # decoding cycles of finished rows that drafted (tau's denominator; auto's plain ones apart)
     accepted: int = 0  # their tokens (tau's numerator)
     slot_syncs: int = 0  # slots x syncs, and how many of them held a running row: occupancy
     busy_slot_syncs: int = 0
