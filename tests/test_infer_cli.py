@@ -117,7 +117,7 @@ def test_draft_tokens_verify_fewer_drafts_with_the_same_rows(tmp_path, capsys):
     out, summary = tmp_path / "new" / "out.jsonl", tmp_path / "s.json"
     assert main(tiny_pair() + ["--output", str(out), "--summary-json", str(summary), "--draft-tokens", "2"]) == 0
     err = capsys.readouterr().err
-    assert "block size 8 (2 drafts verified per cycle): tau" in err
+    assert "block size 8 (2 drafts verified per drafting cycle): tau" in err
     cases = json.loads((tiny() / "greedy_cases.json").read_text())
     records = read_jsonl(out)
     for r in records:
@@ -193,7 +193,7 @@ def test_a_draft_tree_gives_the_references_rows_in_fewer_cycles(tmp_path, capsys
     out, summary = tmp_path / "out.jsonl", tmp_path / "s.json"
     assert main(tiny_pair() + ["--output", str(out), "--summary-json", str(summary), "--tree-budget", "12"]) == 0
     err = capsys.readouterr().err
-    assert "block size 8 (a draft tree of 12 nodes verified per cycle): tau" in err
+    assert "block size 8 (a draft tree of 12 nodes verified per drafting cycle): tau" in err
     cases = json.loads((tiny() / "greedy_cases.json").read_text())
     records = read_jsonl(out)
     for r in records:
