@@ -170,7 +170,9 @@ def test_training_pass_is_the_decoding_pass_for_dflash2(models):
     for j, anchor in enumerate(anchors):
         ctx = extend_context(params, dcfg, features[:, :anchor], init_context_cache(dcfg, 1, 32), jnp.array([anchor]))
         decode = draft_hidden(params, dcfg, embeds[:, j * b:(j + 1) * b], ctx)
-        np.testing.assert_allclose(np.asarray(decode[0]), np.asarray(hidden[j]), rtol=1e-5, atol=1e-5)
+        # float32 through two orders of the same sums (all blocks at once, one block on its cache): jax 0.10's
+        # CPU kernels differ by up to 4e-5 on values of order 1; one context position short differs by 4.7
+        np.testing.assert_allclose(np.asarray(decode[0]), np.asarray(hidden[j]), rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- the selector's loss
