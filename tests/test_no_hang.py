@@ -204,11 +204,17 @@ def wide_hybrid_pair(root: Path) -> tuple[Path, Path, Path]:
     return target, drafter, rows
 
 
+RUNS = 10
+
+
 @pytest.mark.heavy
-def test_hybrid_dflash_runs_twenty_times_without_hanging(tmp_path):
+def test_hybrid_dflash_runs_ten_times_without_hanging(tmp_path):
+    """Fresh processes at the width where the old LAPACK solve deadlocked XLA's CPU pool: each
+    finishes. Ten runs, not twenty: the everyday tests above already prove no
+    engine program calls such a routine; these runs are the end-to-end smoke."""
     target, drafter, rows = wide_hybrid_pair(tmp_path)
     seconds = []
-    for run in range(20):
+    for run in range(RUNS):
         out = tmp_path / f"out{run}.jsonl"
         cmd = [sys.executable, "-m", "infer", "--target", str(target), "--drafter", str(drafter), "--input",
                str(rows), "--output", str(out), "--batch-size", "32", "--max-new-tokens", "24", "--dtype",
@@ -221,4 +227,4 @@ def test_hybrid_dflash_runs_twenty_times_without_hanging(tmp_path):
         seconds.append(round(time.monotonic() - start, 1))
         assert proc.returncode == 0, f"run {run + 1}: {proc.stderr[-2000:]}"
         assert len(out.read_text().splitlines()) == 32
-    print(f"20 runs, each finished; longest {max(seconds)} s, all: {seconds}")
+    print(f"{RUNS} runs, each finished; longest {max(seconds)} s, all: {seconds}")

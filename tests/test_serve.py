@@ -794,6 +794,7 @@ def server(offline_run, tmp_path_factory):
     import httpx
 
     srv.warming = []  # what /health answered before the engine was ready
+    ready = False
     try:
         while "serving " not in (log.read_text(errors="replace") if log.is_file() else ""):
             if proc.poll() is not None:
@@ -802,7 +803,10 @@ def server(offline_run, tmp_path_factory):
                 pytest.fail(f"the server was not serving after {START_TIMEOUT} s:\n{tail(log)}")
             with contextlib.suppress(httpx.TransportError):
                 r = httpx.get(srv.url + "/health", timeout=5)
-                srv.warming.append((r.status_code, r.json()))
+                if r.status_code == 200:  # ready: the "serving" line follows the state by a moment
+                    ready = True
+                if not ready:
+                    srv.warming.append((r.status_code, r.json()))
             time.sleep(0.5)
 
         while True:  # the line comes just before uvicorn binds
