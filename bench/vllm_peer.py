@@ -47,7 +47,7 @@ def context_knorm_broken() -> bool:
     import torch
     from vllm import _custom_ops as ops
 
-    x = torch.randn(2, 3, 2, 8, generator=torch.BatchEngine().manual_seed(0))
+    x = torch.randn(2, 3, 2, 8, generator=torch.Generator().manual_seed(0))
     w = torch.stack([torch.ones(8), torch.full((8,), 2.0)])
     out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-6)

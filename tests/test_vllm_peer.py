@@ -64,9 +64,9 @@ def test_the_probe_names_vllms_cpu_rms_norm_and_the_fix_norms_each_layer_with_it
 
     class Drafter:  # the two attributes the replaced method reads
         _rms_norm_eps = 1e-6
-        _k_norm_weights = torch.rand(3, 16, generator=torch.BatchEngine().manual_seed(1)) + 0.5
+        _k_norm_weights = torch.rand(3, 16, generator=torch.Generator().manual_seed(1)) + 0.5
 
-    k = torch.randn(3, 5, 2, 16, generator=torch.BatchEngine().manual_seed(2))
+    k = torch.randn(3, 5, 2, 16, generator=torch.Generator().manual_seed(2))
     unit = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)
     fixed = per_layer_context_knorm(Drafter(), k)
     for layer in range(3):
