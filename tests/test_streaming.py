@@ -114,7 +114,20 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
         assert engine.close(timeout=60)
 
 
-def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
+def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded(monkeypatch):
+    """... and the rows handed to `cancel` are never written by the host afterwards: jax may read a
+    host array when the call runs, behind the one in flight (on a CPU from the array's own memory),
+    and a cleared mask lost the cancel, so the row ran on into pages handed to a new row."""
+    import dflash_jax.engine.streaming as streaming
+
+    handed = []  # (the array cancel got, a copy of it then)
+
+    def recorded(spec, state, rows):
+        handed.append((rows, np.array(rows, copy=True)))
+        return cancel(spec, state, rows)
+
+    cancel = streaming.cancel
+    monkeypatch.setattr(streaming, "cancel", recorded)
     target, tparams, drafter, dparams = setup("qwen3-v128")
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=24,
                     max_prompt_len=32, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
@@ -163,6 +176,8 @@ def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded():
         for i in (2, 3, 4):  # the slots they freed served the rest, which run as they would alone
             assert got[i] == want[i], i
         assert engine.metrics.running == 0 and engine.metrics.requests["cancelled"] == 2
+        assert any(given.any() for _, given in handed)  # the cancelled rows went to the device
+        assert all(np.array_equal(rows, given) for rows, given in handed)  # and no mask changed after
     finally:
         assert engine.close(timeout=60)
     with pytest.raises(DFlashError, match="shutting down"):

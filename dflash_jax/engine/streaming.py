@@ -327,7 +327,10 @@ class StreamingEngine:
             self._take(ledger.waiting, block=idle)
             self._cancel_rows(ledger, end)
             if to_end.any():
-                state = cancel(spec, state, to_end)
+                # A copy: jax may read a host array after the call returns (on a CPU it can use the
+                # array's own memory, read when the call runs behind the one in flight), so clearing
+                # to_end at once lost cancels: the rows ran on, writing pages handed to new rows.
+                state = cancel(spec, state, to_end.copy())
                 to_end[:] = False
             state, admitted = self._admit(state, ledger)
             issued = None
