@@ -113,6 +113,41 @@ def test_where_prefix_caching_cannot_work_it_is_off_or_refused():
         EngineOptions(prefix_cache="yes", kv_pages=4)
 
 
+def test_the_servers_default_pool_holds_what_per_row_caches_hold_with_prefix_caching_where_it_works():
+    """`python -m infer.serve`'s default KV cache (`infer.serve.model.default_pool`): a pool of batch x
+    the pages of a row's whole cache, the memory per-row caches take, so the longest row of every slot
+    fits at once; prefix caching on for a dense target, off (and the log says why) for a hybrid's
+    states and Gemma 4's rings, whose pool still runs."""
+    from argparse import Namespace
+
+    from dflash_jax.engine.scheduler import per_row_pages, row_cache_len
+    from infer.serve.model import default_pool, kv_cache_note
+    from test_spec_decode import model_config
+
+    assert row_cache_len(100, 128, 16) == 128 + 128 + 32 and row_cache_len(64, 8, 4, tree_budget=32) == 64 + 8 + 33
+    assert per_row_pages(8, 100, 128, 16, page_size=16) == 8 * 18 and per_row_pages(3, 64, 8, 4, 32, 8) == 3 * 14
+    options = default_pool(EngineOptions(batch_size=3, page_size=P), Namespace(prefix_cache=None), 4, 30, 8)
+    assert options.kv_pages == 3 * -(-(32 + 8 + 8) // P) and options.prefix_cache is None
+    kw = dict(block_size=1, batch_size=3, max_new_tokens=8, max_prompt_len=30, page_size=P, prefill_chunk=16)
+    per_row = BatchEngine(model_config("qwen3", 8, 2), None, **kw)
+    assert per_row_pages(3, 30, 8, 1, page_size=P) * P >= 3 * per_row.spec.cache_len > (per_row_pages(
+        3, 30, 8, 1, page_size=P) - 3) * P  # the same memory, in whole pages
+    pages = per_row_pages(3, 30, 8, 1, page_size=P)
+    for family, caching in (("qwen3", "prefix caching on"),
+                            ("qwen3_5", "prefix caching off: the target's recurrent (delta-net) layers"),
+                            ("gemma4", "prefix caching off: the target's sliding layers keep a ring per row")):
+        gen = BatchEngine(model_config(family, 8, 3), None, kv_pages=pages, **kw)
+        assert gen.check_prompt([1] * 30) is None  # the longest prompt and max_new_tokens: no wait for pages
+        assert gen.pages_needed(30, 8) * 3 <= pages
+        note = kv_cache_note(gen, default=True)
+        assert note.startswith(f"a page pool of {pages} pages of {P} positions (the default: the memory of 3 per-row "
+                               f"caches of {gen.spec.cache_len} positions), ") and caching in note, note
+    assert kv_cache_note(per_row, default=False) == (f"per-row caches of {per_row.spec.cache_len} positions x 3 "
+                                                     f"slots (--kv-pages 0); no prefix caching")
+    refused = kv_cache_note(per_row, default=True, refused="a mesh whose data axis is 1")
+    assert "the default page pool was refused: a mesh whose data axis is 1" in refused
+
+
 # --------------------------------------------------------------------------- the engine (heavy)
 
 NAME = "qwen3-v128"

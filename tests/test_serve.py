@@ -603,6 +603,36 @@ def test_the_server_prefills_at_two_widths_and_splits_small_groups():
     assert all(parts(n, every) == [list(range(n))] for n in range(1, 9))
 
 
+def test_the_server_pages_the_kv_cache_and_caches_prefixes_by_default():
+    """With no --kv-pages the server's engine options hold a page pool of per-row caches' memory
+    (`infer.serve.model.default_pool`) and prefix caching on where the target allows it (the demo's
+    dense target does); --kv-pages 0 keeps per-row caches, --kv-pages N sizes the pool. Read from
+    the flags and the configs: nothing loads or compiles."""
+    from dflash_jax.engine.scheduler import per_row_pages
+    from dflash_jax.errors import DFlashError
+    from infer.serve.__main__ import build_parser
+    from infer.serve.model import ServedModel
+
+    def served(*flags):
+        return ServedModel(build_parser().parse_args(list(flags)), say=lambda *a: None)
+
+    model = served()
+    o = model.options
+    assert model.kv_default and o.prefix_cache is None  # None: on, wherever it can work
+    assert o.kv_pages == per_row_pages(o.batch_size, model.max_prompt, model.max_new, 16, 0, o.page_size) > 0
+    tree = served("--tree-budget", "32", "--batch-size", "4").options
+    assert tree.kv_pages == per_row_pages(4, model.max_prompt, model.max_new, 16, 32, o.page_size)
+    assert served("--block-size", "1").options.kv_pages == per_row_pages(8, model.max_prompt, model.max_new, 1)
+    assert served("--kv-pages", "0").options.kv_pages is None  # per-row caches
+    assert served("--kv-pages", "40").options.kv_pages == 40
+    assert served("--prefix-cache", "on").options.prefix_cache == "on"  # the default pool is there to share
+    assert served("--prefix-cache", "off").options.prefix_cache == "off"
+    with pytest.raises(DFlashError, match=r"--kv-pages must be >= 0 \(0: per-row caches\), got -1"):
+        served("--kv-pages", "-1")
+    with pytest.raises(DFlashError, match=r"--prefix-cache on needs a page pool"):
+        served("--kv-pages", "0", "--prefix-cache", "on")
+
+
 def test_a_stop_string_ends_a_request_as_stop_in_the_metrics():
     """A request its caller stopped (a stop string) is counted under finish_reason "stop", one a
     client abandoned under "cancelled"."""

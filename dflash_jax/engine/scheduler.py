@@ -70,6 +70,19 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def row_cache_len(max_prompt_len: int, max_new_tokens: int, block_size: int, tree_budget: int = 0) -> int:
+    """Positions each row's cache holds (`EngineSpec.cache_len`): the prompt cap (bucketed), max_new_tokens,
+    and what the engine reserves for a cycle's writes past them (two blocks, or a tree's nodes)."""
+    return bucket(max_prompt_len) + max_new_tokens + max(2 * block_size, tree_budget + 1)
+
+
+def per_row_pages(batch_size: int, max_prompt_len: int, max_new_tokens: int, block_size: int, tree_budget: int = 0,
+                  page_size: int = PAGE_SIZE) -> int:
+    """The pages a page pool needs to hold what per-row caches hold: every slot's whole cache
+    (`row_cache_len`, in whole pages), so no row ever waits for pages (the same memory)."""
+    return batch_size * -(-row_cache_len(max_prompt_len, max_new_tokens, block_size, tree_budget) // page_size)
+
+
 @dataclasses.dataclass
 class Call:
     """A call of decoding cycles in flight: its figures (on the device until read), the draft length
@@ -151,7 +164,7 @@ class BatchEngine:
         self.spec = EngineSpec(
             target=target_config, drafter=drafter_config if block_size > 1 else None, block_size=block_size,
             sampling=sampling, max_new_tokens=max_new_tokens,
-            cache_len=self.max_prompt_len + max_new_tokens + max(2 * block_size, tree_budget + 1), mesh=mesh,
+            cache_len=row_cache_len(self.max_prompt_len, max_new_tokens, block_size, tree_budget), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
             tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
         )

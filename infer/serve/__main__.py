@@ -32,6 +32,13 @@ SERVER_HELPS = {
     "sync_every": "decoding cycles per host sync: tokens reach clients at each; fewer syncs cost the host less, "
                   "more keep the inter-token latency near one cycle",
     "stall_timeout": "end the server when the device makes no progress for this long (0: never)",
+    "kv_pages": "keep K/V in a pool of N pages (of --page-size positions) shared by the requests, each holding the "
+                "pages of its own prompt and max_tokens (default: a pool of the memory per-row caches would take, "
+                "batch x the pages of --max-prompt-len + --max-new-tokens, so no request waits for pages; 0: "
+                "per-row caches, no prefix caching). The startup log says which, and why where the pool is refused",
+    "prefix_cache": "keep prompts' full pages in the pool cached and share them with later prompts that start the "
+                    "same tokens, which prefill only the rest; least recently used pages are evicted (default: on, "
+                    "unless the target keeps a per-row ring or state)",
 }
 
 

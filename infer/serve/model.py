@@ -3,6 +3,8 @@ while the port is already open) the weights loaded, every program compiled and t
 engine started. Text in and out: prompts and chat messages to token ids, token ids to text.
 """
 
+import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -27,7 +29,13 @@ class ServedModel:
         from dflash_jax.engine.options import EngineOptions
         from dflash_jax.pair import open_pair
 
-        self.options = EngineOptions.of(args)  # checked once: an out-of-range flag is a one-line error
+        # --kv-pages: unset, a page pool of per-row caches' memory (sized below, `default_pool`); 0: per-row caches
+        if args.kv_pages is not None and args.kv_pages < 0:
+            raise DFlashError(f"--kv-pages must be >= 0 (0: per-row caches), got {args.kv_pages}")
+        self.kv_default = args.kv_pages is None
+        flags = argparse.Namespace(**{**vars(args), "kv_pages": args.kv_pages or None,
+                                      "prefix_cache": None if self.kv_default else args.prefix_cache})
+        self.options = EngineOptions.of(flags)  # checked once: an out-of-range flag is a one-line error
         if args.max_waiting < 1:
             raise DFlashError(f"--max-waiting must be >= 1, got {args.max_waiting}")
         self.args, self.say = args, say
@@ -49,6 +57,9 @@ class ServedModel:
         self.max_new = args.max_new_tokens or (128 if pair.demo else 256)
         self.max_prompt = args.max_prompt_len or min(2048, self.tcfg.max_position_embeddings)
         self.context = min(self.max_prompt, self.tcfg.max_position_embeddings)
+        if self.kv_default:
+            self.options = default_pool(self.options, args, block if self.drafting else 1, self.max_prompt,
+                                        self.max_new)
         pair.open_tokenizer()
         self.tokenizer, self.stops = pair.tokenizer, pair.stop_tokens
         self.vocab_size = self.tcfg.vocab_size
@@ -68,10 +79,19 @@ class ServedModel:
         args, say, options = self.args, self.say, self.options
         say(f"loading {self.target_dir}" + (f" and {self.drafter_dir}" if self.drafting else ""))
         self.pair.load_weights(engine_mesh(options.mesh))
+        data = self.pair.mesh.shape["data"] if self.pair.mesh is not None else 1
+        refused = None
+        if self.kv_default and data > 1:  # the default pool, refused: per-row caches
+            refused = f"a page pool is shared by every row, so it needs a mesh whose data axis is 1 (this one's is {data})"
+            if options.prefix_cache == "on":
+                raise DFlashError(f"--prefix-cache on shares the page pool's pages: {refused}")
+            options = self.options = dataclasses.replace(options, kv_pages=None, prefix_cache=None)
         gen = options.generator(self.pair, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
                                 sampling=Sampling(per_row=True),
                                 admission_widths=None if args.all_admission_widths else (1, args.batch_size))
         self.context = min(gen.max_prompt_len, self.tcfg.max_position_embeddings)
+        self.kv_note = kv_cache_note(gen, self.kv_default, refused)
+        say(f"KV cache: {self.kv_note}")
         # An engine that fails ends the server (exit status 3), after answering every open request
         # with an error: a supervisor restarts it, where a server without an engine would linger.
         engine = StreamingEngine(gen, max_waiting=args.max_waiting,
@@ -125,3 +145,34 @@ class ServedModel:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- the KV cache
+
+
+def default_pool(options, args, block_size: int, max_prompt: int, max_new: int):
+    """The server's default KV cache: a page pool of the memory per-row caches would take (batch x
+    the pages of each row's cache: `per_row_pages`), so no request ever waits for pages, with
+    prefix caching where the target allows it (`--prefix-cache`'s default). `--kv-pages N` sizes it,
+    `--kv-pages 0` keeps per-row caches."""
+    from dflash_jax.engine.scheduler import per_row_pages
+
+    pages = per_row_pages(options.batch_size, max_prompt, max_new, block_size,
+                          options.tree_budget if block_size > 1 else 0, options.page_size)
+    return dataclasses.replace(options, kv_pages=pages, prefix_cache=args.prefix_cache)
+
+
+def kv_cache_note(gen, default: bool, refused: str | None = None) -> str:
+    """The KV cache an engine runs, for the startup log: a pool's pages and whether prompts' pages
+    are shared (prefix caching, or why not), or per-row caches (and why)."""
+    from dflash_jax.engine.scheduler import prefix_refusal
+
+    spec = gen.spec
+    if not spec.kv_pages:
+        why = f"the default page pool was refused: {refused}" if refused else "--kv-pages 0"
+        return f"per-row caches of {spec.cache_len} positions x {gen.batch_size} slots ({why}); no prefix caching"
+    size = (f"the default: the memory of {gen.batch_size} per-row caches of {spec.cache_len} positions"
+            if default else "--kv-pages")
+    caching = "prefix caching on" if gen.prefix_cache else (
+        f"prefix caching off: {prefix_refusal(spec) or '--prefix-cache off'}")
+    return f"a page pool of {spec.kv_pages} pages of {spec.page_size} positions ({size}), {caching}"
