@@ -139,7 +139,7 @@ def test_a_ring_holds_what_a_window_sees(rows):
 
 def pooled(name, block_size, batch_size, kv_pages, **kw):
     target, tparams, drafter, dparams = setup(name)
-    kw = dict(dict(page_size=PAGE), **kw)
+    kw = dict(dict(page_size=PAGE, speculation="fixed"), **kw)
     return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
                      prefill_chunk=CHUNK, kv_pages=kv_pages, **kw)
