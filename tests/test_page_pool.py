@@ -246,7 +246,7 @@ def test_what_a_pool_cannot_hold_is_refused():
     gen = pooled("qwen3-v8", 8, 2, kv_pages=2)  # 32 positions: a 30-token prompt + 24 new does not fit
     with pytest.raises(DFlashError, match=r"prompt 0: needs 4 pages of 16 positions \(30 prompt tokens \+ 24 new \+ 7 drafts\); the pool has 2: raise kv_pages"):
         list(gen.generate([list(prompts("qwen3-v8")[6])]))
-    with pytest.raises(DFlashError, match="at least one page"):
+    with pytest.raises(DFlashError, match="--kv-pages must be >= 1, got 0"):
         pooled("qwen3-v8", 8, 2, kv_pages=0)
     fake = type("Mesh", (), {"shape": {"data": 2, "model": 1}})()  # a mesh that splits rows (one device here)
     with pytest.raises(DFlashError, match="needs a mesh whose data axis is 1"):

@@ -1,15 +1,20 @@
-"""Engine options: how a `BatchEngine` runs (batch, block, cache and page sizes, syncs, mesh,
-dtype, watchdog), one frozen type checked once, shared by `python -m infer` (through
-`GenerationJob`), `python -m infer.serve` and the bench.
+"""Engine options: how a `BatchEngine` runs (batch, block, draft length, tree, speculation, cache
+and page sizes, syncs, mesh, dtype, watchdog), one frozen type checked once and declared only
+here: `GenerationJob` holds one (`python -m infer`), `BatchEngine` takes one (its default: these
+defaults, every command's), and the flags of `python -m infer`, `python -m infer.serve` and the
+bench are made from its fields (`infer.flags.add_engine_flags`, one flag per field, these
+defaults; a command whose default differs says so in one `overrides` entry).
 
     options = EngineOptions(batch_size=16, sync_every=SERVER_SYNC_EVERY)
     gen = options.generator(pair, max_new_tokens=256, max_prompt_len=2048)
 
 A field out of range is an `InputError` naming it by its flag (`--batch-size must be >= 1`).
-The flags themselves (one per field, these defaults) are `infer.flags.add_engine_flags`.
-Limits each command resolves its own way (max_new_tokens: 256, 128 for the demo pair;
-max_prompt_len: the input's longest prompt for a batch job, the target's context for the
-server) are passed to `generator`, not kept here.
+What depends on the pair is settled once, by `resolve(pair, options)`, before a weight is read:
+the block size (the drafter's, or 1), --draft-tokens within the block, a tree the pair can
+verify, and the settings that need a drafter (`check_drafting`); every command and `BatchEngine`
+settle their options there. Limits each command resolves its own way (max_new_tokens: 256, 128
+for the demo pair; max_prompt_len: the input's longest prompt for a batch job, the target's
+context for the server) are passed to `generator`, not kept here.
 """
 
 from __future__ import annotations
