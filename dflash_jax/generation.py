@@ -711,10 +711,10 @@ class JobRun:
 
     def engine(self, options: EngineOptions):
         """A BatchEngine of these options (the plan's, or their `plain` baseline) for the run's rows."""
-        from dflash_jax.engine import Sampling
+        from dflash_jax.engine import BatchEngine, Sampling
 
         job = self.job
-        return options.generator(self.plan.pair, max_new_tokens=options.max_new_tokens,
+        return BatchEngine.of(self.plan.pair, options, max_new_tokens=options.max_new_tokens,
                                  max_prompt_len=self.max_prompt,
                                  sampling=Sampling(job.temperature, job.top_k, job.top_p, per_row=self.plan.per_row),
                                  watchdog=self.watchdog)

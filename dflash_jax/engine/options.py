@@ -6,7 +6,7 @@ bench are made from its fields (`infer.flags.add_engine_flags`, one flag per fie
 defaults; a command whose default differs says so in one `overrides` entry).
 
     options = EngineOptions(batch_size=16, sync_every=SERVER_SYNC_EVERY)
-    gen = options.generator(pair, max_new_tokens=256, max_prompt_len=2048)
+    gen = BatchEngine.of(pair, options, max_new_tokens=256, max_prompt_len=2048)
 
 A field out of range is an `InputError` naming it by its flag (`--batch-size must be >= 1`).
 What depends on the pair is settled once, by `resolve(pair, options)`, before a weight is read:
@@ -14,7 +14,7 @@ the block size (the drafter's, or 1), --draft-tokens within the block, a tree th
 verify, and the settings that need a drafter (`check_drafting`); every command and `BatchEngine`
 settle their options there. Limits each command resolves its own way (max_new_tokens: 256, 128
 for the demo pair; max_prompt_len: the input's longest prompt for a batch job, the target's
-context for the server) are passed to `generator`, not kept here.
+context for the server) are passed to the engine (`BatchEngine.of`), not kept here.
 """
 
 from __future__ import annotations
@@ -120,18 +120,6 @@ class EngineOptions:
         """These options for plain decoding (block size 1): the drafter's settings dropped (the
         baseline `python -m infer --compare-baseline` times)."""
         return replace(self, block_size=1, draft_tokens=None, tree_budget=0, draft_window=None)
-
-    def generator(self, pair, *, max_new_tokens: int, max_prompt_len: int, sampling=None, stop_token_ids=None,
-                  watchdog=..., admission_widths=None):
-        """A `BatchEngine` for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
-        tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
-        limits. stop_token_ids: default the pair's. watchdog: default `self.watchdog()`."""
-        from dflash_jax.engine import BatchEngine
-
-        return BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, self,
-                           max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len, sampling=sampling,
-                           stop_token_ids=pair.stop_tokens if stop_token_ids is None else stop_token_ids,
-                           mesh=pair.mesh, watchdog=watchdog, admission_widths=admission_widths)
 
 
 class PairConfigs(NamedTuple):

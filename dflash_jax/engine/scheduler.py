@@ -205,6 +205,17 @@ class BatchEngine:
         self.tail_widths = sorted({w for k in range(batch_size.bit_length()) for w in (1 << k, 3 << k)
                                    if w < batch_size and w % data == 0}, reverse=True) if narrow_tail else []
 
+    @classmethod
+    def of(cls, pair, options: EngineOptions, *, max_new_tokens: int, max_prompt_len: int, sampling=None,
+           stop_token_ids=None, watchdog=..., admission_widths=None) -> BatchEngine:
+        """A BatchEngine for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
+        tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
+        limits. stop_token_ids: default the pair's. watchdog: default `options.watchdog()`."""
+        return cls(pair.target, pair.tparams, pair.drafter, pair.dparams, options, max_new_tokens=max_new_tokens,
+                   max_prompt_len=max_prompt_len, sampling=sampling,
+                   stop_token_ids=pair.stop_tokens if stop_token_ids is None else stop_token_ids, mesh=pair.mesh,
+                   watchdog=watchdog, admission_widths=admission_widths)
+
     def _candidates(self, speculation: str, candidates) -> tuple[int, ...]:
         """The draft lengths calls may run: the spec's own (fixed, or plain decoding), or auto's
         (`candidates`, default `default_candidates`; with draft_tokens or a tree given: 0 and that); the

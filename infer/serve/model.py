@@ -61,7 +61,7 @@ class ServedModel:
     def load(self):
         """Read the weights, compile what serving runs, start the engine (the slow part)."""
         from dflash_jax.compiling import CompileProgress
-        from dflash_jax.engine import Sampling
+        from dflash_jax.engine import BatchEngine, Sampling
         from dflash_jax.engine.streaming import StreamingEngine
         from dflash_jax.pair import engine_mesh
 
@@ -75,7 +75,7 @@ class ServedModel:
             if options.prefix_cache == "on":
                 raise DFlashError(f"--prefix-cache on shares the page pool's pages: {refused}")
             options = self.options = dataclasses.replace(options, kv_pages=None, prefix_cache=None)
-        gen = options.generator(self.pair, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
+        gen = BatchEngine.of(self.pair, options, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
                                 sampling=Sampling(per_row=True),
                                 admission_widths=None if args.all_admission_widths else (1, args.batch_size))
         self.context = min(gen.max_prompt_len, self.tcfg.max_position_embeddings)
