@@ -12,7 +12,6 @@ from pathlib import Path
 
 from dflash_jax.engine.options import SERVER_SYNC_EVERY, EngineOptions
 from dflash_jax.errors import InputError
-from dflash_jax.engine.sampling import ACCEPTANCE_RULES
 from dflash_jax.shapes import SHAPES
 from bench.published import PAPER_TAU
 from bench.report import write_outputs
@@ -97,20 +96,21 @@ def add_general_flags(gen):
     gen.add_argument("--prompt-lines", type=int, default=6, metavar="N", help="lines per snippet (default 6)")
     gen.add_argument("--max-prompt-tokens", type=int, default=128, metavar="N",
                      help="prompts cut to this many tokens (default 128)")
-    gen.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="rows, 8 (--moe-cost 1 and 8, --published-shapes 1)")
-    gen.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                     help="per row (default 128; --cache-scaling: 64)")
+    # Unset, each mode's own (`check_args`, the modes).
+    add_engine_flags(gen, ("batch_size", "max_new_tokens"), overrides={"batch_size": None, "max_new_tokens": None},
+                     helps={"batch_size": "rows, 8 (--moe-cost 1 and 8, --published-shapes 1)",
+                            "max_new_tokens": "per row (default 128; --cache-scaling: 64)"})
     gen.add_argument("--repeats", type=int, default=None, metavar="N",
                      help="timed runs of each, median (default 3; workloads 2)")
     gen.add_argument("--seed", type=int, default=0, metavar="N",
                      help="prompts, random weights, sampling (default 0)")
     # python -m infer's engine defaults (sync every 8 cycles: throughput).
     add_engine_flags(gen, ("sync_every",), helps={"sync_every": "cycles per host sync (BatchEngine; default %(default)s)"})
-    # Not python -m infer's --narrow-tail (off unless given): unset, the platform's default.
-    gen.add_argument("--narrow-tail", action=argparse.BooleanOptionalAction, default=None,
-                     help="the batch's tail on narrower loops (default: CPU)")
-    add_engine_flags(gen, ("page_size",), helps={"page_size": "cache positions per page (default %(default)s)"})
+    # Not python -m infer's --narrow-tail (off unless given): unset, the platform's default
+    # (`bench.timing.narrow_tail_default`).
+    add_engine_flags(gen, ("narrow_tail", "page_size"), overrides={"narrow_tail": None},
+                     helps={"narrow_tail": "the batch's tail on narrower loops (default: CPU)",
+                            "page_size": "cache positions per page (default %(default)s)"})
     gen.add_argument("--json", default=None, metavar="PATH",
                      help=f"figures (default: {BENCH_DIR}/<mode, settings>.json)")
     gen.add_argument("--plot", default=None, metavar="PATH",
@@ -143,8 +143,7 @@ def add_suite_flags(p):
                             "compiled)")
     suite.add_argument("--batch-sizes", default="1,8", metavar="N,...", help="batch sizes (default 1,8)")
     suite.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default 0)")
-    suite.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=ACCEPTANCE_RULES[0], metavar="RULE",
-                       help="DFlash2, sampled: rejection (default) or match")
+    add_engine_flags(suite, ("acceptance",), helps={"acceptance": "DFlash2, sampled: rejection (default) or match"})
     suite.add_argument("--no-split", action="store_true", help="skip the time split of a cycle")
     suite.add_argument("--split-rounds", type=int, default=7, metavar="N",
                        help="time split: rounds per piece, median (default 7)")
@@ -183,8 +182,7 @@ def add_mode_flags(p):
     aot = p.add_argument_group("--aot", "TPU compiler's time, bytes, HBM/chip, collectives; compiled on this machine")
     aot.add_argument("--aot", metavar="TOPOLOGY",
                      help="v5e:1x1, v5p:2x2x1, ...; needs libtpu ('.[tpu]')")
-    aot.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                     help="the chips' split (default: all on model)")
+    add_engine_flags(aot, ("mesh",), helps={"mesh": "the chips' split (default: all on model)"})
     aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
                      help="default prefill,ar,dflash (a DFlash2 shape: dflash is both cycles, dflash2 its "
                           "own)")
@@ -199,8 +197,7 @@ def add_mode_flags(p):
                           "tau, tokens/s at --paper-tau and auto speculation's choice")
     aot.add_argument("--draft-sweep", default=None, metavar="K,...",
                      help="draft lengths of --batch-sweep (default auto speculation's: 3,7,B-1)")
-    aot.add_argument("--kv-pages", type=int, default=None, metavar="N",
-                     help="caches in a pool of N pages (default: per slot)")
+    add_engine_flags(aot, ("kv_pages",), helps={"kv_pages": "caches in a pool of N pages (default: per slot)"})
 
     moe = p.add_argument_group("--moe-cost", "a DFlash cycle vs a decoding step: gpt-oss-20b, Qwen3-30B-A3B")
     moe.add_argument("--moe-cost", action="store_true", help="experts a verify touches, bytes, speedup")

@@ -67,7 +67,7 @@ def run_draft_window(args) -> dict:
           f"tokens, batch {batch}; median of {args.repeats} interleaved runs\n", flush=True)
     common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens, max_prompt_len=hi, stop_token_ids=(),
                   sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail),
-                  page_size=args.page_size)
+                  page_size=args.page_size, speculation="fixed")
     engines = {w: (BatchEngine(target, pair.tparams, drafter, pair.dparams, draft_window=w, **common), None)
                for w in [None, *windows]}
     res = _interleaved(engines, prompts, args.repeats, args.seed)

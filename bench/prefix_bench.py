@@ -73,7 +73,8 @@ def run_prefix_ttft(args) -> dict:
         pairs.append([prefix + s for s in suffixes])
     max_prompt = bucket(max(len(p) for two in pairs for p in two))
     kw = dict(batch_size=args.batch_size or 2, max_new_tokens=n, max_prompt_len=max_prompt,
-              page_size=args.page_size, prefill_chunk=args.serve_prefill_chunk, sync_every=args.serve_sync_every)
+              page_size=args.page_size, prefill_chunk=args.serve_prefill_chunk, sync_every=args.serve_sync_every,
+              speculation="fixed")
     probe = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, **kw)
     kw["kv_pages"] = pages = (kw["batch_size"] + 2) * probe.pages_needed(max_prompt, n)
     gen = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, sampling=Sampling(per_row=True),

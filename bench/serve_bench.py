@@ -238,7 +238,7 @@ def run_serve_bench(args) -> dict:
     # The offline engine: python -m infer's (greedy, the CLI's sync_every and batch, no narrowing).
     stops = stop_token_ids(pair.target_dir, pair.tokenizer) if pair.target_dir else []
     gen = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=args.batch_size,
-                    max_new_tokens=n, max_prompt_len=max_prompt, stop_token_ids=stops, sync_every=SYNC_EVERY)
+                    max_new_tokens=n, max_prompt_len=max_prompt, stop_token_ids=stops, sync_every=SYNC_EVERY, speculation="fixed")
     t = time.perf_counter()
     gen.warmup([len(p) for p in prompts])
     time_generate(gen, prompts, 1, 0)

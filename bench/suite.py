@@ -146,7 +146,8 @@ def run_suite(args, result: dict) -> int:
         baseline=[], dflash=[],
     )
     common = dict(max_new_tokens=args.max_new_tokens, max_prompt_len=max(lens), sampling=sampling,
-                  stop_token_ids=(), sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
+                  stop_token_ids=(), sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail),
+                  speculation="fixed")
     split = dict(rounds=args.split_rounds, min_round_s=args.split_min_time)
     try:
         for batch in batch_sizes:

@@ -176,7 +176,7 @@ def run_vllm_peer(args) -> dict:
 
     common = dict(batch_size=batch, max_new_tokens=new, max_prompt_len=max(len(p) for p in prompts),
                   sampling=Sampling(), stop_token_ids=(), sync_every=args.sync_every,
-                  narrow_tail=narrow)
+                  narrow_tail=narrow, speculation="fixed")
     engines = {
         "ours plain": BatchEngine(pair.target, pair.tparams, block_size=1, **common),
         "ours dflash": BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, draft_tokens=k, **common),

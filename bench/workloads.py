@@ -114,7 +114,7 @@ def run_cache_scaling(args) -> dict:
     engines = {}
     for mpl in (small, large):
         common = dict(batch_size=batch, max_new_tokens=args.max_new_tokens, max_prompt_len=mpl, stop_token_ids=(),
-                      sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
+                      sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail), speculation="fixed")
         engines[("plain", mpl)] = (BatchEngine(target, pair.tparams, block_size=1, **common), None)
         engines[("dflash", mpl)] = (BatchEngine(target, pair.tparams, drafter, pair.dparams, **common), None)
     res = _interleaved(engines, prompts, args.repeats, args.seed)
@@ -154,7 +154,7 @@ def run_mixed_workload(args) -> dict:
           f"(seeded, drawn from {lo}..{hi}; {sum(limits)} tokens); uniform: every row {mean} "
           f"({sum(uniform)} tokens); median of {args.repeats} interleaved runs\n", flush=True)
     common = dict(batch_size=batch, max_new_tokens=hi, max_prompt_len=max(len(p) for p in prompts), stop_token_ids=(),
-                  sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail))
+                  sync_every=args.sync_every, narrow_tail=narrow_tail_default(args.narrow_tail), speculation="fixed")
     plain = BatchEngine(pair.target, pair.tparams, block_size=1, **common)
     dflash = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, **common)
     engines = {("plain", "mixed"): (plain, limits), ("plain", "uniform"): (plain, uniform),
@@ -197,7 +197,7 @@ def run_page_pool(args) -> dict:
     print(describe_prompts(prompts, snippets, kind, args.heldout_package, args.prompt_lines))
     limits = np.clip(log_uniform(lo, hi), lo, hi).tolist()
     common = dict(max_new_tokens=hi, max_prompt_len=cap, stop_token_ids=(), sync_every=args.sync_every,
-                  page_size=args.page_size, narrow_tail=narrow_tail_default(args.narrow_tail))
+                  page_size=args.page_size, narrow_tail=narrow_tail_default(args.narrow_tail), speculation="fixed")
     per_slot = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, batch_size=batch, **common)
     positions = batch * cache_length(per_slot.spec.cache_len, args.page_size)  # the per-slot K/V memory
     pages = positions // args.page_size

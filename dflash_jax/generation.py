@@ -27,15 +27,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
-from dflash_jax.engine.options import EngineOptions
+from dflash_jax.engine.options import EngineOptions, check_drafting, resolve
 from dflash_jax.engine.sampling import (check_max_new_tokens, check_seed, check_temperature, check_top_k,
                                         check_top_p)
-from dflash_jax.engine.speculation import PRIOR_RATE
-from dflash_jax.engine.tree import check_tree
+from dflash_jax.engine.speculation import PRIOR_RATE, SPECULATION_MODES
 from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 
-_ENGINE = EngineOptions()  # the engine fields' defaults
+# `python -m infer`'s engine options: the engine's defaults, speculation the job's (`speculation_mode`).
+JOB_ENGINE = EngineOptions(speculation=None)
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineOptions))
 
 
 # --------------------------------------------------------------------------- the job
@@ -44,41 +45,38 @@ _ENGINE = EngineOptions()  # the engine fields' defaults
 @dataclass(frozen=True)
 class GenerationJob:
     """One batch generation run: what `python -m infer` does with these flags (the field
-    `max_new_tokens` is `--max-new-tokens`, and so on; the same defaults). With no target it runs
-    the bundled demo pair on its prompts (and, with no input, compares with the baseline).
-    Checked when made: a field out of range is an InputError naming its flag."""
+    `temperature` is `--temperature`, and so on; the same defaults), the engine's flags held in
+    `options` (an `EngineOptions`: `--batch-size` is `options.batch_size`). With no target it
+    runs the bundled demo pair on its prompts (and, with no input, compares with the baseline).
+    Checked when made: a field out of range is an InputError naming its flag.
+
+    `GenerationJob.of(**flags)` makes one from flat fields, the job's and the options' alike
+    (`GenerationJob.of(target=..., input=..., batch_size=4)`), as the flags are."""
 
     target: str | Path | None = None  # HF or converted directory (None: the demo pair)
     drafter: str | Path | None = None  # DFlash drafter; None: plain decoding (the demo's, for the demo)
     input: str | Path | None = None  # prompts JSONL (None: the demo's prompts; required with a target)
     output: str | Path | None = None  # results JSONL, appended, resumed; None: stdout
-    max_new_tokens: int | None = None  # per row, and the most a row may ask for (None: 256; 128 for the demo)
+    # The engine: max_new_tokens None: 256 (128 for the demo pair), also the most a row may ask for;
+    # max_prompt_len None: the longest prompt, rounded up; speculation None: `speculation_mode`.
+    options: EngineOptions = JOB_ENGINE
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
     seed: int = 0  # seed of the sampling keys (per row and position)
-    block_size: int | None = None  # None: the drafter's; 1 = plain autoregressive decoding
-    draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
-    tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain)
-    acceptance: str = _ENGINE.acceptance  # how a DFlash2 drafter's sampled rows accept drafts
-    speculation: str | None = None  # "auto": each sync's draft length picked by cost; "fixed": K always
-    # (None: auto; fixed for the demo on its own prompts, which shows the method: `speculation_mode`)
-    draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
-    batch_size: int = _ENGINE.batch_size  # rows decoded together
-    dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     ignore_eos: bool = False  # do not stop at the stop tokens
     compare_baseline: bool = False  # also time plain decoding and report the speedup
     enable_thinking: bool = False  # enable_thinking=True for the chat template (Qwen3)
-    max_prompt_len: int | None = None  # sizes the KV cache (None: the longest prompt, rounded up)
-    kv_pages: int | None = None  # a shared pool of this many K/V pages (None: per-row caches)
-    prefix_cache: str | None = None  # "on" | "off": prompts' cached pages shared (None: on where it works)
-    page_size: int = _ENGINE.page_size  # K/V positions per page
-    sync_every: int = _ENGINE.sync_every  # decoding cycles per host sync
-    narrow_tail: bool = False  # run the batch's tail on narrower loops
-    mesh: str | None = None  # "data=D,model=M" (None: every device on `data`; one device: no mesh)
-    stall_timeout: float = _ENGINE.stall_timeout  # minutes without device progress before a stall error; 0 = never
     overwrite: bool = False  # start the output over instead of resuming it
     quiet: bool = False  # no progress bar or progress messages
+
+    @classmethod
+    def of(cls, **flags) -> GenerationJob:
+        """A job from flat fields: the job's own, and `EngineOptions`' (over `JOB_ENGINE`)."""
+        engine = {k: v for k, v in flags.items() if k in _ENGINE_FIELDS}
+        job = {k: v for k, v in flags.items() if k not in _ENGINE_FIELDS}
+        options = replace(job.pop("options", JOB_ENGINE), **engine)
+        return cls(**job, options=options)
 
     def __post_init__(self):
         """Checks that need no model, so a bad field fails before anything loads."""
@@ -86,18 +84,16 @@ class GenerationJob:
             raise InputError("--drafter needs --target, the model it drafts for" + trained_against(Path(self.drafter)))
         if self.target is not None and not self.input:
             raise InputError("--input is required when --target is given")
-        self.engine  # noqa: B018 (the engine fields, checked by EngineOptions)
-        if self.draft_tokens is not None and (self.drafter_dir is None or self.block_size == 1):
-            raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
-        if self.tree_budget and self.drafter_dir is None:
-            raise InputError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
+        if not isinstance(self.options, EngineOptions):
+            raise InputError(f"a job's options must be an EngineOptions, got {type(self.options).__name__}")
+        check_drafting(self.options, self.drafter_dir is not None and self.options.block_size != 1)
         # What the engine casts to int32 or float32 is bounded here, before anything loads.
         check_temperature(self.temperature, "--temperature")
         check_top_p(self.top_p, "--top-p")
         check_top_k(self.top_k, "--top-k")
         check_seed(self.seed, "--seed")
-        if self.max_new_tokens is not None:
-            check_max_new_tokens(self.max_new_tokens, "--max-new-tokens")
+        if self.options.max_new_tokens is not None:
+            check_max_new_tokens(self.options.max_new_tokens, "--max-new-tokens")
         if self.output is not None and self.input_path.exists() and Path(self.output).exists() \
                 and os.path.samefile(self.input_path, self.output):
             raise InputError(f"--output {self.output} is the input file: results would be appended to the prompts; "
@@ -105,9 +101,8 @@ class GenerationJob:
 
     @property
     def engine(self) -> EngineOptions:
-        """The job's engine fields (batch, block, cache and page sizes, syncs, mesh, dtype, watchdog)."""
-        values = {f.name: getattr(self, f.name) for f in fields(EngineOptions) if hasattr(self, f.name)}
-        return EngineOptions(**{**values, "speculation": self.speculation_mode})
+        """The job's engine options, speculation settled (`speculation_mode`)."""
+        return replace(self.options, speculation=self.speculation_mode)
 
     @property
     def demo_prompts(self) -> bool:
@@ -119,9 +114,9 @@ class GenerationJob:
         """--speculation, or its default: auto, except for the demo on its own prompts, which runs
         fixed (every cycle verifies the whole block: it shows DFlash, whose verify a CPU computes
         token by token, where auto would mostly decode plainly; its summary says what auto would do)."""
-        if self.speculation is not None:
-            return self.speculation
-        return "fixed" if self.demo_prompts and self.block_size != 1 else _ENGINE.speculation
+        if self.options.speculation is not None:
+            return self.options.speculation
+        return "fixed" if self.demo_prompts and self.options.block_size != 1 else SPECULATION_MODES[0]
 
     @property
     def demo(self) -> bool:
@@ -144,9 +139,10 @@ class GenerationJob:
         """The job with its defaults that depend on others filled in: max_new_tokens (256; 128 for
         the demo pair), speculation (`speculation_mode`), and the demo on its own prompts compares
         with the baseline."""
-        max_new = self.max_new_tokens if self.max_new_tokens is not None else (128 if self.demo else 256)
-        baseline = self.compare_baseline or (self.demo_prompts and self.block_size != 1)
-        return replace(self, max_new_tokens=max_new, compare_baseline=baseline, speculation=self.speculation_mode)
+        max_new = self.options.max_new_tokens
+        max_new = max_new if max_new is not None else (128 if self.demo else 256)
+        baseline = self.compare_baseline or (self.demo_prompts and self.options.block_size != 1)
+        return replace(self, options=replace(self.engine, max_new_tokens=max_new), compare_baseline=baseline)
 
 
 @dataclass(frozen=True)
@@ -568,7 +564,7 @@ def _run_job(job: GenerationJob, make_record: RecordMaker | None, writer: Callab
         max_prompt = run.screen()
         if not run.runnable:  # nothing to load or compile
             return GenerationResult({"rows": len(plan.todo), "errors": run.errors,
-                                     **GenerationStats(plan.block_size).summary(),
+                                     **GenerationStats(plan.options.block_size).summary(),
                                      "draft_tokens": plan.settings["draft_tokens"] or 0}, skipped=plan.skipped)
         run.load_engine(max_prompt)
         run.decode()
@@ -582,14 +578,14 @@ def _run_job(job: GenerationJob, make_record: RecordMaker | None, writer: Callab
 class JobPlan:
     """What a job will do, worked out from its input and the models' configs before a weight
     is read: the rows to run (those already in the output skipped), the pair (configs only), the
-    block size, and the settings and input digests each output line records."""
+    engine's options settled for it, and the settings and input digests each output line records."""
 
     input_path: Path
     rows: list[InputRow]
     todo: list[InputRow]
     skipped: int
     pair: ModelPair
-    block_size: int
+    options: EngineOptions  # the job's, settled for the pair (`resolve`): its block size, draft length, tree
     settings: dict
     keys: dict  # row id -> its input line's digest (and, sampled, its position)
     out_path: Path | None
@@ -606,37 +602,32 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
         raise InputError(f"{input_path} holds no rows (one JSON object per line, each with one of "
                          f"{', '.join(PROMPT_KEYS)})")
     # Checked from the configs alone, before a weight is read or a program compiled.
-    pair = open_pair(job.target, job.drafter, dtype=job.dtype, use_drafter=job.block_size != 1)
+    opts = job.options
+    pair = open_pair(job.target, job.drafter, dtype=opts.dtype, use_drafter=opts.block_size != 1)
     for r in rows:
         bad = [t for t in (r.value if r.kind == "input_ids" else ()) if not 0 <= t < pair.target.vocab_size]
         if bad:
             raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
                              f"(0..{pair.target.vocab_size - 1})")
-    block_size = 1
-    if pair.drafting:
-        for warning in pair.warnings:
-            say(f"warning: {warning}")
-        block_size = job.block_size or pair.drafter.block_size
-        if job.draft_tokens is not None and job.draft_tokens > block_size - 1:
-            raise InputError(f"--draft-tokens {job.draft_tokens} is more than a block of {block_size} holds "
-                             f"(1..{block_size - 1})")
-        if job.tree_budget:
-            check_tree(pair.target, block_size, job.tree_budget, drafter=pair.drafter)
-    over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > job.max_new_tokens), None)
+    for warning in pair.warnings if pair.drafting else ():
+        say(f"warning: {warning}")
+    options = resolve(pair, opts)  # block size, draft length and tree checked against the pair
+    block_size = options.block_size
+    over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > opts.max_new_tokens), None)
     if over is not None:
         raise InputError(f"{input_path} line {over.line}: max_new_tokens {over.max_new_tokens} is more than "
-                         f"--max-new-tokens {job.max_new_tokens}, which sizes the cache")
+                         f"--max-new-tokens {opts.max_new_tokens}, which sizes the cache")
 
     # Resume: the output's rows must be this run's (same input lines, same settings).
     settings = {"target": model_digest(pair.target_dir),
                 "drafter": model_digest(pair.drafter_dir) if pair.drafting else None,
                 "dtype": pair.target.dtype, "block_size": block_size,
-                "draft_tokens": (job.draft_tokens or block_size - 1) if pair.drafting else None,
+                "draft_tokens": (opts.draft_tokens or block_size - 1) if pair.drafting else None,
                 # None for the chain, so outputs written before trees existed still resume
-                "tree_budget": (job.tree_budget or None) if pair.drafting else None,
+                "tree_budget": (opts.tree_budget or None) if pair.drafting else None,
                 # only a DFlash2 drafter's sampled output depends on it (None otherwise, as before it existed)
-                "acceptance": job.acceptance if pair.drafting and pair.drafter.dflash2 is not None else None,
-                "max_new_tokens": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
+                "acceptance": opts.acceptance if pair.drafting and pair.drafter.dflash2 is not None else None,
+                "max_new_tokens": opts.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
                 "top_k": job.top_k, "seed": job.seed, "ignore_eos": job.ignore_eos,
                 "enable_thinking": job.enable_thinking}
     sampled = lambda r: r.sampling.get("temperature", job.temperature) > 0
@@ -645,7 +636,7 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
     out_path = Path(job.output) if job.output else None
     skip = Resume(out_path, rows, keys, settings, input_path).done if out_path and not job.overwrite else set()
     todo = [r for r in rows if r.id not in skip]
-    return JobPlan(input_path, rows, todo, len(rows) - len(todo), pair, block_size, settings, keys, out_path,
+    return JobPlan(input_path, rows, todo, len(rows) - len(todo), pair, options, settings, keys, out_path,
                    demo_note=job.demo, per_row=any(r.sampling for r in rows))
 
 
@@ -680,13 +671,13 @@ class JobRun:
         self.errors += 1
 
     def limit(self, r: InputRow) -> int:
-        return r.max_new_tokens or self.job.max_new_tokens
+        return r.max_new_tokens or self.job.options.max_new_tokens
 
     def screen(self) -> int:
         """Rows that cannot run, found before anything loads (they do not size the cache), are
         written as errors; the others are `runnable`. Returns the cache's longest prompt."""
-        job, tcfg = self.job, self.plan.pair.target
-        context = min(job.max_prompt_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
+        job, tcfg, opts = self.job, self.plan.pair.target, self.job.options
+        context = min(opts.max_prompt_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
         for r in self.plan.todo:
             n = len(r.turn_ids[0])
             if n == 0 or n > context:
@@ -694,39 +685,39 @@ class JobRun:
                                                             f"({context} tokens)")
             else:
                 self.runnable.append(r)
-        budgets = [prompt_budget(r, self.plan.pair.tokenizer, job.enable_thinking, job.max_new_tokens)
+        budgets = [prompt_budget(r, self.plan.pair.tokenizer, job.enable_thinking, opts.max_new_tokens)
                    for r in self.runnable]
         from dflash_jax.engine import bucket
 
-        return job.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
+        return opts.max_prompt_len or min(bucket(max(budgets, default=1)), tcfg.max_position_embeddings)
 
     def load_engine(self, max_prompt: int):
         """Read the weights onto the run's mesh and make the BatchEngine."""
         from dflash_jax.engine import GenerationStats
 
-        job, pair = self.job, self.plan.pair
+        job, pair, opts = self.job, self.plan.pair, self.job.options
         # The mesh comes first: every tensor is read straight into its shard on it, so no device ever
         # holds the whole model (one larger than a device loads on a mesh). The DFlash and baseline
         # engines share these arrays; their own shard_params is then a no-op.
-        pair.load_weights(engine_mesh(job.mesh), progress=not job.quiet)
-        if pair.drafting and job.block_size is not None and job.block_size > pair.drafter.block_size:
-            self.say(f"warning: --block-size {job.block_size} is larger than the drafter's trained block "
+        pair.load_weights(engine_mesh(opts.mesh), progress=not job.quiet)
+        if pair.drafting and opts.block_size is not None and opts.block_size > pair.drafter.block_size:
+            self.say(f"warning: --block-size {opts.block_size} is larger than the drafter's trained block "
                      f"({pair.drafter.block_size}); drafts past it are guesses it never learned")
         self.max_prompt = max_prompt
-        self.watchdog = job.engine.watchdog()
-        self.gen = self.engine(job.block_size)
+        self.watchdog = opts.watchdog()
+        self.gen = self.engine(self.plan.options)
         self.stats = GenerationStats(self.gen.spec.block_size)
         self.prefix = [0, 0]  # prompt tokens served from the prefix cache, and all
 
-    def engine(self, block_size: int | None):
-        from dflash_jax.engine import Sampling
+    def engine(self, options: EngineOptions):
+        """A BatchEngine of these options (the plan's, or their `plain` baseline) for the run's rows."""
+        from dflash_jax.engine import BatchEngine, Sampling
 
         job = self.job
-        return job.engine.generator(self.plan.pair, max_new_tokens=job.max_new_tokens,
-                                    max_prompt_len=self.max_prompt, block_size=block_size,
-                                    sampling=Sampling(job.temperature, job.top_k, job.top_p,
-                                                      per_row=self.plan.per_row),
-                                    watchdog=self.watchdog)
+        return BatchEngine.of(self.plan.pair, options, max_new_tokens=options.max_new_tokens,
+                                 max_prompt_len=self.max_prompt,
+                                 sampling=Sampling(job.temperature, job.top_k, job.top_p, per_row=self.plan.per_row),
+                                 watchdog=self.watchdog)
 
     def row_sampling(self, rs: list[InputRow]):
         """Each row's own sampling (over the job's), where some row sets its own; else None."""
@@ -752,9 +743,9 @@ class JobRun:
                 self.fail(r, why)
             else:
                 self.first.append(r)
-        drafts = f", {gen.spec.num_drafts} drafts verified" if job.draft_tokens else ""
+        drafts = f", {gen.spec.num_drafts} drafts verified" if job.options.draft_tokens else ""
         drafts = f", a tree of {gen.spec.tree_budget} nodes" if gen.spec.tree_budget else drafts
-        with CompileProgress(f"compiling (block size {gen.spec.block_size}{drafts}, batch {job.batch_size}, "
+        with CompileProgress(f"compiling (block size {gen.spec.block_size}{drafts}, batch {gen.batch_size}, "
                              f"cache {gen.spec.cache_len})", quiet=job.quiet) as progress:
             gen.warmup([len(r.turn_ids[0]) for r in self.first], exact=True, progress=progress.step)
         # Shown in logs too (nohup, CI), where a slower refresh keeps the file small.
@@ -821,7 +812,7 @@ class JobRun:
         summary = {"rows": len(self.plan.todo), "errors": self.errors, **stats.summary(),
                    "draft_tokens": gen.spec.num_drafts, "tree_budget": gen.spec.tree_budget}
         if block_size > 1:  # what ran: the draft lengths, their shares and (auto) why
-            summary["speculation"] = speculation_summary(job.speculation if len(gen.candidates) > 1 else "fixed",
+            summary["speculation"] = speculation_summary(job.options.speculation if len(gen.candidates) > 1 else "fixed",
                                                          gen.policy.summary(), gen.auto_refusal, gen.spec.tree_budget)
         if gen.spec.draft_window:
             summary["draft_window"] = gen.spec.draft_window
@@ -830,12 +821,12 @@ class JobRun:
             summary["acceptance"] = "rejection" if gen.spec.rejection else "match"
         if job.compare_baseline:
             self.say("compiling and timing plain decoding (block size 1) of the same prompts for the speedup ...")
-            summary["baseline"] = baseline_summary(self.engine(1), self.first, job.seed, self.limit,
+            summary["baseline"] = baseline_summary(self.engine(self.plan.options.plain()), self.first, job.seed, self.limit,
                                                    self.row_sampling)
             summary.update(speedup_figures(summary, summary["baseline"], jax.default_backend()))
             if jax.default_backend() == "cpu" and block_size > 1 and summary["tau"] is not None:
                 summary["note"] = cpu_note(gen.spec.verify_len, summary["tau"])
-            if job.demo_prompts and summary.get("speedup") is not None and job.speculation == "fixed":
+            if job.demo_prompts and summary.get("speedup") is not None and job.options.speculation == "fixed":
                 summary["auto"] = auto_beside_fixed(summary["baseline"]["tokens_per_second"],
                                                     summary["tokens_per_second"], summary["tau"])
         if gen.prefix_cache:

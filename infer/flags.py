@@ -4,8 +4,9 @@ the engine's flags, shared with `python -m infer.serve` and `python -m bench`.
 `add_engine_flags` declares one flag per `EngineOptions` field a command offers, with the
 options' defaults (a command whose default differs says so in one `overrides` entry, with its
 reason); `EngineOptions.of(args)` makes the options from the parsed flags.
-`add_generation_flags` declares one flag per `GenerationJob` field (its defaults are the job's),
-plus --summary-json; `job_from_args` makes the job from the parsed flags.
+`add_generation_flags` declares one flag per `GenerationJob` field and the engine flags of
+`BATCH_ENGINE_FLAGS` (the job's `options`), plus --summary-json; `job_from_args` makes the job
+from the parsed flags (`GenerationJob.of`).
 """
 
 from __future__ import annotations
@@ -106,12 +107,16 @@ def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None
     each defaulting to the field's default. overrides: field -> this command's own default, one
     visible entry per difference (the server: {"sync_every": SERVER_SYNC_EVERY}, for latency);
     helps: field -> this command's help text, where the flag means more for it (the server's
-    --max-prompt-len defaults to the target's context). Parse, then `EngineOptions.of(args)`."""
+    --max-prompt-len defaults to the target's context). A switch (--narrow-tail) whose command
+    default is not False is --X/--no-X (None: unset, the command decides). Parse, then
+    `EngineOptions.of(args)`."""
     defaults = {f.name: f.default for f in fields(EngineOptions)} | dict(overrides or {})
     for name in names:
         kwargs = dict(ENGINE_FLAGS[name])
         if helps and name in helps:
             kwargs["help"] = helps[name]
+        if kwargs.get("action") == "store_true" and defaults[name] is not False:
+            kwargs["action"] = argparse.BooleanOptionalAction
         if kwargs.get("action") != "store_true":
             kwargs["default"] = defaults[name]
         parser.add_argument(flag(name), **kwargs)
@@ -171,4 +176,5 @@ def add_distributed_flags(p: argparse.ArgumentParser):
 
 def job_from_args(args: argparse.Namespace) -> GenerationJob:
     """The job the flags of `add_generation_flags` describe (checked: a bad flag is an InputError)."""
-    return GenerationJob(**{f.name: getattr(args, f.name) for f in fields(GenerationJob)})
+    names = [f.name for f in fields(GenerationJob) if f.name != "options"] + [f.name for f in fields(EngineOptions)]
+    return GenerationJob.of(**{name: getattr(args, name) for name in names if hasattr(args, name)})

@@ -37,7 +37,7 @@ def inference(meshes):
         mesh = make_mesh(spec) if spec else None
         tc, tp = load_target(tiny() / "target", mesh=mesh)  # sharded loading straight onto the mesh
         dc, dp = load_drafter(tiny() / "drafter", mesh=mesh)
-        gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh)
+        gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh, speculation="fixed")
         res = sorted(gen.generate(prompts), key=lambda r: r.index)
         kernel = gen.tparams["model"]["layers_0"]["mlp"]["up_proj"]["kernel"]
         out[spec or "single"] = {
@@ -48,7 +48,7 @@ def inference(meshes):
         }
         if spec == "data=2,model=4":  # the tail narrowed: 8 slots, then 6, 4, 2 (rows split over data=2)
             gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
-                            narrow_tail=True, sync_every=2)
+                            narrow_tail=True, sync_every=2, speculation="fixed")
             widths = record_widths(gen)
             res = sorted(gen.generate(prompts), key=lambda r: r.index)
             out["data=2,model=4 narrowed"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
@@ -56,7 +56,7 @@ def inference(meshes):
                                               "tail_widths": gen.tail_widths, "widths_run": sorted(set(widths))}
         if spec == "model=8":  # a page pool, on a mesh that splits the model (a pool needs data=1)
             gen = BatchEngine(tc, tp, dc, dp, batch_size=8, max_new_tokens=40, max_prompt_len=32, mesh=mesh,
-                            kv_pages=30, page_size=16)
+                            kv_pages=30, page_size=16, speculation="fixed")
             res = sorted(gen.generate(prompts), key=lambda r: r.index)
             out["model=8 pool"] = {"outputs": [p + r.output_ids for p, r in zip(prompts, res)],
                                    "acceptance": [r.acceptance_lengths for r in res],
@@ -134,7 +134,7 @@ def moe(meshes):
         for spec in [None] + meshes:
             mesh = make_mesh(spec) if spec else None
             gen = BatchEngine(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
-                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
+                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh, speculation="fixed")
             res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
             experts = gen.tparams["model"]["layers_0"]["mlp"]["experts"]
             weight = experts.get("gate_proj", experts.get("gate_up_proj"))
@@ -167,7 +167,7 @@ def heterogeneous(meshes):
         for spec in [None] + meshes:
             mesh = make_mesh(spec) if spec else None
             gen = BatchEngine(target, shard_params(tparams, mesh), drafter, shard_params(dparams, mesh), block_size=4,
-                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh)
+                            batch_size=8, max_new_tokens=16, max_prompt_len=40, mesh=mesh, speculation="fixed")
             res = sorted(gen.generate(list(prompts(name))), key=lambda r: r.index)
             layer = gen.tparams["model"]["layers_0"]
             kernel = (layer["linear_attn"]["in_proj_z"] if "linear_attn" in layer else layer["mlp"]["up_proj"])["kernel"]

@@ -167,7 +167,7 @@ def small_engine(max_prompt_len):
     target = model_config("qwen3", 64, 3)
     drafter = drafter_config(target, 2, (0, 2), block_size=4)
     return BatchEngine(target, init_params(target), drafter, init_drafter_params(drafter), batch_size=2,
-                     max_new_tokens=16, max_prompt_len=max_prompt_len, page_size=PAGE)
+                     max_new_tokens=16, max_prompt_len=max_prompt_len, page_size=PAGE, speculation="fixed")
 
 
 def small_engine_tokens(prompts=((5, 9, 3, 7, 1, 4), (2, 8, 6))):

@@ -211,7 +211,7 @@ def test_pieces_are_the_engines_own():
 
     tcfg, tparams = load_target(TINY / "target")
     dcfg, dparams = load_drafter(TINY / "drafter")
-    gen = BatchEngine(tcfg, tparams, dcfg, dparams, block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16)
+    gen = BatchEngine(tcfg, tparams, dcfg, dparams, block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16, speculation="fixed")
     state = gen.admit(gen.new_state(), [0, 1], [[5, 6, 7, 8], [9, 10, 11]], [0, 1], [8, 8])
     spec, stop = gen.spec, gen.stop_ids
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)

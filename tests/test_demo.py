@@ -71,11 +71,11 @@ def demo_run(tmp_path_factory):
 def test_the_demo_runs_fixed_speculation_unless_told_otherwise():
     from dflash_jax.generation import GenerationJob
 
-    assert GenerationJob().speculation_mode == "fixed" and GenerationJob().resolved().speculation == "fixed"
+    assert GenerationJob().speculation_mode == "fixed" and GenerationJob().resolved().options.speculation == "fixed"
     assert GenerationJob().engine.speculation == "fixed"
-    assert GenerationJob(speculation="auto").resolved().speculation == "auto"  # asked for: auto runs
+    assert GenerationJob.of(speculation="auto").resolved().options.speculation == "auto"  # asked for: auto runs
     assert GenerationJob(input=DEMO_DIR / "prompts.jsonl").speculation_mode == "auto"  # your prompts: auto
-    assert GenerationJob(block_size=1).speculation_mode == "auto"  # plain decoding: nothing to fix
+    assert GenerationJob.of(block_size=1).speculation_mode == "auto"  # plain decoding: nothing to fix
 
 
 def test_demo_runs_the_trained_pair_on_its_prompts(demo_run):

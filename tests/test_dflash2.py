@@ -161,9 +161,9 @@ def test_convert_keeps_a_dflash2_drafter(pair_dirs, loaded, tmp_path):
 def test_tree_verification_refuses_a_dflash2_drafter(loaded):
     tc, tp, dc, dp = loaded
     with pytest.raises(DFlashError, match="DFlash2 drafter drafts by its candidate selector"):
-        BatchEngine(tc, tp, dc, dp, tree_budget=8, max_new_tokens=8, max_prompt_len=16)
+        BatchEngine(tc, tp, dc, dp, tree_budget=8, max_new_tokens=8, max_prompt_len=16, batch_size=1, speculation="fixed")
     with pytest.raises(DFlashError, match="--acceptance must be one of"):
-        BatchEngine(tc, tp, dc, dp, acceptance="greedy", max_new_tokens=8, max_prompt_len=16)
+        BatchEngine(tc, tp, dc, dp, acceptance="greedy", max_new_tokens=8, max_prompt_len=16, batch_size=1, speculation="fixed")
 
 
 # --------------------------------------------------------------------------- 2. parity
@@ -211,7 +211,7 @@ def reference_run(reference, prompt: tuple) -> dict:
 def test_tokens_and_acceptance_lengths_match_the_reference(loaded, reference, batch, kv_pages):
     tc, tp, dc, dp = loaded
     gen = BatchEngine(tc, tp, dc, dp, batch_size=batch, max_new_tokens=MAX_NEW, max_prompt_len=16,
-                      kv_pages=kv_pages, page_size=16)
+                      kv_pages=kv_pages, page_size=16, speculation="fixed")
     results = by_index(gen.generate(prompts()))
     accepted = []
     for prompt, result in zip(prompts(), results):
@@ -233,7 +233,7 @@ def test_identity_convolutions_and_zero_codebooks_reproduce_dflash(pair_dirs):
     cases = json.loads((tiny() / "greedy_cases.json").read_text())
     runs = []
     for drafter, params in ((dc, dp), (dc2, dp2)):
-        gen = BatchEngine(tc, tp, drafter, params, batch_size=4, max_new_tokens=40, max_prompt_len=32)
+        gen = BatchEngine(tc, tp, drafter, params, batch_size=4, max_new_tokens=40, max_prompt_len=32, speculation="fixed")
         runs.append(by_index(gen.generate(cases["prompts"])))
     for prompt, output, acceptance, plain, d2 in zip(cases["prompts"], cases["outputs"], cases["acceptance_lengths"],
                                                       *runs):
@@ -307,7 +307,7 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature):
     target, tparams, drafter, dparams = dflash2_sampling_setup()
     sampling = Sampling(temperature=temperature)
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=512, max_new_tokens=3,
-                      max_prompt_len=16, sampling=sampling)
+                      max_prompt_len=16, sampling=sampling, speculation="fixed")
     assert gen.spec.rejection
     results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=99, indices=range(N_SAMPLES)))
     tokens = np.array([r.output_ids for r in results])
@@ -329,6 +329,6 @@ def test_match_keeps_plain_decodings_seeded_tokens():
     for block, acceptance in ((1, "match"), (4, "match")):
         gen = BatchEngine(target, tparams, drafter if block > 1 else None, dparams if block > 1 else None,
                           block_size=block, batch_size=3, max_new_tokens=12, max_prompt_len=16, sampling=sampling,
-                          acceptance=acceptance)
+                          acceptance=acceptance, speculation="fixed")
         runs.append([r.output_ids for r in by_index(gen.generate(batch, seed=5))])
     assert runs[0] == runs[1]

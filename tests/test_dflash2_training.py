@@ -336,7 +336,7 @@ def test_dflash2_run_logs_its_selector_and_exports_the_dflash2_format(dflash2_ru
     tc, tp = load_target(TINY_TARGET)
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     run_engine = lambda p: [r.acceptance_lengths for r in BatchEngine(  # noqa: E731
-        tc, tp, dcfg, p, batch_size=2, max_new_tokens=24, max_prompt_len=16).generate(prompts)]
+        tc, tp, dcfg, p, batch_size=2, max_new_tokens=24, max_prompt_len=16, speculation="fixed").generate(prompts)]
     assert run_engine(dparams) == run_engine(jax.tree.map(jnp.asarray, params))
     assert load_drafter(export(run, tmp_path / "bf16"))[0].dflash2 == dcfg.dflash2
 

@@ -68,7 +68,7 @@ def test_a_block_over_a_ring_sees_the_last_n_positions(layer_windows):
 def _context_bytes(**kw):
     target, _, drafter, _ = setup("qwen3-v8")
     spec_of = lambda prompt: BatchEngine(target, None, drafter, None, block_size=8, batch_size=3, max_new_tokens=24,
-                                         max_prompt_len=prompt, page_size=PAGE, prefill_chunk=CHUNK, **kw).spec
+                                         max_prompt_len=prompt, page_size=PAGE, prefill_chunk=CHUNK, speculation="fixed", **kw).spec
     out = []
     for prompt in (64, 4096):
         cache = jax.eval_shape(lambda spec=spec_of(prompt): init_state(spec, 3)).context_cache
@@ -89,7 +89,7 @@ def test_the_context_cache_stays_flat_and_bad_windows_are_refused():
         EngineOptions(draft_window=0)
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(DFlashError, match=r"^--draft-window must be >= 1, got -3$"):
-        BatchEngine(target, tparams, drafter, dparams, draft_window=-3)
+        BatchEngine(target, tparams, drafter, dparams, draft_window=-3, batch_size=1, speculation="fixed")
 
 
 # --------------------------------------------------------------------------- lossless (-m heavy)
@@ -105,7 +105,7 @@ def run_rows(window=None, block_size=8, **kw):
     target, tparams, drafter, dparams = setup(NAME)
     gen = BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                       block_size=block_size, batch_size=3, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
-                      page_size=PAGE, prefill_chunk=CHUNK, sampling=Sampling(per_row=True), draft_window=window, **kw)
+                      page_size=PAGE, prefill_chunk=CHUNK, sampling=Sampling(per_row=True), draft_window=window, speculation="fixed", **kw)
     return gen, by_index(gen.generate(list(prompts(NAME)), seed=7, sampling=SAMPLINGS))
 
 

@@ -87,7 +87,7 @@ def test_incompatible_pairs_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         check_pair(tc, dc)
     with pytest.raises(ConfigError, match=message):
-        BatchEngine(tc, tp, dc, dp)
+        BatchEngine(tc, tp, dc, dp, batch_size=1, speculation="fixed")
 
 
 def test_converted_drafter_drafts_identically(tmp_path):
@@ -101,7 +101,7 @@ def test_converted_drafter_drafts_identically(tmp_path):
     tc, tp = load_target(tiny() / "target")
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
     run = lambda c, p: [r.output_ids for r in sorted(
-        BatchEngine(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16).generate(prompts),
+        BatchEngine(tc, tp, c, p, batch_size=2, max_new_tokens=12, max_prompt_len=16, speculation="fixed").generate(prompts),
         key=lambda r: r.index)]
     assert run(c_cv, p_cv) == run(c_hf, p_hf)
 

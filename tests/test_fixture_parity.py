@@ -83,7 +83,7 @@ def test_context_cache_built_in_pieces_equals_one_pass(pair, expected):
 def test_greedy_tokens_and_acceptance_lengths_match_reference(pair, cases, batch_size):
     tc, tp, dc, dp = pair
     prompts, outputs, acceptance = cases
-    gen = BatchEngine(tc, tp, dc, dp, batch_size=batch_size, max_new_tokens=40, max_prompt_len=32)
+    gen = BatchEngine(tc, tp, dc, dp, batch_size=batch_size, max_new_tokens=40, max_prompt_len=32, speculation="fixed")
     results = sorted(gen.generate(prompts), key=lambda r: r.index)
     assert [r.index for r in results] == list(range(len(prompts)))
     for r, prompt, want, acc in zip(results, prompts, outputs, acceptance):

@@ -192,7 +192,7 @@ def test_train_cli_regenerates_with_and_trains_a_drafter_for_a_hybrid_target(hf_
     assert m.rope.partial_rotary_factor == 1.0 and m.rope.theta == tcfg.rope.theta
     rs = np.random.RandomState(1)
     prompts = [rs.randint(0, 159, n).tolist() for n in (5, 14)]
-    spec = BatchEngine(tcfg, tparams, dcfg, dparams, batch_size=2, max_new_tokens=10, max_prompt_len=16)
+    spec = BatchEngine(tcfg, tparams, dcfg, dparams, batch_size=2, max_new_tokens=10, max_prompt_len=16, speculation="fixed")
     plain = BatchEngine(tcfg, tparams, batch_size=2, max_new_tokens=10, max_prompt_len=16)
     assert sorted((r.index, r.output_ids) for r in spec.generate(prompts)) == sorted(
         (r.index, r.output_ids) for r in plain.generate(prompts))

@@ -162,7 +162,7 @@ def test_the_library_api_runs_a_job_and_resumes_it(tmp_path):
     from train.generate_data import conversation_record
 
     out = tmp_path / "new" / "conversations.jsonl"
-    job = GenerationJob(target=tiny() / "target", drafter=tiny() / "drafter", input=tiny() / "prompts.jsonl",
+    job = GenerationJob.of(target=tiny() / "target", drafter=tiny() / "drafter", input=tiny() / "prompts.jsonl",
                         output=out, max_new_tokens=40, quiet=True)
     result = run_job(job, make_record=conversation_record)
     s = result.summary
@@ -226,8 +226,8 @@ def test_a_job_with_a_bad_field_is_refused_naming_it():
                             (dict(block_size=1, draft_tokens=2), "--draft-tokens needs a drafter"),
                             (dict(input=None), "--input is required when --target is given")):
         with pytest.raises(InputError, match=message):
-            GenerationJob(**{**target, **fields})
-    assert GenerationJob().resolved().max_new_tokens == 128 and GenerationJob().resolved().compare_baseline
+            GenerationJob.of(**{**target, **fields})
+    assert GenerationJob().resolved().options.max_new_tokens == 128 and GenerationJob().resolved().compare_baseline
 
 
 # ----------------------------------------------------------------------------- chat inputs
@@ -276,7 +276,7 @@ def test_prompt_messages_turns_and_input_ids(chat_pair, tmp_path):
         assert r["num_output_tokens"] == 6 and r["text"] == tokenizer.decode(r["output_ids"], skip_special_tokens=True)
 
     tcfg, tparams = load_target(target)
-    plain = BatchEngine(tcfg, tparams, max_new_tokens=6, max_prompt_len=64)
+    plain = BatchEngine(tcfg, tparams, max_new_tokens=6, max_prompt_len=64, batch_size=1)
     first = lambda ids: next(plain.generate([ids])).output_ids
     assert got["p"]["output_ids"] == first(tokenizer("w1 w2 w3")["input_ids"])
     msgs = rows[1]["messages"]

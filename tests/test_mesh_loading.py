@@ -317,7 +317,7 @@ def worker_train(work: Path, fixture: Path) -> dict:
 
     def recording_job(job, make_record=None, **kw):
         calls.append({"kind": "generate"})
-        got["generate_mesh"] = job.mesh
+        got["generate_mesh"] = job.options.mesh
         return generation.GenerationResult(None)
 
     checkpoint.load_model, generation.run_job = recording_load_model, recording_job

@@ -90,7 +90,7 @@ def decoded(config, params, drafter=None, dparams=None, *, kv_pages=None):
     """(outputs, acceptance lengths) of the case's prompts decoded greedy and sampled (seed 7) in one
     per-row engine: 2 slots, 16-position pages (a pool of kv_pages)."""
     gen = BatchEngine(config, params, drafter, dparams, batch_size=2, max_new_tokens=MAX_NEW, max_prompt_len=16,
-                      page_size=16, kv_pages=kv_pages, sampling=Sampling(per_row=True))
+                      page_size=16, kv_pages=kv_pages, sampling=Sampling(per_row=True), speculation="fixed")
     rows = prompts(config)
     results = sorted(gen.generate(rows * 2, seed=7, sampling=[s for s in ROWS for _ in rows]), key=lambda r: r.index)
     return [r.output_ids for r in results], [a for r in results for a in r.acceptance_lengths]

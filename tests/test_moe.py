@@ -308,7 +308,7 @@ def test_infer_cli_with_a_moe_target_and_its_drafter_equals_plain_decoding(hf_mo
                  "--max-new-tokens", "10", "--ignore-eos", "--quiet", "--batch-size", "2", "--speculation", "fixed"]) == 0
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     config, params = load_target(target)
-    plain = BatchEngine(config, params, max_new_tokens=10, max_prompt_len=16)
+    plain = BatchEngine(config, params, max_new_tokens=10, max_prompt_len=16, batch_size=1)
     for i, prompt in enumerate(prompts):
         assert rows[i]["output_ids"] == next(plain.generate([prompt])).output_ids, i
 

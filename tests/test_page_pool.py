@@ -139,7 +139,7 @@ def test_a_ring_holds_what_a_window_sees(rows):
 
 def pooled(name, block_size, batch_size, kv_pages, **kw):
     target, tparams, drafter, dparams = setup(name)
-    kw = dict(dict(page_size=PAGE), **kw)
+    kw = dict(dict(page_size=PAGE, speculation="fixed"), **kw)
     return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
                      prefill_chunk=CHUNK, kv_pages=kv_pages, **kw)
@@ -246,7 +246,7 @@ def test_what_a_pool_cannot_hold_is_refused():
     gen = pooled("qwen3-v8", 8, 2, kv_pages=2)  # 32 positions: a 30-token prompt + 24 new does not fit
     with pytest.raises(DFlashError, match=r"prompt 0: needs 4 pages of 16 positions \(30 prompt tokens \+ 24 new \+ 7 drafts\); the pool has 2: raise kv_pages"):
         list(gen.generate([list(prompts("qwen3-v8")[6])]))
-    with pytest.raises(DFlashError, match="at least one page"):
+    with pytest.raises(DFlashError, match="--kv-pages must be >= 1, got 0"):
         pooled("qwen3-v8", 8, 2, kv_pages=0)
     fake = type("Mesh", (), {"shape": {"data": 2, "model": 1}})()  # a mesh that splits rows (one device here)
     with pytest.raises(DFlashError, match="needs a mesh whose data axis is 1"):

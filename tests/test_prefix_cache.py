@@ -126,7 +126,7 @@ def test_the_servers_default_pool_holds_what_per_row_caches_hold_with_prefix_cac
 
     assert row_cache_len(100, 128, 16) == 128 + 128 + 32 and row_cache_len(64, 8, 4, tree_budget=32) == 64 + 8 + 33
     assert per_row_pages(8, 100, 128, 16, page_size=16) == 8 * 18 and per_row_pages(3, 64, 8, 4, 32, 8) == 3 * 14
-    options = default_pool(EngineOptions(batch_size=3, page_size=P), Namespace(prefix_cache=None), 4, 30, 8)
+    options = default_pool(EngineOptions(batch_size=3, page_size=P, block_size=4), Namespace(prefix_cache=None), 30, 8)
     assert options.kv_pages == 3 * -(-(32 + 8 + 8) // P) and options.prefix_cache is None
     kw = dict(block_size=1, batch_size=3, max_new_tokens=8, max_prompt_len=30, page_size=P, prefill_chunk=16)
     per_row = BatchEngine(model_config("qwen3", 8, 2), None, **kw)
@@ -155,7 +155,7 @@ LIMITS = (20, 5, 12, 20, 3, 9, 14, 20)
 POOL = 16  # pages of 8 positions: a row needs up to 6, so two rows run beside a few idle pages and later rows evict
 GREEDY = Sampling(per_row=True)  # a per-row engine (the server's kind): greedy and sampled rows share its programs
 SAMPLED = [Sampling(0.9, top_k=20, per_row=True) if i % 2 else GREEDY for i in range(len(LIMITS))]
-KW = dict(block_size=4, batch_size=2, max_new_tokens=20, max_prompt_len=64, page_size=P, prefill_chunk=16,
+KW = dict(block_size=4, batch_size=2, speculation="fixed", max_new_tokens=20, max_prompt_len=64, page_size=P, prefill_chunk=16,
           kv_pages=POOL, sampling=GREEDY)
 
 

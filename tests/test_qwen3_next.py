@@ -112,7 +112,7 @@ def decode(target, drafter=None, sampling=Sampling(), **kw):
     config, params = target
     dcfg, dparams = drafter or (None, None)
     gen = BatchEngine(config, params, dcfg, dparams, batch_size=2, max_new_tokens=12, max_prompt_len=24,
-                      page_size=16, sampling=sampling, **kw)
+                      page_size=16, sampling=sampling, speculation="fixed", **kw)
     return {r.index: (r.output_ids, r.acceptance_lengths) for r in gen.generate(prompts(config.vocab_size), seed=5)}
 
 

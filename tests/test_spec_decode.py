@@ -169,7 +169,7 @@ def engine(name, block_size, batch_size, *, max_new=MAX_NEW, stop=(), sampling=S
     return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=max_new,
                      max_prompt_len=max_prompt, sampling=sampling, stop_token_ids=stop, page_size=PAGE,
-                     prefill_chunk=CHUNK)
+                     prefill_chunk=CHUNK, speculation="fixed")
 
 
 def by_index(results):
@@ -346,7 +346,7 @@ def test_acceptance_lengths_equal_from_scratch_reference(name, block_size):
 def engine_k(name, block_size, batch_size, num_drafts):
     target, tparams, drafter, dparams = setup(name)
     return BatchEngine(target, tparams, drafter, dparams, block_size=block_size, batch_size=batch_size,
-                     max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT, draft_tokens=num_drafts)
+                     max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT, draft_tokens=num_drafts, speculation="fixed")
 
 
 @pytest.mark.parametrize("name,num_drafts", [("qwen3-v8", 3), heavy("qwen3-v8", 1), heavy("llama-v8", 5)])
@@ -382,15 +382,15 @@ def test_k_drafts_are_the_whole_blocks_first_k_and_k_b_minus_1_is_the_default():
 
 
 @pytest.mark.parametrize("block_size,num_drafts,message", [
-    (8, 0, "draft tokens must be in 1..7 for block size 8, got 0"),
-    (8, 8, "draft tokens must be in 1..7 for block size 8, got 8"),
-    (1, 3, "draft tokens need a drafter"),
+    (8, 0, "--draft-tokens must be >= 1, got 0"),
+    (8, 8, r"--draft-tokens 8 is more than a block of 8 holds \(1\.\.7\)"),
+    (1, 3, "--draft-tokens needs a drafter"),
 ])
 def test_bad_draft_tokens_are_refused(block_size, num_drafts, message):
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(DFlashError, match=message):
         BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
-                  block_size=block_size, draft_tokens=num_drafts, max_new_tokens=4, max_prompt_len=8)
+                  block_size=block_size, draft_tokens=num_drafts, max_new_tokens=4, max_prompt_len=8, batch_size=1, speculation="fixed")
 
 
 @pytest.mark.parametrize("shape,levels", [((3, 5, 50), 4), ((7, 4096), 1000), ((2, 9), 1)])
@@ -442,7 +442,7 @@ def narrowed_engine(name, block_size, **kw):
     target, tparams, drafter, dparams = setup(name)
     return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=4, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
-                     page_size=PAGE, prefill_chunk=CHUNK, narrow_tail=True, sync_every=2, **kw)
+                     page_size=PAGE, prefill_chunk=CHUNK, narrow_tail=True, sync_every=2, speculation="fixed", **kw)
 
 
 def run_widths(gen, prompt_list, **kw):
@@ -492,7 +492,7 @@ def test_a_narrowed_tail_keeps_seeded_samples():
     prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
     target, tparams, drafter, dparams = sampling_setup()
     narrowed = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
-                         max_prompt_len=16, sampling=Sampling(temperature=1.0), narrow_tail=True, sync_every=1)
+                         max_prompt_len=16, sampling=Sampling(temperature=1.0), narrow_tail=True, sync_every=1, speculation="fixed")
     got, widths = run_widths(narrowed, prompt_list, seed=7, max_new_tokens=[16, 3, 9, 16, 1, 12])
     assert 1 in widths
     want = by_index(sampling_engine(4, 4).generate(prompt_list, seed=7, max_new_tokens=[16, 3, 9, 16, 1, 12]))
@@ -696,7 +696,7 @@ def speculative_samples(sampling, family="qwen3", tree_budget=0):
     pass, whatever was accepted; token 3 is the first one the acceptance rule decides."""
     target, tparams, drafter, dparams = sampling_setup(family)
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=SAMPLE_BATCH, max_new_tokens=3,
-                    max_prompt_len=16, sampling=sampling, tree_budget=tree_budget)
+                    max_prompt_len=16, sampling=sampling, tree_budget=tree_budget, speculation="fixed")
     results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=1234, indices=range(N_SAMPLES)))
     assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in results)
     return np.array([r.output_ids for r in results]), np.array([r.acceptance_lengths[0] for r in results])
@@ -758,7 +758,7 @@ def sampling_engine(block_size, batch_size):
     target, tparams, drafter, dparams = sampling_setup()
     return BatchEngine(target, tparams, drafter if block_size > 1 else None, dparams if block_size > 1 else None,
                      block_size=block_size, batch_size=batch_size, max_new_tokens=16, max_prompt_len=16,
-                     sampling=Sampling(temperature=1.0))
+                     sampling=Sampling(temperature=1.0), speculation="fixed")
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
@@ -780,7 +780,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     assert outputs(sampling_engine(1, 4), 7) == first
     target, tparams, drafter, dparams = sampling_setup()
     fewer = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
-                      max_prompt_len=16, sampling=Sampling(temperature=1.0), draft_tokens=1)
+                      max_prompt_len=16, sampling=Sampling(temperature=1.0), draft_tokens=1, speculation="fixed")
     assert outputs(fewer, 7) == first
 
 
@@ -873,12 +873,12 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
     prompt_list = [rs.randint(0, V, n).tolist() for n in (4, 9, 1, 16, 7, 12)]
     target, tparams, drafter, dparams = sampling_setup()
     per_row = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
-                        max_prompt_len=16, sampling=Sampling(per_row=True))
+                        max_prompt_len=16, sampling=Sampling(per_row=True), speculation="fixed")
     rows = [Sampling(), Sampling(1.0), Sampling(), Sampling(1.0), Sampling(1.0), Sampling()]
     got = by_index(per_row.generate(prompt_list, seed=7, sampling=rows))
     hot = by_index(sampling_engine(4, 4).generate(prompt_list, seed=7))
     cold = by_index(BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=4, max_new_tokens=16,
-                              max_prompt_len=16).generate(prompt_list, seed=7))
+                              max_prompt_len=16, speculation="fixed").generate(prompt_list, seed=7))
     for r, s, h, c in zip(got, rows, hot, cold):
         assert r.output_ids == (c.output_ids if s.greedy else h.output_ids)
     assert [r.output_ids for r in hot] != [r.output_ids for r in cold]

@@ -206,7 +206,7 @@ def test_switching_draft_lengths_keeps_seeded_samples():
 def test_bad_speculation_settings_are_refused():
     target, tparams, drafter, dparams = setup("qwen3-v8")
     make = lambda **kw: BatchEngine(target, tparams, drafter, dparams, block_size=8, max_new_tokens=4,
-                                    max_prompt_len=16, **kw)
+                                    max_prompt_len=16, batch_size=1, **kw)
     with pytest.raises(DFlashError, match="--speculation must be one of auto, fixed"):
         make(speculation="sometimes")
     with pytest.raises(DFlashError, match=r"draft lengths must be in 0\.\.7"):

@@ -77,7 +77,7 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
         dparams = init_drafter_params(drafter, jax.random.PRNGKey(41))
     rs = np.random.RandomState(5)
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in LENGTHS]
-    kw = dict(block_size=4, batch_size=4, max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
+    kw = dict(block_size=4, batch_size=4, speculation="fixed", max_new_tokens=24, max_prompt_len=64, sync_every=1, prefill_chunk=16,
               page_size=8, kv_pages=pool, stop_token_ids=[1], tree_budget=tree)
     gen = BatchEngine(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
     engine = StreamingEngine(gen, max_waiting=len(prompts))
@@ -130,7 +130,7 @@ def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded(monkeypatc
     monkeypatch.setattr(streaming, "cancel", recorded)
     target, tparams, drafter, dparams = setup("qwen3-v128")
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=24,
-                    max_prompt_len=32, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
+                    max_prompt_len=32, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True), speculation="fixed")
     engine = StreamingEngine(gen, max_waiting=3)
     engine.warmup()
     rs = np.random.RandomState(6)

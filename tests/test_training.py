@@ -377,9 +377,9 @@ def test_export_round_trip_gives_identical_drafts(short_run, tmp_path, capsys):
     tc, tp = load_target(TINY_TARGET)
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     via_export = [r.acceptance_lengths for r in BatchEngine(tc, tp, dcfg, dparams, batch_size=2, max_new_tokens=24,
-                                                          max_prompt_len=16).generate(prompts)]
+                                                          max_prompt_len=16, speculation="fixed").generate(prompts)]
     direct = [r.acceptance_lengths for r in BatchEngine(tc, tp, dcfg, jax.tree.map(jnp.asarray, params), batch_size=2,
-                                                      max_new_tokens=24, max_prompt_len=16).generate(prompts)]
+                                                      max_new_tokens=24, max_prompt_len=16, speculation="fixed").generate(prompts)]
     assert via_export == direct
     with pytest.raises(Exception, match="already exists"):
         export(run, out)

@@ -331,7 +331,7 @@ def test_a_hybrid_target_is_refused_before_anything_compiles():
     before = compile_counts()
     with pytest.raises(InputError) as err:
         BatchEngine(target, tparams, drafter, dparams, block_size=8, batch_size=2, max_new_tokens=4,
-                    max_prompt_len=8, tree_budget=4)
+                    max_prompt_len=8, tree_budget=4, speculation="fixed")
     message = str(err.value)
     assert "--tree-budget" in message and "recurrent" in message and "\n" not in message
     assert isinstance(err.value, DFlashError)
@@ -359,7 +359,7 @@ def test_an_engine_refuses_a_tree_it_cannot_verify(kw, message):
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(InputError, match=message):
         BatchEngine(target, tparams, drafter, dparams, batch_size=2, max_new_tokens=4, max_prompt_len=8,
-                    tree_budget=4, **kw)
+                    tree_budget=4, speculation="fixed", **kw)
 
 
 def test_the_cli_refuses_a_tree_without_a_drafter(capsys, tmp_path):
@@ -585,7 +585,7 @@ def built(name, budget, batch_size, sampling=Sampling(), kv_pages=None, kv_heads
     return BatchEngine(target, tparams, None if plain else drafter, None if plain else dparams,
                        block_size=1 if plain else BLOCK, batch_size=batch_size, max_new_tokens=MAX_NEW,
                        max_prompt_len=MAX_PROMPT, sampling=sampling, page_size=PAGE, prefill_chunk=CHUNK,
-                       kv_pages=kv_pages, tree_budget=budget or 0)
+                       kv_pages=kv_pages, tree_budget=budget or 0, speculation="fixed")
 
 
 @functools.cache

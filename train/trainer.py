@@ -53,7 +53,7 @@ def ensure_data(cfg: dict, tokenizer_dir: Path):
     from dflash_jax.generation import GenerationJob, run_job
     from train.generate_data import conversation_record
 
-    job = GenerationJob(target=cfg["target"], input=d["generate_from"], output=d["conversations"],
+    job = GenerationJob.of(target=cfg["target"], input=d["generate_from"], output=d["conversations"],
                         max_new_tokens=d["generate_max_new_tokens"], batch_size=d["generate_batch_size"],
                         dtype=cfg["target_dtype"] or None, quiet=True,
                         # the run's mesh, so the target loads split as it will train
@@ -210,7 +210,7 @@ class TauEvaluator:
         if self.gen is None:  # one BatchEngine: later evaluations reuse its compilation
             self.gen = BatchEngine(self.tcfg, self.tparams, self.dcfg, cast, batch_size=self.batch,
                                  max_new_tokens=self.max_new, max_prompt_len=max(len(p) for p in self.prompts),
-                                 mesh=self.mesh)
+                                 mesh=self.mesh, speculation="fixed")
         self.gen.dparams = shard_params(cast, self.mesh)
         stats = GenerationStats(self.dcfg.block_size)
         for r in self.gen.generate(self.prompts):

@@ -1,21 +1,27 @@
-"""Engine options: how a `BatchEngine` runs (batch, block, cache and page sizes, syncs, mesh,
-dtype, watchdog), one frozen type checked once, shared by `python -m infer` (through
-`GenerationJob`), `python -m infer.serve` and the bench.
+"""Engine options: how a `BatchEngine` runs (batch, block, draft length, tree, speculation, cache
+and page sizes, syncs, mesh, dtype, watchdog), one frozen type checked once and declared only
+here: `GenerationJob` holds one (`python -m infer`), `BatchEngine` takes one (its default: these
+defaults, every command's), and the flags of `python -m infer`, `python -m infer.serve` and the
+bench are made from its fields (`infer.flags.add_engine_flags`, one flag per field, these
+defaults; a command whose default differs says so in one `overrides` entry).
 
     options = EngineOptions(batch_size=16, sync_every=SERVER_SYNC_EVERY)
-    gen = options.generator(pair, max_new_tokens=256, max_prompt_len=2048)
+    gen = BatchEngine.of(pair, options, max_new_tokens=256, max_prompt_len=2048)
 
 A field out of range is an `InputError` naming it by its flag (`--batch-size must be >= 1`).
-The flags themselves (one per field, these defaults) are `infer.flags.add_engine_flags`.
-Limits each command resolves its own way (max_new_tokens: 256, 128 for the demo pair;
-max_prompt_len: the input's longest prompt for a batch job, the target's context for the
-server) are passed to `generator`, not kept here.
+What depends on the pair is settled once, by `resolve(pair, options)`, before a weight is read:
+the block size (the drafter's, or 1), --draft-tokens within the block, a tree the pair can
+verify, and the settings that need a drafter (`check_drafting`); every command and `BatchEngine`
+settle their options there. Limits each command resolves its own way (max_new_tokens: 256, 128
+for the demo pair; max_prompt_len: the input's longest prompt for a batch job, the target's
+context for the server) are passed to the engine (`BatchEngine.of`), not kept here.
 """
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
@@ -53,7 +59,8 @@ class EngineOptions:
     draft_tokens: int | None = None  # drafts verified per cycle, 1..B-1 (None: B-1)
     tree_budget: int = 0  # draft-tree nodes verified per cycle (0: the chain of draft_tokens)
     acceptance: str = ACCEPTANCE_RULES[0]  # how a DFlash2 drafter's sampled rows accept drafts
-    speculation: str = SPECULATION_MODES[0]  # "auto": the draft length of each sync picked by cost; "fixed"
+    speculation: str | None = SPECULATION_MODES[0]  # "auto": each sync's draft length picked by cost; "fixed"
+    # (None: the command's: auto, but fixed for `python -m infer`'s demo on its own prompts)
     draft_window: int | None = None  # the drafter sees each row's last N committed positions (None: all)
     max_new_tokens: int | None = None  # the most a row generates, which sizes the cache (None: the command's)
     max_prompt_len: int | None = None  # longest prompt, which sizes the cache (None: the command's)
@@ -80,11 +87,11 @@ class EngineOptions:
                 raise InputError(f"{flag(name)} must be an integer >= 0, got {value!r}")
         if self.tree_budget and self.draft_tokens is not None:
             raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
-        if self.tree_budget and self.block_size == 1:
-            raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
+        if self.block_size == 1:
+            check_drafting(self, drafting=False)
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
-        if self.speculation not in SPECULATION_MODES:
+        if self.speculation is not None and self.speculation not in SPECULATION_MODES:
             raise InputError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
@@ -99,8 +106,8 @@ class EngineOptions:
 
     @classmethod
     def of(cls, source) -> EngineOptions:
-        """The options among an object's attributes (parsed flags, a `GenerationJob`): each field
-        it has, the default for the others."""
+        """The options among an object's attributes (parsed flags): each field it has, the default
+        for the others."""
         return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
 
     def watchdog(self):
@@ -109,25 +116,50 @@ class EngineOptions:
 
         return Watchdog(self.stall_timeout * 60) if self.stall_timeout > 0 else None
 
-    def generator(self, pair, *, max_new_tokens: int, max_prompt_len: int, block_size: int | None = ...,
-                  sampling=None, stop_token_ids=None, watchdog=..., admission_widths=None):
-        """A `BatchEngine` for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
-        tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
-        limits. block_size: default these options' (1: plain decoding, no drafter; draft_tokens
-        then unused). stop_token_ids: default the pair's. watchdog: default `self.watchdog()`."""
-        from dflash_jax.engine import BatchEngine, Sampling
+    def plain(self) -> EngineOptions:
+        """These options for plain decoding (block size 1): the drafter's settings dropped (the
+        baseline `python -m infer --compare-baseline` times)."""
+        return replace(self, block_size=1, draft_tokens=None, tree_budget=0, draft_window=None)
 
-        block_size = self.block_size if block_size is ... else block_size
-        drafting = pair.drafter is not None and block_size != 1
-        return BatchEngine(
-            pair.target, pair.tparams, pair.drafter, pair.dparams,
-            block_size=block_size, batch_size=self.batch_size, max_new_tokens=max_new_tokens,
-            max_prompt_len=max_prompt_len, sampling=sampling if sampling is not None else Sampling(),
-            stop_token_ids=pair.stop_tokens if stop_token_ids is None else stop_token_ids,
-            sync_every=self.sync_every, mesh=pair.mesh, draft_tokens=self.draft_tokens if drafting else None,
-            watchdog=self.watchdog() if watchdog is ... else watchdog, kv_pages=self.kv_pages,
-            page_size=self.page_size, prefill_chunk=self.prefill_chunk, narrow_tail=self.narrow_tail,
-            admission_widths=admission_widths, tree_budget=self.tree_budget if drafting else 0,
-            acceptance=self.acceptance, speculation=self.speculation,
-            prefix_cache=None if self.prefix_cache is None else self.prefix_cache == "on",
-            draft_window=self.draft_window if drafting else None)
+
+class PairConfigs(NamedTuple):
+    """A pair's configs, what `resolve` reads of a pair (a `ModelPair` has them too)."""
+
+    target: object  # ModelConfig
+    drafter: object | None  # DrafterConfig; None: plain decoding
+
+
+def check_drafting(options: EngineOptions, drafting: bool):
+    """Refuse the settings that need a drafter where none drafts (no drafter, or block size 1)."""
+    if drafting:
+        return
+    if options.tree_budget:
+        raise InputError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
+    if options.draft_tokens is not None:
+        raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
+
+
+def resolve(pair, options: EngineOptions) -> EngineOptions:
+    """The options settled for a pair (anything with `target` and `drafter` configs: a `ModelPair`,
+    `PairConfigs`; drafter None: no drafter) and checked against it, before a weight is read:
+    the block size the drafter's (or 1 without one, or as given), --draft-tokens within the block,
+    a tree one the target and drafter can verify (`check_tree`), speculation's default (auto).
+    Plain decoding (block size 1, or no drafter) drops the drafter's settings
+    (draft_tokens, tree_budget, draft_window); asking for them without a drafter is an InputError.
+    Every command (`python -m infer`, the server, the bench) and `BatchEngine` settle options here."""
+    from dflash_jax.engine.tree import check_tree
+
+    speculation = options.speculation or SPECULATION_MODES[0]
+    drafter = pair.drafter if options.block_size != 1 else None
+    if drafter is None and options.block_size not in (None, 1):
+        raise InputError(f"--block-size {options.block_size} needs a drafter (block size 1 is plain decoding)")
+    check_drafting(options, drafter is not None)
+    if drafter is None:
+        return replace(options.plain(), speculation=speculation)
+    block = options.block_size or drafter.block_size
+    if options.draft_tokens is not None and options.draft_tokens > block - 1:
+        raise InputError(f"--draft-tokens {options.draft_tokens} is more than a block of {block} holds "
+                         f"(1..{block - 1})")
+    if options.tree_budget:
+        check_tree(pair.target, block, options.tree_budget, drafter=drafter)
+    return replace(options, block_size=block, speculation=speculation)

@@ -41,9 +41,10 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
-from dflash_jax.engine.sampling import ACCEPTANCE_RULES, Sampling, seed_int32
+from dflash_jax.engine.options import EngineOptions, PairConfigs, resolve
+from dflash_jax.engine.sampling import Sampling, seed_int32
 from dflash_jax.engine.slots import Result, SlotLedger
-from dflash_jax.engine.speculation import SPECULATION_MODES, Speculation, default_candidates
+from dflash_jax.engine.speculation import Speculation, default_candidates
 from dflash_jax.engine.step import (DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles,
                                     tally_depth)
 from dflash_jax.engine.watchdog import Watchdog
@@ -128,35 +129,34 @@ class BatchEngine:
     """
 
     def __init__(self, target_config: ModelConfig, target_params, drafter_config: DrafterConfig | None = None,
-                 drafter_params=None, *, block_size: int | None = None, batch_size: int = 1,
-                 max_new_tokens: int = 256, max_prompt_len: int = 512, sampling: Sampling = Sampling(),
-                 stop_token_ids: Sequence[int] = (), sync_every: int = 8, mesh: Mesh | None = None,
-                 draft_tokens: int | None = None, page_size: int = PAGE_SIZE, prefill_chunk: int = 512,
-                 watchdog: Watchdog | None = None, kv_pages: int | None = None, narrow_tail: bool = False,
-                 admission_widths: Sequence[int] | None = None, tree_budget: int = 0,
-                 acceptance: str = ACCEPTANCE_RULES[0], speculation: str = "fixed",
-                 candidates: Sequence[int] | None = None, prefix_cache: bool | None = None,
-                 draft_window: int | None = None):
+                 drafter_params=None, options: EngineOptions | None = None, *, max_new_tokens: int = 256,
+                 max_prompt_len: int = 512, sampling: Sampling | None = None, stop_token_ids: Sequence[int] = (),
+                 mesh: Mesh | None = None, watchdog: Watchdog | None = ...,
+                 admission_widths: Sequence[int] | None = None, candidates: Sequence[int] | None = None,
+                 **settings):
+        """options: how it runs (`EngineOptions`; default the commands' defaults), settled for the
+        pair by `resolve`; settings: fields of `EngineOptions` over `options` (`batch_size=2`;
+        `prefix_cache` may be True/False). The rest is no option: the limits that size the caches
+        (max_new_tokens, max_prompt_len), sampling (default greedy), the stop tokens, the device
+        mesh, the watchdog (default `options.watchdog()`), admission widths and auto speculation's
+        draft lengths (`candidates`)."""
         if drafter_config is not None:
             check_pair(target_config, drafter_config)
-        if block_size is None:
-            block_size = drafter_config.block_size if drafter_config is not None else 1
-        if block_size < 1:
-            raise DFlashError(f"block size must be >= 1, got {block_size}")
-        if block_size > 1 and drafter_config is None:
-            raise DFlashError(f"block size {block_size} needs a drafter (block size 1 is plain decoding)")
-        if draft_tokens is not None and block_size > 1 and not 1 <= draft_tokens <= block_size - 1:
-            raise DFlashError(f"draft tokens must be in 1..{block_size - 1} for block size {block_size}, "
-                              f"got {draft_tokens}")
+        if isinstance(settings.get("prefix_cache"), bool):
+            settings["prefix_cache"] = "on" if settings["prefix_cache"] else "off"
+        options = dataclasses.replace(options or EngineOptions(), **settings)
+        self.options = options = resolve(PairConfigs(target_config, drafter_config), options)
+        sampling = Sampling() if sampling is None else sampling
+        watchdog = options.watchdog() if watchdog is ... else watchdog
+        block_size, batch_size, kv_pages = options.block_size, options.batch_size, options.kv_pages
+        page_size, prefill_chunk, draft_tokens = options.page_size, options.prefill_chunk, options.draft_tokens
+        tree_budget, draft_window, speculation = options.tree_budget, options.draft_window, options.speculation
+        sync_every, narrow_tail = options.sync_every, options.narrow_tail
+        prefix_cache = None if options.prefix_cache is None else options.prefix_cache == "on"
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if batch_size < 1:
-            raise DFlashError(f"batch size must be >= 1, got {batch_size}")
-        if page_size < 1 or prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
-            raise DFlashError(f"page size must be >= 1 and the prefill chunk a power of two >= 16, got "
-                              f"{page_size} and {prefill_chunk}")
-        if kv_pages is not None and kv_pages < 1:
-            raise DFlashError(f"the page pool needs at least one page, got kv_pages={kv_pages}")
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise DFlashError(f"--prefill-chunk must be a power of two >= 16, got {prefill_chunk}")
         if kv_pages is not None and mesh is not None and mesh.shape["data"] > 1:
             raise DFlashError(f"a page pool is shared by every row, so it needs a mesh whose data axis is 1 "
                               f"(got data={mesh.shape['data']}); split the model instead, or drop --kv-pages")
@@ -166,7 +166,7 @@ class BatchEngine:
             sampling=sampling, max_new_tokens=max_new_tokens,
             cache_len=row_cache_len(self.max_prompt_len, max_new_tokens, block_size, tree_budget), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
-            tree_budget=tree_budget, acceptance=acceptance, draft_window=draft_window if block_size > 1 else None,
+            tree_budget=tree_budget, acceptance=options.acceptance, draft_window=draft_window,
         )
         # Auto never changes the output. A DFlash2 drafter's rejection acceptance keeps the target's
         # distribution, but which tokens a seed gives depends on K: so with it auto runs fixed.
@@ -205,12 +205,21 @@ class BatchEngine:
         self.tail_widths = sorted({w for k in range(batch_size.bit_length()) for w in (1 << k, 3 << k)
                                    if w < batch_size and w % data == 0}, reverse=True) if narrow_tail else []
 
+    @classmethod
+    def of(cls, pair, options: EngineOptions, *, max_new_tokens: int, max_prompt_len: int, sampling=None,
+           stop_token_ids=None, watchdog=..., admission_widths=None) -> BatchEngine:
+        """A BatchEngine for a loaded pair (`dflash_jax.pair.ModelPair`: configs, params, mesh, stop
+        tokens) run with these options. max_new_tokens, max_prompt_len: the command's resolved
+        limits. stop_token_ids: default the pair's. watchdog: default `options.watchdog()`."""
+        return cls(pair.target, pair.tparams, pair.drafter, pair.dparams, options, max_new_tokens=max_new_tokens,
+                   max_prompt_len=max_prompt_len, sampling=sampling,
+                   stop_token_ids=pair.stop_tokens if stop_token_ids is None else stop_token_ids, mesh=pair.mesh,
+                   watchdog=watchdog, admission_widths=admission_widths)
+
     def _candidates(self, speculation: str, candidates) -> tuple[int, ...]:
         """The draft lengths calls may run: the spec's own (fixed, or plain decoding), or auto's
         (`candidates`, default `default_candidates`; with draft_tokens or a tree given: 0 and that); the
         spec's own where auto is refused (`auto_refusal`)."""
-        if speculation not in SPECULATION_MODES:
-            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         spec = self.spec
         if speculation == "fixed" or not spec.uses_drafter or self.auto_refusal:
             return (spec.num_drafts,)
@@ -304,32 +313,42 @@ class BatchEngine:
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(self._bucket(p), []).append(i)
-        put = lambda x: put_batch(x, self.mesh)
-        per_row = self.spec.sampling.per_row
         rows = list(sampling) if sampling is not None else [self.spec.sampling] * len(prompts)
         for length, members in sorted(groups.items()):
             for chunk in (part for lo in range(0, len(members), self.batch_size)
                           for part in self._admission_parts(members[lo:lo + self.batch_size])):
                 width = next(w for w in self.widths if w >= len(chunk))
-                tokens = np.zeros((width, length), np.int32)
-                lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
-                where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
-                ids = np.zeros((width,), np.uint32)
-                temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
-                top_k, begin = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
-                for j, i in enumerate(chunk):
-                    tokens[j, :len(prompts[i])], lens[j], begin[j] = prompts[i], len(prompts[i]), starts[i]
-                    where[j], ids[j], limits[j] = slots[i], row_ids[i], max_new[i]
-                    temperature[j], top_k[j], top_p[j] = rows[i].temperature, rows[i].top_k, rows[i].top_p
-                row_sampling = (put(temperature), put(top_k), put(top_p)) if per_row else None
                 table = None
                 if pool:  # pages None: every entry NO_PAGE
-                    table = put(page_table([pages[i] for i in chunk] if pages is not None else [], width,
-                                           pages_per_row))
-                state = prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where),
-                                put(ids), np.int32(seed_int32(seed)), put(limits), self.stop_ids, table,
-                                row_sampling, starts=put(begin) if self.prefix_cache else None)
+                    table = put_batch(page_table([pages[i] for i in chunk] if pages is not None else [], width,
+                                                 pages_per_row), self.mesh)
+                state = self.prefill_rows(state, width, length, [
+                    (prompts[i], slots[i], row_ids[i], max_new[i], rows[i], starts[i]) for i in chunk], seed, table)
         return state
+
+    def prefill_rows(self, state: DecodeState, width: int, length: int, rows, seed: int = 0, table=None, *,
+                     resume: bool = False) -> DecodeState:
+        """One `prefill` call: rows, each (tokens, slot, row id, max_new, Sampling, start), padded to
+        `width` rows (padding: no slot) of `length` tokens. table: their page table (None: no
+        pool). start: the positions before the tokens, cached (prefix caching). resume: the rows'
+        last pieces of prompts whose earlier pieces went in by `prefill_part` (`StreamingEngine`).
+        The state is donated. `admit` and the streaming engine's pieces both call it."""
+        put = lambda x: put_batch(x, self.mesh)
+        tokens = np.zeros((width, length), np.int32)
+        lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
+        where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
+        ids = np.zeros((width,), np.uint32)
+        temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
+        top_k, begin = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
+        for j, (part, slot, row_id, max_new, sampling, start) in enumerate(rows):
+            tokens[j, :len(part)], lens[j], begin[j] = part, len(part), start
+            where[j], ids[j], limits[j] = slot, row_id, max_new
+            temperature[j], top_k[j], top_p[j] = sampling.temperature, sampling.top_k, sampling.top_p
+        row_sampling = (put(temperature), put(top_k), put(top_p)) if self.spec.sampling.per_row else None
+        # The calls keep their keywords (a keyword given or not is another jit signature).
+        extra = {"resume": True} if resume else {"starts": put(begin) if self.prefix_cache else None}
+        return prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where), put(ids),
+                       np.int32(seed_int32(seed)), put(limits), self.stop_ids, table, row_sampling, **extra)
 
     def _admission_parts(self, chunk: list[int]) -> list[list[int]]:
         """Prompts admitted together, in prefill calls: one, padded to the next width, unless that

@@ -34,7 +34,7 @@ import numpy as np
 from dflash_jax.engine.sampling import Sampling, check_sampling
 from dflash_jax.engine.scheduler import BatchEngine, run_steps
 from dflash_jax.engine.slots import Result, SlotLedger
-from dflash_jax.engine.step import cancel, prefill, prefill_part
+from dflash_jax.engine.step import cancel, prefill_part
 from dflash_jax.kv import PrefixPool, page_table
 from dflash_jax.sharding import put_batch
 from dflash_jax.errors import DFlashError
@@ -408,21 +408,17 @@ class StreamingEngine:
         prompt positions its cached pages hold (prefix caching), where its first piece begins."""
         gen, spec = self.gen, self.gen.spec
         piece = spec.prefill_chunk
+        part = req.prompt[offset:offset + piece]
+        if offset + piece >= len(req.prompt):  # the last piece: the prefill call `admit` makes, resumed
+            return gen.prefill_rows(state, 1, piece, [(part, slot, req.row_id, req.max_new_tokens, req.sampling, 0)],
+                                    resume=True)
         put = lambda x: put_batch(np.asarray(x), gen.mesh)
         tokens = np.zeros((1, piece), np.int32)
-        part = req.prompt[offset:offset + piece]
         tokens[0, :len(part)] = part
-        where = put(np.int32([slot]))
-        if offset + piece < len(req.prompt):
-            table = put(page_table([pages], 1, state.target_cache.pages.shape[1])) if spec.kv_pages else None
-            return prefill_part(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])), where,
-                                table, begin=offset == start,
-                                starts=put(np.int32([start])) if gen.prefix_cache and offset == start else None)
-        s = req.sampling
-        rows = (put(np.float32([s.temperature])), put(np.int32([s.top_k])), put(np.float32([s.top_p])))
-        return prefill(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])), where,
-                       put(np.uint32([req.row_id])), np.int32(0), put(np.int32([req.max_new_tokens])), gen.stop_ids,
-                       None, rows, resume=True)
+        table = put(page_table([pages], 1, state.target_cache.pages.shape[1])) if spec.kv_pages else None
+        return prefill_part(gen.tparams, gen.dparams, spec, state, put(tokens), put(np.int32([len(part)])),
+                            put(np.int32([slot])), table, begin=offset == start,
+                            starts=put(np.int32([start])) if gen.prefix_cache and offset == start else None)
 
     def _queued_now(self) -> int:
         with self._lock:

@@ -26,7 +26,7 @@ class ServedModel:
     engine. `state`: "loading", "compiling", "ready" or "failed" (`failure` says why)."""
 
     def __init__(self, args, say=lambda *a: print(*a, file=sys.stderr, flush=True)):
-        from dflash_jax.engine.options import EngineOptions
+        from dflash_jax.engine.options import EngineOptions, resolve
         from dflash_jax.pair import open_pair
 
         # --kv-pages: unset, a page pool of per-row caches' memory (sized below, `default_pool`); 0: per-row caches
@@ -42,24 +42,13 @@ class ServedModel:
         pair = open_pair(args.target, args.drafter, dtype=args.dtype, use_drafter=args.block_size != 1)
         self.pair, self.tcfg, self.drafting = pair, pair.target, pair.drafting
         self.target_dir, self.drafter_dir = pair.target_dir, pair.drafter_dir
-        if self.drafting:
-            block = args.block_size or pair.drafter.block_size
-            if args.draft_tokens is not None and args.draft_tokens > block - 1:
-                raise DFlashError(f"--draft-tokens {args.draft_tokens} is more than a block of {block} holds "
-                                  f"(1..{block - 1})")
-            if self.options.tree_budget:
-                from dflash_jax.engine.tree import check_tree
-
-                check_tree(pair.target, block, self.options.tree_budget, drafter=pair.drafter)
-        elif self.options.tree_budget:
-            raise DFlashError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
+        self.options = resolve(pair, self.options)  # block size, draft length and tree checked against the pair
         self.name = args.served_model_name or (MODEL_DEFAULT_NAME if pair.demo else self.target_dir.resolve().name)
         self.max_new = args.max_new_tokens or (128 if pair.demo else 256)
         self.max_prompt = args.max_prompt_len or min(2048, self.tcfg.max_position_embeddings)
         self.context = min(self.max_prompt, self.tcfg.max_position_embeddings)
         if self.kv_default:
-            self.options = default_pool(self.options, args, block if self.drafting else 1, self.max_prompt,
-                                        self.max_new)
+            self.options = default_pool(self.options, args, self.max_prompt, self.max_new)
         pair.open_tokenizer()
         self.tokenizer, self.stops = pair.tokenizer, pair.stop_tokens
         self.vocab_size = self.tcfg.vocab_size
@@ -72,7 +61,7 @@ class ServedModel:
     def load(self):
         """Read the weights, compile what serving runs, start the engine (the slow part)."""
         from dflash_jax.compiling import CompileProgress
-        from dflash_jax.engine import Sampling
+        from dflash_jax.engine import BatchEngine, Sampling
         from dflash_jax.engine.streaming import StreamingEngine
         from dflash_jax.pair import engine_mesh
 
@@ -86,7 +75,7 @@ class ServedModel:
             if options.prefix_cache == "on":
                 raise DFlashError(f"--prefix-cache on shares the page pool's pages: {refused}")
             options = self.options = dataclasses.replace(options, kv_pages=None, prefix_cache=None)
-        gen = options.generator(self.pair, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
+        gen = BatchEngine.of(self.pair, options, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
                                 sampling=Sampling(per_row=True),
                                 admission_widths=None if args.all_admission_widths else (1, args.batch_size))
         self.context = min(gen.max_prompt_len, self.tcfg.max_position_embeddings)
@@ -150,15 +139,15 @@ class ServedModel:
 # --------------------------------------------------------------------------- the KV cache
 
 
-def default_pool(options, args, block_size: int, max_prompt: int, max_new: int):
+def default_pool(options, args, max_prompt: int, max_new: int):
     """The server's default KV cache: a page pool of the memory per-row caches would take (batch x
     the pages of each row's cache: `per_row_pages`), so no request ever waits for pages, with
     prefix caching where the target allows it (`--prefix-cache`'s default). `--kv-pages N` sizes it,
-    `--kv-pages 0` keeps per-row caches."""
+    `--kv-pages 0` keeps per-row caches. options: settled for the pair (`resolve`)."""
     from dflash_jax.engine.scheduler import per_row_pages
 
-    pages = per_row_pages(options.batch_size, max_prompt, max_new, block_size,
-                          options.tree_budget if block_size > 1 else 0, options.page_size)
+    pages = per_row_pages(options.batch_size, max_prompt, max_new, options.block_size, options.tree_budget,
+                          options.page_size)
     return dataclasses.replace(options, kv_pages=pages, prefix_cache=args.prefix_cache)
 
 
