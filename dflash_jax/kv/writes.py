@@ -82,7 +82,8 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
 
 
 def _write_ring(buf, layer, new, offsets, rows):
-    n, t = new.shape[-4], new.shape[-3]
+    lead = 1 if layer is None else 0  # new: [(layers,) n, T, ...], its tail a dense's two axes or a latent's one
+    n, t = new.shape[lead], new.shape[lead + 1]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
     where = jnp.broadcast_to(rows[:, None], pos.shape)  # rows out of range (padding): dropped
