@@ -72,10 +72,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"\w+/weight", (None,)),  # norms
 )
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # KVCache.k / .v
-POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # KVCache.k / .v as a page pool (rows share pages)
-STATE_AXES = ("batch", "heads", "head_dim", "head_dim")  # each of KVCache.state (a linear layer's)
-TAIL_AXES = ("batch", "length", None)  # each of KVCache.tail
+# The KV cache's arrays name their logical axes themselves: `KVCache.logical_axes`.
 
 
 class MeshError(DFlashError):

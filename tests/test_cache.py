@@ -1,4 +1,5 @@
-"""The static KV cache with a length per row: prefill, decode, per-row offsets, rollback."""
+"""The static KV cache with a length per row: prefill, decode, per-row offsets, rollback; the axes
+each of its arrays declares; a ring's writes and reads, dense and latent."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,11 @@ import numpy as np
 import pytest
 
 from dflash_jax import ConfigError, ModelConfig, forward, init_cache
+from dflash_jax.config import IndexerConfig, MlaConfig
+from dflash_jax.drafter import DrafterConfig
+from dflash_jax.kv import init_context_cache, read_kv, write_kv
 from dflash_jax.model import init_params
+from test_spec_decode import model_config
 
 CONFIG = ModelConfig(
     model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -111,3 +116,84 @@ def test_rollback_is_a_length_update():
 def test_bad_tap_is_refused():
     with pytest.raises(ConfigError, match="outside the target's 3 layers"):
         forward(PARAMS, CONFIG, jnp.zeros((1, 2), jnp.int32), init_cache(CONFIG, 1, 8), taps=(3,))
+
+
+# --------------------------------------------------------------------------- the cache describes itself
+
+BATCH, PAGES = 3, 20  # distinct sizes, so a row axis is told from a pool's pages or a ring's positions
+LATENT = CONFIG.replace(model_type="deepseek_v3", sliding_windows=None,
+                        mla=MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                      indexer=IndexerConfig(heads=2, head_dim=8, top_k=4)))
+POOL = dict(page_size=8, num_pages=PAGES)
+CACHES = {  # name: (a cache of 3 rows of 48 positions, its kind)
+    "dense": (lambda: init_cache(CONFIG, BATCH, 48, page_size=8), "dense"),
+    "dense pool": (lambda: init_cache(CONFIG, BATCH, 48, **POOL), "dense"),
+    # Gemma 4: its sliding group a ring of 16 positions per row, its global group pooled
+    "ring and pool": (lambda: init_cache(model_config("gemma4", 8, 3), BATCH, 48, **POOL, ring_chunk=10), "dense"),
+    "hybrid": (lambda: init_cache(model_config("qwen3_5", 8, 3), BATCH, 48, **POOL), "dense"),
+    "latent": (lambda: init_cache(LATENT, BATCH, 48, page_size=8), "latent"),
+    "latent pool": (lambda: init_cache(LATENT, BATCH, 48, **POOL), "latent"),
+    "context ring": (lambda: init_context_cache(DrafterConfig(model=CONFIG, block_size=4, mask_token_id=0,
+                                                              target_layer_ids=(0,), num_target_layers=3),
+                                                BATCH, 96, page_size=8, window=8, ring_chunk=8), "dense"),
+}
+
+
+@pytest.mark.parametrize("name", list(CACHES))
+def test_a_cache_names_the_axes_of_each_of_its_arrays(name):
+    make, kind = CACHES[name]
+    cache = make()
+    assert cache.kind == kind
+    seen = []
+    out = cache.map_arrays(lambda x, axes: seen.append((x, axes)) or -x)
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert sorted(map(id, (x for x, _ in seen))) == sorted(map(id, leaves))  # every array, once
+    for a, b in zip(jax.tree_util.tree_leaves(out), leaves):  # and f's results are the cache's arrays
+        np.testing.assert_array_equal(np.asarray(a), -np.asarray(b))
+    for x, axes in seen:
+        assert len(axes) == x.ndim, (x.shape, axes)
+        if "batch" in axes:  # the rows' axis (what a narrowed state gathers, what `data` splits)
+            assert x.shape[axes.index("batch")] == BATCH, (x.shape, axes)
+    axes = cache.logical_axes()
+    for field in cache.kv_names():
+        buf, args = getattr(cache, field), cache.kv_args(field)
+        assert args["kind"] == ("latent" if field == "index_k" else "dense" if field.endswith("global") else kind)
+        assert ("kv_heads" in axes[field]) == (args["kind"] == "dense") == (buf.ndim == 5)
+        if args["pages"] is None:  # per row (a ring too): rows on axis 1
+            assert axes[field][1] == "batch" and (buf.shape[2] < 48 if args["ring"] else buf.shape[2] >= 48)
+        else:  # a pool's pages and their positions belong to no row
+            assert axes[field][1:3] == (None, None) and buf.shape[1] == PAGES
+    assert ("state" in axes) == (name == "hybrid") and ("index_k" in axes) == name.startswith("latent")
+    assert cache.ring == (name in ("ring and pool", "context ring"))
+
+
+@pytest.mark.parametrize("layer", [1, None])
+@pytest.mark.parametrize("kind", ["dense", "latent"])
+def test_a_ring_write_lands_at_p_mod_ring_and_read_kv_finds_it(kind, layer):
+    """Two chunks of 5 into a ring of 8 positions per row (the second wrapping round), into rows 2 and
+    0 (a third, padding row dropped): each value lands at position % 8 of its row and nowhere else,
+    and read_kv gives it back (a latent: with a unit head axis, as written)."""
+    rs = np.random.RandomState(7)
+    layers, ring, t = 3, 8, 5
+    tail = (2, 4) if kind == "dense" else (6,)  # [kv_heads, head_dim], or a latent's [dim]
+    written = (2, 4) if kind == "dense" else (1, 6)  # what a write takes: a latent with a unit head axis
+    buf = jnp.asarray(rs.randn(layers, BATCH, ring, *tail), jnp.float32)
+    expected = np.asarray(buf).copy()
+    rows = jnp.asarray([2, 0, BATCH])
+    at = slice(None) if layer is None else layer
+    for offsets in ([3, 6, 0], [8, 11, 5]):
+        new = rs.randn(*((layers,) if layer is None else ()), 3, t, *written).astype(np.float32)
+        buf = write_kv(buf, layer, jnp.asarray(new), jnp.asarray(offsets), rows, ring=True, kind=kind)
+        for i, (row, offset) in enumerate(zip([2, 0], offsets)):
+            for j in range(t):
+                value = new[..., i, j, :, :]
+                expected[at, row, (offset + j) % ring] = value if kind == "dense" else value[..., 0, :]
+        np.testing.assert_array_equal(np.asarray(buf), expected)
+        positions = jnp.asarray(offsets[:2])[:, None] + jnp.arange(t)[None, :]
+        got = read_kv(buf, layer, positions, rows[:2], ring=True, kind=kind)
+        np.testing.assert_array_equal(np.asarray(got), new[..., :2, :, :, :])
+
+
+def test_an_unknown_cache_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown cache kind 'Latent'; kinds: dense, latent"):
+        write_kv(jnp.zeros((1, 1, 8, 4)), 0, jnp.zeros((1, 2, 1, 4)), jnp.zeros((1,), jnp.int32), kind="Latent")

@@ -38,7 +38,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import CausalLM, ForwardOutput, forward, settle
 from dflash_jax.platform import decode_jit
-from dflash_jax.sharding import CACHE_AXES, POOL_AXES, STATE_AXES, TAIL_AXES, constrain, sharding_of, tracing_on
+from dflash_jax.sharding import constrain, sharding_of, tracing_on
 
 # --------------------------------------------------------------------------- spec and state
 
@@ -171,31 +171,11 @@ class DecodeState:
     filling: jax.Array
 
 
-def _map_cache(cache: KVCache | None, f) -> KVCache | None:
-    """f(array, logical axes) over a cache's arrays."""
-    if cache is None:
-        return None
-    pooled = CACHE_AXES if cache.pages is None else POOL_AXES
-    axes = CACHE_AXES if cache.ring else pooled  # a ring is per row
-    latent = axes[:3] + axes[4:]  # a latent cache has no head axis
-    cache = cache.replace(k=f(cache.k, axes if cache.k.ndim == 5 else latent),
-                          v=f(cache.v, axes if cache.v.ndim == 5 else latent), lengths=f(cache.lengths, ("batch",)))
-    if cache.pages is not None:
-        cache = cache.replace(pages=f(cache.pages, ("batch", None)))
-    if cache.k_global is not None:
-        cache = cache.replace(k_global=f(cache.k_global, pooled), v_global=f(cache.v_global, pooled))
-    if cache.index_k is not None:
-        cache = cache.replace(index_k=f(cache.index_k, latent))
-    if cache.state is not None:
-        cache = cache.replace(state=tuple(f(s, STATE_AXES) for s in cache.state),
-                              tail=tuple(f(t, TAIL_AXES) for t in cache.tail))
-    return cache
-
-
 def map_state(state: DecodeState, f) -> DecodeState:
     """f(array, logical axes) over every array of a DecodeState: rows over `batch`, cache
     heads over `kv_heads` (dflash_jax.sharding's rules)."""
-    caches = dict(target_cache=_map_cache(state.target_cache, f), context_cache=_map_cache(state.context_cache, f))
+    caches = {name: None if cache is None else cache.map_arrays(f)
+              for name, cache in (("target_cache", state.target_cache), ("context_cache", state.context_cache))}
     others = {fl.name: f(getattr(state, fl.name), ("batch",) + (None,) * (getattr(state, fl.name).ndim - 1))
               for fl in dataclasses.fields(state) if fl.name not in caches}
     return state.replace(**caches, **others)

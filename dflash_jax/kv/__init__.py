@@ -1,10 +1,14 @@
 """The KV cache's one home.
 
-- `layout`: pages (`PAGE_SIZE`), the page table's `NO_PAGE`, allocated lengths, rings;
+- `layout`: pages (`PAGE_SIZE`), the page table's `NO_PAGE`, allocated lengths, rings, a buffer's
+  kind (dense, or a latent without a head axis);
 - `cache`: the `KVCache` type and its init, for the target (`init_cache`) and the drafter's
-  context (`init_context_cache`);
+  context (`init_context_cache`). The type describes itself: each array field declares its K/V
+  group and kind or its logical axes, so the cache gives every array's axes (`logical_axes`: the
+  sharding and the rows' axis), maps a function over its arrays (`map_arrays`) and says how a
+  buffer is reached (`kv_args`); a new field is declared there alone;
 - `writes`: `write_kv`, new keys/values into per-row slots, a page pool or a ring, in place, and
-  `read_kv`, the gather of chosen positions from any of them;
+  `read_kv`, the gather of chosen positions from any of them (each told the buffer's kind);
 - `pool`: the host's side of a page pool: free pages (`PagePool`), a row's pages (`pages_needed`)
   and the page-table rows handed to the device (`page_table`);
 - `prefix`: prefix caching over the pool (`PrefixPool`: prompt pages kept under a hash chain of

@@ -9,18 +9,34 @@ earlier call) guarantees they are never read. Layouts: `dflash_jax.kv.layout`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.config import ModelConfig, jnp_dtype
-from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, cache_layout, ring_length, window_ring_length
+from dflash_jax.kv.layout import NO_PAGE, PAGE_SIZE, Kind, cache_layout, ring_length, window_ring_length
 from dflash_jax.kv.writes import read_kv, write_kv
 
 if TYPE_CHECKING:
     from dflash_jax.drafter import DrafterConfig
+
+# Logical axes (`dflash_jax.sharding`'s names) of a dense K/V buffer; a latent one has no head axis.
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # each row its own positions (or ring)
+POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # a page pool: rows share pages, so neither splits
+
+
+def _kv(group: str, kind: Kind | None = None, **kw):
+    """A K/V buffer field, positions written and read through the layout of its group ("main" or
+    "global", `KVCache.layout`); kind None: the cache's (`KVCache.kind`)."""
+    return struct.field(metadata={"group": group, "kind": kind}, **kw)
+
+
+def _per_row(*axes: str | None, **kw):
+    """A field of arrays (or a tuple of them, each) with these logical axes."""
+    return struct.field(metadata={"axes": axes}, **kw)
 
 
 @struct.dataclass
@@ -60,20 +76,29 @@ class KVCache:
              sees only the last N positions before its anchor, and k, v are a ring of those (plus a
              write's worth) per row, not paged, where that is shorter than the row
              (`init_context_cache`). None: every committed position.
+    kind:    (static) "dense" or "latent" (k, v a latent's two parts, `ModelConfig.mla`), as
+             `init_cache` makes it. index_k is always latent, k_global and v_global always dense.
+
+    Each array field declares itself: a K/V buffer its group and kind (`_kv`), any other its
+    logical axes (`_per_row`). From that alone the cache gives each field's logical axes
+    (`logical_axes`: its sharding, and which axis is the rows), maps a function over its arrays
+    (`map_arrays`), and tells `write_kv` / `read_kv` how to reach a buffer (`kv_args`); a new field
+    is declared here and nowhere else.
     """
 
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-    k_global: jax.Array | None = None
-    v_global: jax.Array | None = None
-    state: tuple[jax.Array, ...] | None = None
-    tail: tuple[jax.Array, ...] | None = None
-    index_k: jax.Array | None = None
-    pages: jax.Array | None = None
+    k: jax.Array = _kv("main")
+    v: jax.Array = _kv("main")
+    lengths: jax.Array = _per_row("batch")
+    k_global: jax.Array | None = _kv("global", "dense", default=None)
+    v_global: jax.Array | None = _kv("global", "dense", default=None)
+    state: tuple[jax.Array, ...] | None = _per_row("batch", "heads", "head_dim", "head_dim", default=None)
+    tail: tuple[jax.Array, ...] | None = _per_row("batch", "length", None, default=None)
+    index_k: jax.Array | None = _kv("main", "latent", default=None)
+    pages: jax.Array | None = _per_row("batch", None, default=None)
     ring: bool = struct.field(pytree_node=False, default=False)
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
     window: int | None = struct.field(pytree_node=False, default=None)
+    kind: Kind = struct.field(pytree_node=False, default="dense")
 
     @property
     def max_len(self) -> int:
@@ -85,6 +110,43 @@ class KVCache:
         if global_group:
             return self.pages, False
         return (None, True) if self.ring else (self.pages, False)
+
+    def kv_names(self) -> tuple[str, ...]:
+        """The K/V buffers present (every field that positions are written into)."""
+        return tuple(f.name for f in _FIELDS if "group" in f.metadata and getattr(self, f.name) is not None)
+
+    def kind_of(self, name: str) -> Kind:
+        """The kind of K/V buffer `name`."""
+        return _FIELD[name].metadata["kind"] or self.kind
+
+    def kv_args(self, name: str) -> dict[str, Any]:
+        """How `write_kv` / `read_kv` reach K/V buffer `name`: its group's page table and ring, its kind."""
+        pages, ring = self.layout(_FIELD[name].metadata["group"] == "global")
+        return dict(pages=pages, ring=ring, kind=self.kind_of(name))
+
+    def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """Each array field present -> the logical axes of its dimensions (`dflash_jax.sharding`'s
+        names; a tuple field: of each of its arrays). A K/V buffer's follow its group's layout: per
+        row (a ring too) `CACHE_AXES`, a pool's pages `POOL_AXES`; a latent one has no head axis."""
+        out = {}
+        for f in _FIELDS:
+            if getattr(self, f.name) is None:
+                continue
+            if "group" in f.metadata:
+                pages, _ = self.layout(f.metadata["group"] == "global")
+                axes = CACHE_AXES if pages is None else POOL_AXES
+                out[f.name] = axes[:3] + axes[4:] if self.kind_of(f.name) == "latent" else axes
+            else:
+                out[f.name] = f.metadata["axes"]
+        return out
+
+    def map_arrays(self, f: Callable[[Any, tuple[str | None, ...]], Any]) -> "KVCache":
+        """f(array, logical axes) over every array of the cache (each of a tuple field's), as `logical_axes` gives them."""
+        out = {}
+        for name, axes in self.logical_axes().items():
+            value = getattr(self, name)
+            out[name] = tuple(f(a, axes) for a in value) if isinstance(value, tuple) else f(value, axes)
+        return self.replace(**out)
 
     def assign_pages(self, rows, table) -> "KVCache":
         """Rows `rows` [n] (out of range: ignored) take the page table rows `table` [n, pages
@@ -106,13 +168,9 @@ class KVCache:
         never read). Lengths are the caller's."""
         src = starts[:, None] + nodes
         out = {}
-        for names, global_group in ((("k", "v", "index_k"), False), (("k_global", "v_global"), True)):
-            pages, ring = self.layout(global_group)
-            for name in names:
-                buf = getattr(self, name)
-                if buf is not None:
-                    out[name] = write_kv(buf, None, read_kv(buf, None, src, None, pages, ring), starts, None, pages,
-                                         ring)
+        for name in self.kv_names():
+            buf, args = getattr(self, name), self.kv_args(name)
+            out[name] = write_kv(buf, None, read_kv(buf, None, src, **args), starts, **args)
         return self.replace(**out)
 
     def reset_rows(self, rows) -> "KVCache":
@@ -123,6 +181,19 @@ class KVCache:
             zero = lambda arrays: tuple(a.at[rows].set(0, mode="drop") for a in arrays)
             out = out.replace(state=zero(self.state), tail=zero(self.tail))
         return out
+
+
+def _array_fields() -> tuple[dataclasses.Field, ...]:
+    """KVCache's array fields, each declared with `_kv` or `_per_row` (checked at import)."""
+    fields = tuple(f for f in dataclasses.fields(KVCache) if f.metadata.get("pytree_node", True))
+    for f in fields:
+        if "group" not in f.metadata and "axes" not in f.metadata:
+            raise TypeError(f"KVCache.{f.name} declares neither a K/V group (_kv) nor logical axes (_per_row)")
+    return fields
+
+
+_FIELDS = _array_fields()
+_FIELD = {f.name: f for f in _FIELDS}
 
 
 def row_lengths(cache: KVCache, rows):
@@ -159,8 +230,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
         index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], ix.head_dim), dtype)
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
                    k_global=k_global, v_global=v_global, state=state, tail=tail, index_k=index_k, pages=pages,
-                   ring=ring is not None,
-                   page_size=page_size)
+                   ring=ring is not None, page_size=page_size, kind="dense" if config.mla is None else "latent")
 
 
 def init_context_cache(config: "DrafterConfig", batch: int, max_len: int, dtype=None,

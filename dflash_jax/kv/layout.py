@@ -19,9 +19,15 @@ A ring holds at least the window plus the longest chunk written at once, so no k
 is overwritten before the query reads it. The drafter's context cache is such a ring under a draft
 window (`--draft-window N`: a block sees only its row's last N committed positions), paged pool or
 not, since no page of it outlives the window.
+
+Kinds. A buffer is "dense" (the layout above) or "latent" (multi-head latent attention's: no head
+axis, `[layers, batch or pages, positions, dim]`; writes and reads take and give a unit one). A
+cache says which (`KVCache.kind`), and `write_kv` / `read_kv` are told, never guess from shapes.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -29,6 +35,9 @@ from dflash_jax.config import ModelConfig
 
 PAGE_SIZE = 128
 NO_PAGE = 1 << 30  # a page table's entry for no page (any entry past the pool is none)
+
+Kind = Literal["dense", "latent"]  # a buffer with a head axis, or a latent without one
+KINDS: tuple[Kind, ...] = ("dense", "latent")
 
 
 def cache_length(max_len: int, page_size: int = PAGE_SIZE) -> int:

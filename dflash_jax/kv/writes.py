@@ -10,8 +10,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kv.layout import KINDS, Kind
 
-def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False):
+
+def _latent(kind: Kind) -> bool:
+    if kind not in KINDS:
+        raise ValueError(f"unknown cache kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return kind == "latent"
+
+
+def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False, kind: Kind = "dense"):
     """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
     row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
     with layer None, into every layer: new is then [layers, n, T, ...]).
@@ -27,9 +35,9 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: 
     the row (padding rows, pages past its reservation) dropped. A ring (`ring`) is one scatter
     too, position p at p % the buffer's length.
 
-    A latent buffer ([layers, batch or pages, len, dim]: no head axis, `KVCache.k` under multi-head
-    latent attention) takes new with a unit head axis, which is dropped."""
-    if buf.ndim == 4:
+    A latent buffer (kind "latent": [layers, batch or pages, len, dim], no head axis, `KVCache.k`
+    under multi-head latent attention) takes new with a unit head axis, which is dropped."""
+    if _latent(kind):
         new = new[..., 0, :]
     if pages is not None:
         return _write_pool(buf, layer, new, offsets, rows, pages)
@@ -74,7 +82,8 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
 
 
 def _write_ring(buf, layer, new, offsets, rows):
-    n, t = new.shape[-4], new.shape[-3]
+    lead = 1 if layer is None else 0  # new: [(layers,) n, T, ...], its tail a dense's two axes or a latent's one
+    n, t = new.shape[lead], new.shape[lead + 1]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
     where = jnp.broadcast_to(rows[:, None], pos.shape)  # rows out of range (padding): dropped
@@ -84,12 +93,13 @@ def _write_ring(buf, layer, new, offsets, rows):
     return buf.at[layer, where, pos].set(new, mode="drop")
 
 
-def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool = False):
+def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool = False, kind: Kind = "dense"):
     """The keys or values at positions [n, T] of batch rows rows[i] (default row i) -> [n, T,
     kv_heads, head_dim] from layer `layer` of buf (layer None: every layer, [layers, n, T, ...]),
     through each row's page table (`pages`) or a ring's modulo, as `write_kv` wrote them.
-    Positions past a row's pages read page 0 (the caller never uses them). A latent buffer (no head
-    axis) reads with a unit head axis."""
+    Positions past a row's pages read page 0 (the caller never uses them). A latent buffer (kind
+    "latent": no head axis) reads with a unit head axis."""
+    latent = _latent(kind)
     n = positions.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
@@ -104,6 +114,6 @@ def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool
     else:
         where = positions % length if ring else jnp.clip(positions, 0, length - 1)
         out = view[:, jnp.clip(rows, 0, view.shape[1] - 1)[:, None], where]
-    if buf.ndim == 4:  # a latent: the unit head axis
+    if latent:  # the unit head axis
         out = out[..., None, :]
     return out if layer is None else out[0]
