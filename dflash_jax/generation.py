@@ -31,7 +31,7 @@ from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.sampling import (check_max_new_tokens, check_seed, check_temperature, check_top_k,
                                         check_top_p)
 from dflash_jax.engine.speculation import PRIOR_RATE
-from dflash_jax.engine.tree import check_tree
+from dflash_jax.engine.cycles import check_tree
 from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 

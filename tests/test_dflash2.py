@@ -162,7 +162,7 @@ def test_tree_verification_refuses_a_dflash2_drafter(loaded):
     tc, tp, dc, dp = loaded
     with pytest.raises(DFlashError, match="DFlash2 drafter drafts by its candidate selector"):
         BatchEngine(tc, tp, dc, dp, tree_budget=8, max_new_tokens=8, max_prompt_len=16)
-    with pytest.raises(DFlashError, match="--acceptance must be one of"):
+    with pytest.raises(DFlashError, match="^acceptance must be one of"):
         BatchEngine(tc, tp, dc, dp, acceptance="greedy", max_new_tokens=8, max_prompt_len=16)
 
 

@@ -333,7 +333,7 @@ def test_a_hybrid_target_is_refused_before_anything_compiles():
         BatchEngine(target, tparams, drafter, dparams, block_size=8, batch_size=2, max_new_tokens=4,
                     max_prompt_len=8, tree_budget=4)
     message = str(err.value)
-    assert "--tree-budget" in message and "recurrent" in message and "\n" not in message
+    assert message.startswith("tree_budget: ") and "recurrent" in message and "\n" not in message  # the setting
     assert isinstance(err.value, DFlashError)
     programs = lambda c: {k: v for k, v in c.items() if k != "xla_compiles"}  # noqa: E731
     assert programs(compile_counts()) == programs(before)
@@ -352,10 +352,11 @@ def test_bad_tree_options_are_refused(kw, message):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(block_size=1), "--tree-budget needs a drafter"),
-    (dict(block_size=8, draft_tokens=3), "--tree-budget and --draft-tokens exclude each other"),
+    (dict(block_size=1), "^tree_budget needs a drafter"),
+    (dict(block_size=8, draft_tokens=3), "^tree_budget and draft_tokens exclude each other"),
 ])
 def test_an_engine_refuses_a_tree_it_cannot_verify(kw, message):
+    """The library's error names the setting (`cycle_kind`); the command line's, its flag (above)."""
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(InputError, match=message):
         BatchEngine(target, tparams, drafter, dparams, batch_size=2, max_new_tokens=4, max_prompt_len=8,
@@ -382,7 +383,8 @@ def test_a_budget_past_what_a_tree_can_hold_is_refused_naming_the_limit():
     holds at most the block's distinct token paths. Past either: a one-line InputError naming the
     limit (not a Python loop of budget x vocab iterations and an out-of-memory error later)."""
     from dflash_jax.config import ModelConfig
-    from dflash_jax.engine.tree import check_tree, max_tree_budget
+    from dflash_jax.engine.cycles import check_tree
+    from dflash_jax.engine.tree import max_tree_budget
 
     target = ModelConfig(model_type="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -48,7 +48,7 @@ class ServedModel:
                 raise DFlashError(f"--draft-tokens {args.draft_tokens} is more than a block of {block} holds "
                                   f"(1..{block - 1})")
             if self.options.tree_budget:
-                from dflash_jax.engine.tree import check_tree
+                from dflash_jax.engine.cycles import check_tree
 
                 check_tree(pair.target, block, self.options.tree_budget, drafter=pair.drafter)
         elif self.options.tree_budget:
