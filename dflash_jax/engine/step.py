@@ -5,7 +5,8 @@ functions over a fixed set of batch slots.
   `prefill`     admit prompts into free slots: the target runs them (written straight into
                 those slots' cache rows), the first token is sampled, the drafter's context is
                 filled with the prompts' taps, and the slot's row state is reset (`insert`)
-  `cycle`       draft -> verify -> accept -> commit, for every slot at once
+  `cycle`       draft -> verify -> accept (the spec's cycle kind: `dflash_jax.engine.cycles`) -> commit,
+                for every slot at once
   `run_cycles`  a `lax.while_loop` of up to n cycles, until every row is done (or, when the
                 host has prompts waiting, until some row finishes and frees its slot)
   `narrow_state` the live rows of a state as a narrower state (the scheduler's batch tail)
