@@ -16,3 +16,9 @@ class CheckpointError(DFlashError):
 class InputError(DFlashError):
     """Bad flags, options or input rows, found before a weight is read; the message names the
     flag (`--batch-size`) or the input line."""
+
+
+def flag(setting: str) -> str:
+    """A setting as the command line spells it: `batch_size` -> `--batch-size` (errors raised for a
+    command name its flags; the library's name the settings themselves)."""
+    return "--" + setting.replace("_", "-")

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
-from dflash_jax.engine.options import EngineOptions, check_drafting, resolve
+from dflash_jax.engine.options import EngineOptions, resolve
+from dflash_jax.engine.cycles import check_settings
 from dflash_jax.engine.sampling import (check_max_new_tokens, check_seed, check_temperature, check_top_k,
                                         check_top_p)
 from dflash_jax.engine.speculation import PRIOR_RATE, SPECULATION_MODES
-from dflash_jax.errors import DFlashError, InputError
+from dflash_jax.errors import DFlashError, InputError, flag
 from dflash_jax.pair import DEMO_DIR, ModelPair, engine_mesh, open_pair, pair_dirs
 
 # `python -m infer`'s engine options: the engine's defaults, speculation the job's (`speculation_mode`).
@@ -86,7 +87,9 @@ class GenerationJob:
             raise InputError("--input is required when --target is given")
         if not isinstance(self.options, EngineOptions):
             raise InputError(f"a job's options must be an EngineOptions, got {type(self.options).__name__}")
-        check_drafting(self.options, self.drafter_dir is not None and self.options.block_size != 1)
+        o = self.options  # the rules a job's settings can be held to before its configs are read
+        check_settings(o.block_size, o.draft_tokens, o.tree_budget, o.acceptance,
+                       drafting=False if self.drafter_dir is None or o.block_size == 1 else None, names=flag)
         # What the engine casts to int32 or float32 is bounded here, before anything loads.
         check_temperature(self.temperature, "--temperature")
         check_top_p(self.top_p, "--top-p")
@@ -359,15 +362,15 @@ class Resume:
             if row is None:
                 raise InputError(f"{where}: id {obj['id']!r} is not a row of {input_path}: the output holds another "
                                  f"job's results; {again}")
-            for key, flag in SETTING_FLAGS.items():
+            for key, option_flag in SETTING_FLAGS.items():
                 if fp.get(key) == settings[key]:
                     continue
                 if key in ("target", "drafter"):
                     other = "no drafter" if fp.get(key) is None else (
-                        f"another {key} (its config or files differ from {flag}'s)" if settings[key] else f"a {key}")
+                        f"another {key} (its config or files differ from {option_flag}'s)" if settings[key] else f"a {key}")
                     raise InputError(f"{where}: id {row.id!r} was generated with {other}; {again}")
                 was, now = (0 if key == "tree_budget" and v is None else v for v in (fp.get(key), settings[key]))
-                raise InputError(f"{where}: id {row.id!r} was generated with {flag} {json.dumps(was)}, "
+                raise InputError(f"{where}: id {row.id!r} was generated with {option_flag} {json.dumps(was)}, "
                                  f"this run has {json.dumps(now)}; {again}")  # (a tree budget of None: the chain, 0)
             if fp.get("input") != keys[row.id]:
                 raise InputError(f"{where}: id {row.id!r} was generated from another row than {input_path} line "

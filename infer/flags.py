@@ -16,7 +16,8 @@ from dataclasses import fields
 from typing import Any
 
 from dflash_jax.config import DTYPES
-from dflash_jax.engine.options import EngineOptions, flag
+from dflash_jax.engine.options import EngineOptions
+from dflash_jax.errors import flag
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
 from dflash_jax.engine.speculation import SPECULATION_MODES
 from dflash_jax.generation import GenerationJob

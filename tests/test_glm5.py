@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import forward, init_cache, load_target
-from dflash_jax.engine.tree import check_tree
+from dflash_jax.engine.cycles import check_tree
 from dflash_jax.errors import ConfigError, InputError
 from dflash_jax.families import model_config
 from test_mla import (VOCAB, build, case_params, check_against_transformers, check_cli_on_two_devices,

@@ -356,6 +356,8 @@ def test_bad_tree_options_are_refused(kw, message):
     (dict(block_size=8, draft_tokens=3), "--tree-budget and --draft-tokens exclude each other"),
 ])
 def test_an_engine_refuses_a_tree_it_cannot_verify(kw, message):
+    """`BatchEngine`'s options are `EngineOptions`, whose errors name the flags (`cycle_kind` called
+    alone names the settings: tests/test_cycles.py)."""
     target, tparams, drafter, dparams = setup("qwen3-v8")
     with pytest.raises(InputError, match=message):
         BatchEngine(target, tparams, drafter, dparams, batch_size=2, max_new_tokens=4, max_prompt_len=8,
@@ -382,7 +384,8 @@ def test_a_budget_past_what_a_tree_can_hold_is_refused_naming_the_limit():
     holds at most the block's distinct token paths. Past either: a one-line InputError naming the
     limit (not a Python loop of budget x vocab iterations and an out-of-memory error later)."""
     from dflash_jax.config import ModelConfig
-    from dflash_jax.engine.tree import check_tree, max_tree_budget
+    from dflash_jax.engine.cycles import check_tree
+    from dflash_jax.engine.tree import max_tree_budget
 
     target = ModelConfig(model_type="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -1,8 +1,13 @@
 """The speculative decoding engine:
 
 - `sampling`: how the target picks tokens (greedy, temperature / top-k / top-p, per-row keys);
-- `step`: the pure device step (`init_state`, `prefill`, `insert`, `cycle` built from `draft`,
-  `verify`, `accept`, `commit`, and `run_cycles`), jit-compiled over static shapes;
+- `step`: the pure device step (`EngineSpec`, `init_state`, `prefill`, `insert`, `cycle`: the spec's
+  kind's draft, verify and accept, then `commit`; `run_cycles`), jit-compiled over static shapes;
+- `cycles`: the cycle kind as a type (`Plain`, `Chain`, `Selector`, `Tree`; `cycle_kind`, the one
+  home of the rules of draft tokens, draft trees and acceptance), one module per kind with its draft
+  and verify (`plain`, `chain`, `selector`: a DFlash2 drafter's walk, `tree`: a draft tree), and
+  `base`: the pieces they share (`denoise`, `verify`, `accept`, `pick`);
+- `tree`: draft trees (`build_tree`, best-first on the device; `follow`, sample-and-match);
 - `slots`: the host's ledger of a batch's slots (`SlotLedger`: occupants, slots being filled,
   pages held, the waiting rows, the stop-token cut, finishing rows), `Result`, `GenerationStats`;
 - `scheduler`: the batch generator (`BatchEngine`: admission, continuous batching, syncs, warm-up);
@@ -16,14 +21,16 @@ from dflash_jax.engine.sampling import (
 )
 from dflash_jax.engine.scheduler import BatchEngine, bucket
 from dflash_jax.engine.slots import GenerationStats, Result, SlotLedger, timed
+from dflash_jax.engine.cycles import CycleKind, cycle_kind
+from dflash_jax.engine.cycles.base import accept, verify
 from dflash_jax.engine.step import (
-    DecodeState, EngineSpec, accept, commit, cycle, decode_state_shardings, draft, init_state, insert, prefill,
-    run_cycles, verify,
+    DecodeState, EngineSpec, commit, cycle, decode_state_shardings, draft, init_state, insert, prefill, run_cycles,
 )
 
 __all__ = [
     "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample",
     "GenerationStats", "BatchEngine", "Result", "SlotLedger", "bucket", "timed",
+    "CycleKind", "cycle_kind",
     "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",
     "prefill", "run_cycles", "verify",
 ]

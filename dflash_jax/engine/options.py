@@ -10,9 +10,10 @@ defaults; a command whose default differs says so in one `overrides` entry).
 
 A field out of range is an `InputError` naming it by its flag (`--batch-size must be >= 1`).
 What depends on the pair is settled once, by `resolve(pair, options)`, before a weight is read:
-the block size (the drafter's, or 1), --draft-tokens within the block, a tree the pair can
-verify, and the settings that need a drafter (`check_drafting`); every command and `BatchEngine`
-settle their options there. Limits each command resolves its own way (max_new_tokens: 256, 128
+the block size (the drafter's, or 1), and the cycle this pair can run with these settings
+(`dflash_jax.engine.cycles.cycle_kind`, the one home of their rules: --draft-tokens within the
+block, a tree the pair can verify, the settings that need a drafter); every command and
+`BatchEngine` settle their options there. Limits each command resolves its own way (max_new_tokens: 256, 128
 for the demo pair; max_prompt_len: the input's longest prompt for a batch job, the target's
 context for the server) are passed to the engine (`BatchEngine.of`), not kept here.
 """
@@ -26,7 +27,7 @@ from typing import NamedTuple
 from dflash_jax.config import DTYPES
 from dflash_jax.engine.sampling import ACCEPTANCE_RULES
 from dflash_jax.engine.speculation import SPECULATION_MODES
-from dflash_jax.errors import InputError
+from dflash_jax.errors import InputError, flag
 from dflash_jax.kv.layout import PAGE_SIZE
 
 # Decoding cycles per host sync. A batch run (`python -m infer`, the bench) syncs every 8 cycles:
@@ -41,11 +42,6 @@ _NON_NEGATIVE = ("tree_budget",)
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
              "kv_pages", "page_size", "prefill_chunk", "draft_window")
-
-
-def flag(name: str) -> str:
-    """A field's command-line flag: `batch_size` -> `--batch-size`."""
-    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -85,16 +81,14 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise InputError(f"{flag(name)} must be an integer >= 0, got {value!r}")
-        if self.tree_budget and self.draft_tokens is not None:
-            raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
-        if self.block_size == 1:
-            check_drafting(self, drafting=False)
+        from dflash_jax.engine.cycles import check_settings  # the rules of draft length, tree and acceptance
+
+        check_settings(self.block_size, self.draft_tokens, self.tree_budget, self.acceptance,
+                       drafting=False if self.block_size == 1 else None, names=flag)
         if not self.stall_timeout >= 0:
             raise InputError(f"--stall-timeout must be >= 0 minutes, got {self.stall_timeout}")
         if self.speculation is not None and self.speculation not in SPECULATION_MODES:
             raise InputError(f"--speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise InputError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
         if self.prefix_cache not in (None, "on", "off"):
             raise InputError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
         if self.prefix_cache == "on" and self.kv_pages is None:
@@ -129,37 +123,23 @@ class PairConfigs(NamedTuple):
     drafter: object | None  # DrafterConfig; None: plain decoding
 
 
-def check_drafting(options: EngineOptions, drafting: bool):
-    """Refuse the settings that need a drafter where none drafts (no drafter, or block size 1)."""
-    if drafting:
-        return
-    if options.tree_budget:
-        raise InputError("--tree-budget needs a drafter (it sets how many draft-tree nodes are verified)")
-    if options.draft_tokens is not None:
-        raise InputError("--draft-tokens needs a drafter (it sets how many of the drafter's tokens are verified)")
-
-
 def resolve(pair, options: EngineOptions) -> EngineOptions:
     """The options settled for a pair (anything with `target` and `drafter` configs: a `ModelPair`,
     `PairConfigs`; drafter None: no drafter) and checked against it, before a weight is read:
     the block size the drafter's (or 1 without one, or as given), --draft-tokens within the block,
-    a tree one the target and drafter can verify (`check_tree`), speculation's default (auto).
+    a tree one the target and drafter can verify (`cycle_kind`), speculation's default (auto).
     Plain decoding (block size 1, or no drafter) drops the drafter's settings
     (draft_tokens, tree_budget, draft_window); asking for them without a drafter is an InputError.
     Every command (`python -m infer`, the server, the bench) and `BatchEngine` settle options here."""
-    from dflash_jax.engine.tree import check_tree
+    from dflash_jax.engine.cycles import check_settings, cycle_kind
 
     speculation = options.speculation or SPECULATION_MODES[0]
     drafter = pair.drafter if options.block_size != 1 else None
-    if drafter is None and options.block_size not in (None, 1):
-        raise InputError(f"--block-size {options.block_size} needs a drafter (block size 1 is plain decoding)")
-    check_drafting(options, drafter is not None)
     if drafter is None:
+        check_settings(options.block_size, options.draft_tokens, options.tree_budget, options.acceptance,
+                       drafting=False, names=flag)
         return replace(options.plain(), speculation=speculation)
     block = options.block_size or drafter.block_size
-    if options.draft_tokens is not None and options.draft_tokens > block - 1:
-        raise InputError(f"--draft-tokens {options.draft_tokens} is more than a block of {block} holds "
-                         f"(1..{block - 1})")
-    if options.tree_budget:
-        check_tree(pair.target, block, options.tree_budget, drafter=drafter)
+    cycle_kind(pair.target, drafter, block, options.draft_tokens, options.tree_budget, options.acceptance,
+               names=flag)
     return replace(options, block_size=block, speculation=speculation)

@@ -5,7 +5,8 @@ functions over a fixed set of batch slots.
   `prefill`     admit prompts into free slots: the target runs them (written straight into
                 those slots' cache rows), the first token is sampled, the drafter's context is
                 filled with the prompts' taps, and the slot's row state is reset (`insert`)
-  `cycle`       draft -> verify -> accept -> commit, for every slot at once
+  `cycle`       draft -> verify -> accept (the spec's cycle kind: `dflash_jax.engine.cycles`) -> commit,
+                for every slot at once
   `run_cycles`  a `lax.while_loop` of up to n cycles, until every row is done (or, when the
                 host has prompts waiting, until some row finishes and frees its slot)
   `narrow_state` the live rows of a state as a narrower state (the scheduler's batch tail)
@@ -29,14 +30,14 @@ from jax.sharding import Mesh
 
 from dflash_jax.kv import PAGE_SIZE
 from dflash_jax.config import ModelConfig, jnp_dtype
-from dflash_jax.dflash2 import predecessors, unary_scores, walk
-from dflash_jax.drafter import DFlashDrafter, DrafterConfig, draft_hidden, extend_context
-from dflash_jax.engine.sampling import (ACCEPTANCE_RULES, Sampling, draw_keys, greedy_pick, position_keys,
-                                        rejection_accept, sample, sample_rows, target_probs)
-from dflash_jax.engine.tree import Tree, build_tree, check_tree, follow, top_candidates, top_logits
+from dflash_jax.drafter import DrafterConfig, extend_context
+from dflash_jax.engine.cycles import CycleKind, Selector, cycle_kind
+from dflash_jax.engine.cycles.base import pick
+from dflash_jax.engine.cycles.selector import selector_scores as _selector_scores  # noqa: F401 (tests reach it here)
+from dflash_jax.engine.sampling import Sampling, position_keys
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
-from dflash_jax.model import CausalLM, ForwardOutput, forward, settle
+from dflash_jax.model import ForwardOutput, forward, settle
 from dflash_jax.platform import decode_jit
 from dflash_jax.sharding import constrain, sharding_of, tracing_on
 
@@ -67,32 +68,22 @@ class EngineSpec:
     lazy_context: bool = False
     draft_window: int | None = None  # a block sees its row's last N committed positions, kept in a ring (None: all)
 
+    # The kind of cycle these settings make (`dflash_jax.engine.cycles.cycle_kind`, where every rule
+    # of draft_tokens, tree_budget and acceptance lives): derived, so not compared (the settings are).
+    kind: CycleKind = dataclasses.field(init=False, repr=False, compare=False)
+
     def __post_init__(self):
-        k, b, n = self.draft_tokens, self.block_size, self.tree_budget
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise DFlashError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        object.__setattr__(self, "kind", cycle_kind(
+            self.target, self.drafter, self.block_size, draft_tokens=self.draft_tokens, tree_budget=self.tree_budget,
+            acceptance=self.acceptance, greedy=self.sampling.greedy))
         if self.draft_window is not None and self.draft_window < 1:
             raise DFlashError(f"--draft-window must be >= 1, got {self.draft_window}")
-        if n:
-            check_tree(self.target, b, n, k, self.drafter)
-        if k is None:
-            return
-        if b == 1:
-            raise DFlashError("draft tokens need a drafter (block size 1 is plain decoding)")
-        if k == 0 and n:
-            raise DFlashError("a cycle of no drafts verifies no tree: give it tree_budget 0")
-        if not 0 <= k <= b - 1:
-            raise DFlashError(f"draft tokens must be in 1..{b - 1} for block size {b}, got {k}")
 
     @property
     def num_drafts(self) -> int:
         """K: the drafter denoises a whole block of B, the target verifies [anchor, d_1..d_K]
         (a tree: [root, its tree_budget nodes])."""
-        if self.block_size == 1:
-            return 0
-        if self.tree_budget:
-            return self.tree_budget
-        return self.block_size - 1 if self.draft_tokens is None else self.draft_tokens
+        return self.kind.num_drafts
 
     @property
     def verify_len(self) -> int:
@@ -121,7 +112,7 @@ class EngineSpec:
         """Sampled rows draw their drafts from the selector and accept them by rejection sampling
         against its realised proposal (`rejection_accept`); else every draft is the argmax walk and
         rows accept by sample-and-match."""
-        return self.selector and self.acceptance == "rejection" and not self.sampling.greedy and self.num_drafts > 0
+        return isinstance(self.kind, Selector) and self.kind.rule == "rejection"
 
     def with_drafts(self, k: int) -> "EngineSpec":
         """The same engine verifying k drafts a cycle (0: plain decoding, the drafter's context kept), or
@@ -240,14 +231,6 @@ def narrow_state(spec: EngineSpec, state: DecodeState, keep) -> DecodeState:
 
 
 # --------------------------------------------------------------------------- admission
-
-
-def pick(spec: EngineSpec, logits, keys, row_sampling=None):
-    """The target's tokens from logits [batch, ..., vocab]: with the engine's one Sampling, or
-    (spec.sampling.per_row) with each row's row_sampling (temperature, top_k, top_p) [batch]."""
-    if spec.sampling.per_row:
-        return sample_rows(logits, keys, *row_sampling)
-    return sample(logits, keys, spec.sampling)
 
 
 def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_keys, max_new_tokens,
@@ -389,101 +372,11 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
 # --------------------------------------------------------------------------- one cycle
 
 
-def _denoise(tparams, dparams, spec: EngineSpec, anchor, context_cache):
-    """The drafter's one pass over the block [anchor, MASK x (B-1)] placed at each row's context
-    length: its hidden states [batch, B, hidden] (after its final norm)."""
-    model = CausalLM(spec.target)
-    batch, b = anchor.shape[0], spec.block_size
-    block = jnp.concatenate([anchor[:, None], jnp.full((batch, b - 1), spec.drafter.mask_token_id, jnp.int32)], 1)
-    embeds = model.apply({"params": tparams}, block, method=CausalLM.embed)
-    return draft_hidden(dparams, spec.drafter, embeds, context_cache)
-
-
-def row_temperature(spec: EngineSpec, state: DecodeState):
-    """[batch] each row's temperature (a per-row engine's, else the engine's one)."""
-    if spec.sampling.per_row:
-        return state.temperature
-    return jnp.full(state.anchor.shape, spec.sampling.temperature, jnp.float32)
-
-
 def draft(tparams, dparams, spec: EngineSpec, anchor, context_cache):
-    """Drafts d_1..d_K [batch, K] for the block [anchor, MASK x (B-1)] placed at each row's context
-    length. The drafter always denoises the whole block it was trained on; only the K slots that
-    will be verified go through the LM head. A DFlash drafter's drafts are the argmax of the target
-    head over its output; a DFlash2 drafter's, its candidate selector's argmax walk."""
-    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)[:, 1:1 + spec.num_drafts]
-    if not spec.selector:
-        return greedy_pick(CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.logits))
-    return walk(*_selector_scores(tparams, dparams, spec, anchor, hidden))[0]
-
-
-def _selector_scores(tparams, dparams, spec: EngineSpec, anchor, hidden):
-    """A DFlash2 drafter's edge scores [batch, K, Kc, Kc] and candidates [batch, K, Kc] at the
-    drafted slots' hidden states [batch, K, hidden] (`dflash_jax.dflash2`)."""
-    d2 = spec.drafter.dflash2
-    raw = CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.head_logits)
-    # a value of their own: XLA would otherwise fuse the top-k into the codebook gathers and redo it
-    # per gathered row (15x the selector's time on CPU)
-    values, candidates = jax.lax.optimization_barrier(top_logits(raw, d2.selector_top_k))
-    scores = DFlashDrafter(spec.drafter).apply({"params": dparams}, hidden, candidates, unary_scores(values, d2),
-                                               predecessors(anchor, candidates), method=DFlashDrafter.edge_scores)
-    return scores, candidates
-
-
-def draft_drawn(tparams, dparams, spec: EngineSpec, state: DecodeState):
-    """A DFlash2 drafter's drafts [batch, K] for rejection sampling: a sampled row's are the Gumbel walk
-    of its selector at the row's temperature, keyed by the drafts' positions (a greedy row's, the
-    argmax walk), with the proposal they were drawn from: (candidates, the realised score rows,
-    the picked indices), each [batch, K, ...]."""
-    hidden = _denoise(tparams, dparams, spec, state.anchor, state.context_cache)[:, 1:1 + spec.num_drafts]
-    scores, candidates = _selector_scores(tparams, dparams, spec, state.anchor, hidden)
-    positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(spec.num_drafts)[None, :]
-    drafts, rows, picked = walk(scores, candidates, row_temperature(spec, state),
-                                draw_keys(state.row_keys, positions, "walk"))
-    return drafts, (candidates, rows, picked)
-
-
-def _verify_pass(tparams, spec: EngineSpec, state: DecodeState, block) -> ForwardOutput:
-    """The target's pass over block [batch, K+1] = [anchor, d_1..d_K] at each row's length."""
-    # A hybrid target's linear layers defer their states to commit (settled at the accepted
-    # prefix); plain decoding (one token, always kept while the row runs) lets them advance.
-    return forward(tparams, spec.target, block, state.target_cache, taps=spec.taps,
-                   defer_recurrent=bool(spec.target.num_linear_layers) and spec.uses_drafter)
-
-
-def verify(tparams, spec: EngineSpec, state: DecodeState, block) -> tuple[jax.Array, ForwardOutput]:
-    """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
-    Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
-    P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
-    out = _verify_pass(tparams, spec, state, block)
-    start = state.target_cache.lengths
-    keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
-    return pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p)), out
-
-
-def verify_rejection(tparams, spec: EngineSpec, state: DecodeState, drafts, proposal):
-    """Verify drafts drawn from the selector's proposal: a sampled row accepts each draft d with
-    probability min(1, p(d) / q(d)) and replaces the first it rejects by a draw from
-    norm(max(0, p - q)) (`rejection_accept`); a greedy row (temperature 0, its drafts the argmax
-    walk) accepts by matching the target's argmax. Returns (target_tokens, num_accepted, the
-    forward output), as `verify` and `accept` do."""
-    block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
-    out = _verify_pass(tparams, spec, state, block)
-    greedy = greedy_pick(out.logits)
-    temperature = row_temperature(spec, state)
-    positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(block.shape[1])[None, :]
-    probs = target_probs(out.logits, spec.sampling, (temperature, state.top_k, state.top_p))
-    tokens, num_accepted = rejection_accept(probs, drafts, *proposal, temperature, state.row_keys, positions)
-    hot = temperature > 0
-    tokens = jnp.where(hot[:, None], tokens, greedy)
-    num_accepted = jnp.where(hot, num_accepted, accept(drafts, greedy))
-    return tokens, num_accepted, out
-
-
-def accept(drafts, target_tokens):
-    """num_accepted [batch]: the longest prefix of drafts [batch, K] equal to the target's own
-    tokens target_tokens[:, :K]."""
-    return jnp.cumprod(drafts == target_tokens[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
+    """The chain of drafts d_1..d_K [batch, K] the spec's kind verifies for the block [anchor, MASK x
+    (B-1)] at each row's context length (`CycleKind.drafts`): a DFlash drafter's, the argmax of the
+    target head over the drafter's output; a DFlash2 drafter's, its candidate selector's argmax walk."""
+    return spec.kind.drafts(tparams, dparams, spec, anchor, context_cache)
 
 
 def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_accepted, verified: ForwardOutput,
@@ -493,7 +386,7 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     target_tokens[:, :a+1]; the target cache keeps positions <= P + a (a length update; the
     linear-attention layers of a hybrid target settle their deferred states at a + 1
     positions), and the taps of those positions, which the verify produced, join the
-    drafter's context."""
+    drafter's context (as the spec's kind keeps them: `CycleKind.keep_taps`)."""
     b = target_tokens.shape[1]
     active = ~state.done
     start = state.target_cache.lengths
@@ -503,22 +396,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     kept = jnp.arange(b)[None, :] <= num_accepted[:, None]
     stopped = active & (_hits_stop(target_tokens, stop_ids) & kept).any(axis=1)
     slot = jnp.arange(state.acceptance.shape[1])[None, :] == state.num_cycles[:, None]
-    # Auto speculation's plain cycle (a drafter's engine verifying no draft) is recorded as 0: it
-    # drafted nothing, so it has no acceptance length (`SlotLedger.result` counts it apart).
-    length = jnp.zeros_like(num_accepted) if spec.uses_drafter and not spec.num_drafts else num_accepted + 1
+    length = spec.kind.acceptance_length(spec, num_accepted)  # auto's plain cycle: 0 (`Plain`)
     acceptance = jnp.where(slot & active[:, None], length[:, None], state.acceptance)
     num_generated = state.num_generated + n_new
-    context_cache, taps, num_taps = state.context_cache, state.taps, state.num_taps
-    if spec.uses_drafter and spec.lazy_context and not spec.num_drafts:
-        # A plain cycle's one position waits in `taps`; all rows' go in once one row has a block of them.
-        put = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice_in_dim(buf, new, at, axis=0))
-        taps = jnp.where(active[:, None, None], put(taps, verified.tap_features.astype(taps.dtype), num_taps), taps)
-        num_taps = num_taps + n_new
-        context_cache, taps, num_taps = jax.lax.cond((num_taps >= taps.shape[1]).any(),
-                                                     functools.partial(flush_taps, dparams, spec), lambda *a: a,
-                                                     context_cache, taps, num_taps)
-    elif spec.uses_drafter:
-        context_cache = extend_context(dparams, spec.drafter, verified.tap_features, context_cache, n_new)
+    context_cache, taps, num_taps = spec.kind.keep_taps(dparams, spec, state, verified, n_new, active)
     # The reference keeps cycling while generated <= max_new (its `start < max_length`).
     done = state.done | stopped | (num_generated > state.max_new_tokens)
     anchor = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
@@ -543,70 +424,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     )
 
 
-def flush_taps(dparams, spec: EngineSpec, context_cache: KVCache, taps, num_taps):
-    """The taps plain cycles kept (`DecodeState.taps`) into the drafter's context, in one pass over the
-    block of them; returns (context_cache, taps, num_taps) with none kept."""
-    context_cache = extend_context(dparams, spec.drafter, taps, context_cache, num_taps)
-    return context_cache, taps, jnp.zeros_like(num_taps)
-
-
-def _caught_up(dparams, spec: EngineSpec, state: DecodeState) -> DecodeState:
-    """Before a drafting cycle of an engine whose plain cycles keep their taps: the context takes them."""
-    if not (spec.lazy_context and spec.uses_drafter):
-        return state
-    context_cache, taps, num_taps = jax.lax.cond((state.num_taps > 0).any(), functools.partial(flush_taps, dparams, spec),
-                                                 lambda *a: a, state.context_cache, state.taps, state.num_taps)
-    return state.replace(context_cache=context_cache, taps=taps, num_taps=num_taps)
-
-
-def draft_tree(tparams, dparams, spec: EngineSpec, anchor, context_cache) -> Tree:
-    """The drafter's one pass, as `draft`'s, turned into a tree of spec.tree_budget nodes: each
-    block position's top candidates, expanded best-first."""
-    hidden = _denoise(tparams, dparams, spec, anchor, context_cache)
-    logits = CausalLM(spec.target).apply({"params": tparams}, hidden[:, 1:], method=CausalLM.logits)
-    return build_tree(anchor, *top_candidates(logits, spec.tree_budget), spec.tree_budget)
-
-
-def verify_tree(tparams, spec: EngineSpec, state: DecodeState, tree: Tree):
-    """The target runs the tree's nodes as one block (`forward`'s `tree`), then each row's
-    accepted path is found by sample-and-match (`follow`) and compacted: returns the path's
-    target tokens [batch, B] (as `verify`'s for the chain: target_tokens[:, i] is the token after
-    the path's i-th node), num_accepted [batch], and the forward output with the path's K/V
-    moved to positions P..P+a and its taps in path order."""
-    out = forward(tparams, spec.target, tree.tokens, state.target_cache, taps=spec.taps,
-                  tree=(tree.depth, tree.mask))
-    start = state.target_cache.lengths
-    # The same key for every node of one depth: the one plain decoding uses at that position.
-    keys = position_keys(state.row_keys, start[:, None] + 1 + tree.depth)
-    node_tokens = pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p))
-    path, num_accepted = follow(tree, node_tokens, spec.block_size - 1)
-    target_tokens = jnp.take_along_axis(node_tokens, path, axis=1)
-    taps = None if out.tap_features is None else jnp.take_along_axis(out.tap_features, path[:, :, None], axis=1)
-    return target_tokens, num_accepted, out.replace(cache=out.cache.compact(start, path), tap_features=taps)
-
-
 def cycle(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids) -> DecodeState:
-    """One draft -> verify -> accept -> commit cycle for every row (no-op for done rows)."""
-    if spec.num_drafts:
-        state = _caught_up(dparams, spec, state)
-    if spec.tree_budget:
-        tree = draft_tree(tparams, dparams, spec, state.anchor, state.context_cache)
-        target_tokens, num_accepted, verified = verify_tree(tparams, spec, state, tree)
-        return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
-                               spec.mesh)
-    if spec.rejection:
-        drafts, proposal = draft_drawn(tparams, dparams, spec, state)
-        target_tokens, num_accepted, verified = verify_rejection(tparams, spec, state, drafts, proposal)
-        return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids),
-                               spec.mesh)
-    drafting = spec.num_drafts > 0  # else plain decoding (a drafter's context still grows: `commit`)
-    if drafting:
-        drafts = draft(tparams, dparams, spec, state.anchor, state.context_cache)
-        block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
-    else:
-        block = state.anchor[:, None]
-    target_tokens, verified = verify(tparams, spec, state, block)
-    num_accepted = accept(drafts, target_tokens) if drafting else jnp.zeros_like(state.anchor)
+    """One draft -> verify -> accept -> commit cycle for every row (no-op for done rows), of the
+    spec's kind (`dflash_jax.engine.cycles`)."""
+    state, target_tokens, num_accepted, verified = spec.kind.draft_verify(tparams, dparams, spec, state)
     return constrain_state(commit(dparams, spec, state, target_tokens, num_accepted, verified, stop_ids), spec.mesh)
 
 
@@ -621,7 +442,7 @@ def _tally(spec: EngineSpec, before: DecodeState, after: DecodeState):
     draft before it accepted) and those that accepted it (`dflash_jax.engine.speculation`)."""
     active = ~before.done
     accepted = after.num_generated - before.num_generated - 1  # drafts accepted by each active row
-    reach = spec.block_size - 1 if spec.tree_budget else spec.num_drafts  # a tree's paths go a block deep
+    reach = spec.kind.reach(spec)
     position = jnp.arange(1, tally_depth(spec) + 1)[None, :]
     tried = active[:, None] & (position <= jnp.minimum(accepted + 1, reach)[:, None])
     hit = active[:, None] & (position <= accepted[:, None])

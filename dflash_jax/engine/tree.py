@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.errors import InputError
-
 NEG_INF = -jnp.inf
 
 
@@ -49,32 +47,6 @@ def max_tree_budget(target, block_size: int) -> int:
         if paths >= context:
             break
     return min(context, paths)
-
-
-def check_tree(target, block_size: int, budget: int, draft_tokens: int | None = None, drafter=None):
-    """Refuse, with an InputError naming the flag, a tree of `budget` nodes that cannot verify
-    for this target (a `ModelConfig`), block and drafter (a `DrafterConfig`), before anything compiles."""
-    if budget < 0:
-        raise InputError(f"--tree-budget must be >= 0, got {budget}")
-    if block_size < 2:
-        raise InputError("--tree-budget needs a drafter (block size 1 is plain decoding)")
-    limit = max_tree_budget(target, block_size)
-    if budget > limit:
-        why = (f"a tree and its root are verified as one block within the target's context of "
-               f"{target.max_position_embeddings} positions" if limit == target.max_position_embeddings - 1 else
-               f"a block of {block_size} over a vocabulary of {target.vocab_size} has only {limit} token paths")
-        raise InputError(f"--tree-budget {budget} is more than a draft tree can hold here: at most {limit} ({why})")
-    if draft_tokens is not None:
-        raise InputError("--tree-budget and --draft-tokens exclude each other: a tree's depth is the block's")
-    if target.num_linear_layers:
-        raise InputError(f"--tree-budget: the target's {target.num_linear_layers} recurrent (delta-net) layers "
-                          f"cannot verify several branches from one state; use the chain (--tree-budget 0)")
-    if target.mla is not None and target.mla.indexer is not None:
-        raise InputError("--tree-budget: the target's sparse attention picks each query's positions by its own "
-                         "position, which a tree's branches share; use the chain (--tree-budget 0)")
-    if drafter is not None and drafter.dflash2 is not None:  # never drop the selector silently
-        raise InputError("--tree-budget: a DFlash2 drafter drafts by its candidate selector's walk, one path, which "
-                         "a tree would bypass; use the chain (--tree-budget 0)")
 
 
 @struct.dataclass
