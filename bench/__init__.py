@@ -61,6 +61,15 @@ Other modes:
     python -m bench --cache-scaling | --mixed-workload
     python -m bench --page-pool [--batch-size 8] [--pool-slots 32] [--page-size 16]
     python -m bench --vllm [--vllm-fix-knorm] [--target DIR --drafter DIR] [--batch-size 8] [--max-new-tokens 128]
+
+Its modules: `cli` (the command line), `suite` (the suite), `pairs` and `prompts` (what it runs),
+`timing` (engines and their pieces timed, compile counts, peak memory), `report` (tables, JSON, the
+plot), `hf` (the transformers reference), `cost` and `moe_cost` (--cost, --moe-cost), `published`
+(--published-shapes), `workloads` (--cache-scaling, --mixed-workload, --page-pool), `vllm_peer`
+(--vllm), `serve_bench` (--serve), `prefix_bench` (--prefix-cache-ttft), `draft_window`
+(--draft-window), `aot` and `aot_sweep` (--aot, --batch-sweep); stand-alone measurements:
+`convert_memory`, `train_input`, `delta_rule_tpu`, `fp8_moe_tpu`, `mla_tpu`, and `device_check`
+(pieces of `device_check.sh`, the GPU check).
 """
 
 from bench.cost import (

@@ -31,12 +31,13 @@ def compile_counts() -> dict[str, int]:
     (jitted functions and eager ops alike)."""
     import jax.monitoring
 
+    from dflash_jax.compiling import compiles
     from dflash_jax.engine import init_state, prefill, run_cycles
 
     if not _XLA_COMPILES["registered"]:
         jax.monitoring.register_event_duration_secs_listener(_count_compile)
         _XLA_COMPILES["registered"] = True
-    programs = {f.__name__: f._cache_size() for f in (init_state, prefill, run_cycles)}
+    programs = {f.__name__: compiles(f) for f in (init_state, prefill, run_cycles)}
     return {**programs, "xla_compiles": _XLA_COMPILES["n"]}
 
 

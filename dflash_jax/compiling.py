@@ -58,6 +58,16 @@ def enable_compile_cache(say=lambda *a: None) -> str | None:
     return str(path)
 
 
+def compiles(fn) -> int:
+    """How many programs a jitted function holds: one per static shape (and, for a `PlatformJit`,
+    platform) it has been traced for. Tests and benchmarks count compiles with it: a count that
+    does not move across calls means nothing compiled.
+
+    jax has no public count of a jit's programs; this is the one place that reads its private
+    `_cache_size()` (a `PlatformJit` sums its jits' the same way)."""
+    return fn._cache_size()
+
+
 class _Counts:
     """Programs compiled and loaded from the persistent cache, process-wide (jax.monitoring's
     events; its listeners cannot be removed, so one pair is registered, once)."""

@@ -41,16 +41,22 @@ DECODE_COMPILER_OPTIONS: dict[str, dict] = (
 
 class PlatformJit:
     """`jax.jit(fn, **jit_kwargs)`, compiled with `options[platform]` when traced for that platform
-    (`target_platform`: a chip of it, or an ahead-of-time compile for it). Calls, `trace`, `lower`
-    and `_cache_size` (the compile count) go to the jit of the platform traced for."""
+    (`target_platform`: a chip of it, or an ahead-of-time compile for it). Calls, `trace` and `lower`
+    go to the jit of the platform traced for; `_cache_size` (what `compiling.compiles` reads) counts
+    the programs of them all."""
 
     def __init__(self, fn, options: dict[str, dict], **jit_kwargs):
-        self._default = jax.jit(fn, **jit_kwargs)
+        self._default, self._options = jax.jit(fn, **jit_kwargs), dict(options)
         self._by_platform = {p: jax.jit(fn, compiler_options=o, **jit_kwargs) for p, o in options.items()}
         functools.update_wrapper(self, fn)
 
     def _pick(self):
         return self._by_platform.get(target_platform(), self._default)
+
+    def compiler_options(self) -> dict:
+        """The compiler options a call traced now compiles with: those of the platform traced for,
+        or none (jax's defaults)."""
+        return self._options.get(target_platform(), {})
 
     def __call__(self, *args, **kwargs):
         return self._pick()(*args, **kwargs)

@@ -120,7 +120,7 @@ def moe(meshes):
 
     from dflash_jax.engine import BatchEngine
     from dflash_jax.sharding import make_mesh, shard_params
-    from test_spec_decode import SETUPS, prompts, setup
+    from fixtures import SETUPS, prompts, setup
 
     meshes = [m for m in meshes if "model" in m]  # rows alone (data=8) are the fixture pair's test
     out = {}
@@ -128,7 +128,7 @@ def moe(meshes):
         target, tparams, drafter, dparams = setup(name)
         target = target.replace(moe=dataclasses.replace(target.moe, num_experts=8))
         from dflash_jax.model import init_params
-        from test_spec_decode import perturbed
+        from fixtures import perturbed
 
         tparams = perturbed(init_params(target, jax.random.PRNGKey(SETUPS[name][5])))
         for spec in [None] + meshes:
@@ -154,7 +154,7 @@ def heterogeneous(meshes):
     from dflash_jax.engine import BatchEngine
     from dflash_jax.model import init_params
     from dflash_jax.sharding import make_mesh, shard_params
-    from test_spec_decode import perturbed, prompts, setup
+    from fixtures import perturbed, prompts, setup
 
     meshes = [m for m in meshes if "model" in m]
     out = {}

@@ -204,11 +204,11 @@ def test_the_decoding_loop_compiles_for_a_tpu_without_prefetching_weights(tmp_pa
     charged five times; DFLASH_TPU_PREFETCH_WEIGHTS=1 restores the default. run_cycles takes the
     options when traced for a TPU, and not for the CPU."""
     from dflash_jax.engine.step import run_cycles
-    from dflash_jax.platform import compiling_for
+    from dflash_jax.platform import DECODE_COMPILER_OPTIONS, compiling_for
 
-    assert run_cycles._pick() is run_cycles._default
+    assert run_cycles.compiler_options() == {}
     with compiling_for("tpu"):
-        assert run_cycles._pick() is run_cycles._by_platform["tpu"]
+        assert run_cycles.compiler_options() == DECODE_COMPILER_OPTIONS["tpu"] != {}
     flags = ("v5p:1x1x1", "--scale", "0.1", "--context", "128", "--programs", "ar", "--compare-cache-len", "0")
     tuned = aot(tmp_path, *flags)[1]["programs"]["ar"]
     monkeypatch.setenv("DFLASH_TPU_PREFETCH_WEIGHTS", "1")

@@ -28,7 +28,7 @@ from dflash_jax.kv import cache_length, write_kv
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import BatchEngine, run_cycles
 from dflash_jax.model import init_params
-from test_spec_decode import drafter_config, model_config
+from fixtures import drafter_config, model_config
 
 LAYERS, BATCH, KV, GROUPS, D, PAGE = 2, 3, 2, 2, 8, 8
 

@@ -11,7 +11,7 @@ from dflash_jax.config import IndexerConfig, MlaConfig
 from dflash_jax.drafter import DrafterConfig
 from dflash_jax.kv import init_context_cache, read_kv, write_kv
 from dflash_jax.model import init_params
-from test_spec_decode import model_config
+from fixtures import model_config
 
 CONFIG = ModelConfig(
     model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

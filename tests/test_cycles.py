@@ -12,7 +12,7 @@ from dflash_jax.dflash2 import DFlash2Config
 from dflash_jax.engine import EngineSpec, Sampling
 from dflash_jax.engine.cycles import KINDS, Chain, Plain, Selector, Tree, check_tree, cycle_kind
 from dflash_jax.errors import InputError
-from test_spec_decode import drafter_config, model_config
+from fixtures import drafter_config, model_config
 
 TARGET = model_config("qwen3", 128, 3)
 DRAFTER = drafter_config(TARGET, 1, (0, 2))  # block 8

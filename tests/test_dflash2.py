@@ -283,7 +283,7 @@ def test_rejection_accept_draws_from_p_whatever_the_proposal():
 def dflash2_sampling_setup():
     """The sampling suite's target (12 tokens, peaked) with a DFlash2 drafter of 4 candidates whose
     convolutions and selector are random enough to matter."""
-    from test_spec_decode import sampling_setup
+    from fixtures import sampling_setup
 
     target, tparams, drafter, dparams = sampling_setup("qwen3")
     config = dataclasses.replace(drafter, dflash2=DFlash2Config(conv_group_size=8, selector_rank=8, selector_top_k=4))
@@ -302,7 +302,7 @@ def dflash2_sampling_setup():
 
 @pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.heavy)])
 def test_rejection_sampling_keeps_the_target_distribution(temperature):
-    from test_spec_decode import N_SAMPLES, SAMPLE_PROMPT, exact_joint
+    from fixtures import N_SAMPLES, SAMPLE_PROMPT, exact_joint
 
     target, tparams, drafter, dparams = dflash2_sampling_setup()
     sampling = Sampling(temperature=temperature)

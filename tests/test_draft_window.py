@@ -28,7 +28,7 @@ from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.step import init_state
 from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.kv import init_context_cache
-from test_spec_decode import CHUNK, MAX_NEW, MAX_PROMPT, PAGE, by_index, heavy, prompts, setup
+from fixtures import CHUNK, MAX_NEW, MAX_PROMPT, PAGE, by_index, heavy, prompts, setup
 
 
 @pytest.mark.parametrize("layer_windows", [(6, None), heavy((None, None))])

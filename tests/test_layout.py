@@ -4,7 +4,9 @@
   `if TYPE_CHECKING:` do not, they never run);
 - the library (`dflash_jax`) imports none of the CLIs, the benchmarks or the tests, and `train/`
   does not import the benchmarks;
-- no function in the library or the server is longer than 120 lines.
+- no function in the library or the server is longer than 120 lines;
+- docs/layout.md and every package's docstring name each module of their package (a module added
+  without a word about it is a failure, not a stale doc).
 """
 
 from __future__ import annotations
@@ -166,3 +168,81 @@ def test_the_readme_layout_table_matches_the_tree():
                 if (d / "__init__.py").exists()] + [p for p in ("infer", "train", "bench", "tests")]
     unlisted = [p for p in packages if p not in listed]
     assert not unlisted, f"packages missing from the README's layout table: {unlisted}"
+
+
+# --------------------------------------------------------------------------- docs name every module
+
+
+def _package_modules(package: Path) -> list[str]:
+    """A package's modules and subpackages, by name (not `__init__` or `__main__`)."""
+    return sorted([p.stem for p in package.glob("*.py") if not p.name.startswith("__")]
+                  + [d.name for d in package.iterdir() if (d / "__init__.py").is_file()])
+
+
+def _unnamed(text: str, names) -> list[str]:
+    """The names text does not mention in backticks: `name`, `name.py`, `name/` or a dotted path
+    ending in it (`dflash_jax.engine.tree`)."""
+    return [n for n in names if not re.search(rf"`[^`\n]*?(?<![\w-]){re.escape(n)}(?:\.py|/)?`", text)]
+
+
+def _packages() -> list[Path]:
+    return [init.parent for pkg in PACKAGES for init in sorted((ROOT / pkg).rglob("__init__.py"))]
+
+
+def _docstring_gaps(package: Path) -> list[str]:
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return _unnamed(doc, _package_modules(package))
+
+
+def _layout_rows(text: str) -> dict[str, str]:
+    """docs/layout.md's table rows by the path in their first cell: `kv/` (the library's table,
+    under dflash_jax/) or `infer/serve/` (the edges'), each row's whole text."""
+    rows = {}
+    for section in text.split("\n## ")[1:]:
+        base = "dflash_jax/" if section.startswith("The library") else ""
+        for line in section.splitlines():
+            cells = line.split("|")
+            if line.startswith("| `") and len(cells) > 2:
+                for path in re.findall(r"`([\w./-]+)`", cells[1]):
+                    rows[base + path.rstrip("/")] = line
+    return rows
+
+
+def _layout_gaps(package: Path, rows: dict[str, str]) -> list[str]:
+    """The modules of a package its row in docs/layout.md does not name (a subpackage with a row of
+    its own counts as named); for the library's own modules, those without a row."""
+    rel = package.relative_to(ROOT).as_posix() if package.is_relative_to(ROOT) else package.name
+    subpackages = {m for m in _package_modules(package) if f"{rel}/{m}" in rows}
+    names = [m for m in _package_modules(package) if m not in subpackages]
+    if rel == "dflash_jax":
+        return [m for m in names if f"dflash_jax/{m}.py" not in rows and f"dflash_jax/{m}" not in rows]
+    if rel not in rows:
+        return names
+    return _unnamed(rows[rel], names)
+
+
+def test_the_doc_checker_finds_a_module_left_out(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "__init__.py").write_text("")
+    for name in ("__init__", "__main__", "alpha", "beta", "alpha_beta"):
+        (pkg / f"{name}.py").write_text("")
+    assert _package_modules(pkg) == ["alpha", "alpha_beta", "beta", "sub"]
+    (pkg / "__init__.py").write_text('"""A package: `alpha.py`, `pkg.alpha_beta` and `sub/`."""\n')
+    assert _docstring_gaps(pkg) == ["beta"]  # `alpha` and `alpha_beta` name no beta
+    row = "| `pkg/` | `alpha`, `beta.py` |"
+    assert _layout_gaps(pkg, {"pkg": row}) == ["alpha_beta", "sub"]
+    assert _layout_gaps(pkg, {"pkg": row + " `alpha_beta`", "pkg/sub": "| `pkg/sub/` | |"}) == []
+    assert _layout_gaps(pkg, {}) == ["alpha", "alpha_beta", "beta", "sub"]
+
+
+def test_every_package_docstring_names_its_modules():
+    gaps = {p.relative_to(ROOT).as_posix(): g for p in _packages() if (g := _docstring_gaps(p))}
+    assert not gaps, f"package docstrings (__init__.py) that do not name these modules: {gaps}"
+
+
+def test_the_layout_doc_names_every_module():
+    rows = _layout_rows((ROOT / "docs" / "layout.md").read_text())
+    assert "dflash_jax/engine" in rows and "bench" in rows, sorted(rows)
+    gaps = {p.relative_to(ROOT).as_posix(): g for p in _packages() if (g := _layout_gaps(p, rows))}
+    assert not gaps, f"docs/layout.md does not name these modules (in their package's row): {gaps}"

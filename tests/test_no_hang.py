@@ -32,7 +32,7 @@ from dflash_jax.engine.watchdog import STALL_EXIT_CODE, Watchdog
 from dflash_jax.model import delta_rule
 from dflash_jax.training import target_features
 from fixtures import tiny
-from test_spec_decode import GREEDY_CASES, engine, setup
+from fixtures import GREEDY_CASES, engine, setup
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ from dflash_jax.attention import pallas_tpu, walk
 from test_attention import call
 from dflash_jax.engine import BatchEngine, Sampling
 from bench.timing import counted_generate
-from test_spec_decode import CHUNK, LIMITS, MAX_NEW, MAX_PROMPT, PAGE, by_index, engine, heavy, prompts, setup
+from fixtures import CHUNK, LIMITS, MAX_NEW, MAX_PROMPT, PAGE, by_index, engine, heavy, prompts, setup
 
 LAYERS, P, PER_ROW, POOL = 2, 8, 6, 30
 STALE = 50.0
@@ -172,12 +172,12 @@ def test_a_pooled_engine_decodes_the_per_slot_tokens(name, block_size):
     assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
     assert sum(n for n, _ in admissions) == len(LIMITS)
     assert any(n < free for n, free in admissions[1:])  # a prompt waited for pages, not for a slot
-    assert (np.asarray(gen._idle.target_cache.pages) >= 10).all()  # every row gave its pages back
-    cache = gen._idle.target_cache
+    assert (np.asarray(gen.idle_state.target_cache.pages) >= 10).all()  # every row gave its pages back
+    cache = gen.idle_state.target_cache
     if name == "gemma4-v8":  # its sliding layers keep a ring of their window (6) + a chunk (16): 2 pages
         assert cache.ring and cache.k.shape[1:3] == (6, 32) and cache.k_global.shape[1:3] == (10, PAGE)
     if block_size > 1:
-        assert (np.asarray(gen._idle.context_cache.pages) >= 10).all()
+        assert (np.asarray(gen.idle_state.context_cache.pages) >= 10).all()
 
 
 def test_rows_stopped_by_their_first_token_give_their_pages_back():

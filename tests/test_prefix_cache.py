@@ -7,6 +7,9 @@
   pool is whole again once every row is done.
 - Where it cannot work (everyday): without a pool, a hybrid target's recurrent state, a target's
   sliding ring: off by default, and `on` asked for is a one-line error naming why.
+- The engine, everyday on the smallest engine (a Qwen3 pair of 8 tokens, one prompt bucket, pages of
+  4): prompts on shared prefixes decode the tokens and acceptance lengths they decode without the
+  cache, and later rows hit the pages earlier rows left.
 - The engine (heavy): prompts sharing a prefix of several pages with different suffixes decode the
   tokens they decode without the cache, greedy and seeded sampled (a per-row engine), rows admitted
   after the first finished hit its pages, a small pool evicts (the pool whole at the end), the
@@ -95,7 +98,7 @@ def test_the_prefix_index_shares_counts_and_evicts():
 
 
 def test_where_prefix_caching_cannot_work_it_is_off_or_refused():
-    from test_spec_decode import model_config
+    from fixtures import model_config
 
     dense, hybrid = model_config("qwen3", 8, 2), model_config("qwen3_5", 8, 3)
     ring = model_config("gemma4", 8, 3)
@@ -122,7 +125,7 @@ def test_the_servers_default_pool_holds_what_per_row_caches_hold_with_prefix_cac
 
     from dflash_jax.engine.scheduler import per_row_pages, row_cache_len
     from infer.serve.model import default_pool, kv_cache_note
-    from test_spec_decode import model_config
+    from fixtures import model_config
 
     assert row_cache_len(100, 128, 16) == 128 + 128 + 32 and row_cache_len(64, 8, 4, tree_budget=32) == 64 + 8 + 33
     assert per_row_pages(8, 100, 128, 16, page_size=16) == 8 * 18 and per_row_pages(3, 64, 8, 4, 32, 8) == 3 * 14
@@ -146,6 +149,33 @@ def test_the_servers_default_pool_holds_what_per_row_caches_hold_with_prefix_cac
                                                      f"slots (--kv-pages 0); no prefix caching")
     refused = kv_cache_note(per_row, default=True, refused="a mesh whose data axis is 1")
     assert "the default page pool was refused: a mesh whose data axis is 1" in refused
+
+
+def test_shared_prefixes_decode_as_without_the_cache_on_a_small_engine():
+    """Everyday: a page pool with and without the cache gives every row the same tokens and
+    acceptance lengths (greedy, drafts of a block of 4), later rows' prompts start from pages the
+    earlier rows cached, and the pool is whole at the end."""
+    from fixtures import setup
+
+    rs = np.random.RandomState(1)
+    first, second = rs.randint(0, 8, 12).tolist(), rs.randint(0, 8, 8).tolist()  # 3 and 2 pages of 4
+    prompts = [(first if i % 3 else second) + rs.randint(0, 8, n).tolist() for i, n in enumerate((3, 1, 4, 2, 0, 3))]
+    prompts[4] = first[:9]
+    limits = [8, 3, 6, 8, 2, 5]
+    kw = dict(block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16, page_size=4, prefill_chunk=16,
+              kv_pages=16)
+
+    def decode(gen):
+        got = {r.index: r for r in gen.generate(prompts, max_new_tokens=limits)}
+        return [(got[i].output_ids, got[i].acceptance_lengths) for i in range(len(prompts))]
+
+    without = BatchEngine(*setup("qwen3-v8"), prefix_cache=False, **kw)
+    cached = BatchEngine(*setup("qwen3-v8"), prefix_cache=True, **kw)
+    want = decode(without)
+    assert decode(cached) == want and without.ledger.cached_tokens == 0
+    assert max(a for _, acc in want for a in acc) > 1  # drafts were accepted
+    assert cached.ledger.cached_tokens >= 12 and cached.prefix_pool.whole()  # a later row hit 3 pages at least
+    assert (np.asarray(cached.idle_state.target_cache.pages) >= 16).all()  # no row holds a page on the device
 
 
 # --------------------------------------------------------------------------- the engine (heavy)
@@ -172,7 +202,7 @@ def shared_prompts(vocab: int = 128, seed: int = 0) -> list[list[int]]:
 
 @functools.cache
 def engine(prefix_cache: bool, mesh=None) -> BatchEngine:
-    from test_spec_decode import setup
+    from fixtures import setup
 
     return BatchEngine(*setup(NAME), prefix_cache=prefix_cache, mesh=mesh, **KW)
 
@@ -197,22 +227,22 @@ def test_shared_prefixes_decode_as_without_the_cache_and_a_small_pool_evicts():
     pool is whole at the end; the next call starts from what this one cached."""
     gen = engine(True)
     assert decode(gen, [GREEDY] * len(LIMITS)) == reference(False)
-    pool, ledger = gen._prefix_pool, gen.ledger
+    pool, ledger = gen.prefix_pool, gen.ledger
     assert ledger.cached_tokens >= 5 * 24 and pool.evicted > 0
     assert pool.whole() and not any(pool.refs) and len(pool.free) + len(pool.idle) == POOL
-    assert (np.asarray(gen._idle.target_cache.pages) >= POOL).all()  # no row holds a page on the device
+    assert (np.asarray(gen.idle_state.target_cache.pages) >= POOL).all()  # no row holds a page on the device
     prompts = shared_prompts()
     i = next(i for i, p in enumerate(prompts) if pool.lookup(p))
     hit = len(pool.lookup(prompts[i])) * P
     assert decode(gen, [GREEDY], [prompts[i]], [LIMITS[i]]) == [reference(False)[i]]
-    assert gen.ledger.cached_tokens == hit and gen._prefix_pool is pool and pool.whole()
+    assert gen.ledger.cached_tokens == hit and gen.prefix_pool is pool and pool.whole()
 
 
 @pytest.mark.heavy
 def test_seeded_sampled_rows_decode_as_without_the_cache():
     gen = engine(True)
     got = decode(gen, SAMPLED)
-    assert got == reference(True) and gen.ledger.cached_tokens > 0 and gen._prefix_pool.whole()
+    assert got == reference(True) and gen.ledger.cached_tokens > 0 and gen.prefix_pool.whole()
     assert any(g != w for g, w in zip(got, reference(False)))  # the sampled rows did sample
 
 
@@ -221,17 +251,18 @@ def test_the_serving_engine_shares_prefixes_and_compiles_nothing_new():
     """Requests arriving one after another (prompts over 16 tokens go in pieces, from the end of
     their hit), greedy and sampled, stream the tokens generate gives without the cache; the hit
     rate is reported."""
+    from dflash_jax.compiling import compiles
     from dflash_jax.engine.step import prefill, prefill_part, run_cycles
     from dflash_jax.engine.streaming import StreamingEngine, StreamRequest
-    from test_spec_decode import setup
+    from fixtures import setup
 
     want = reference(True)
     gen = BatchEngine(*setup(NAME), **dict(KW, sync_every=1))
     assert gen.prefix_cache
     engine = StreamingEngine(gen, max_waiting=16)
     engine.warmup()
-    compiles = lambda: (prefill._cache_size(), prefill_part._cache_size(), run_cycles._cache_size())  # noqa: E731
-    warm, got, done = compiles(), {}, threading.Event()
+    programs = lambda: (compiles(prefill), compiles(prefill_part), compiles(run_cycles))  # noqa: E731
+    warm, got, done = programs(), {}, threading.Event()
     prompts = shared_prompts()
 
     def emitter(i):
@@ -252,7 +283,7 @@ def test_the_serving_engine_shares_prefixes_and_compiles_nothing_new():
         m = engine.metrics
         assert m.prompt_tokens == sum(map(len, prompts)) and m.cached_prompt_tokens >= 4 * 24
         assert m.prefix_hit_rate == m.cached_prompt_tokens / m.prompt_tokens
-        assert compiles() == warm
+        assert programs() == warm
     finally:
         assert engine.close(timeout=60)
 
@@ -265,7 +296,7 @@ def mesh_worker(want):
     gen = engine(True, make_mesh("data=1,model=2"))
     got = decode(gen, [GREEDY] * len(LIMITS))
     print(json.dumps(dict(equal=[list(map(list, g)) for g in got] == want, cached=gen.ledger.cached_tokens,
-                          whole=gen._prefix_pool.whole())))
+                          whole=gen.prefix_pool.whole())))
 
 
 @pytest.mark.heavy

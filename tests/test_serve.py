@@ -593,13 +593,13 @@ def test_the_server_prefills_at_two_widths_and_splits_small_groups():
     """The server compiles prefill at widths 1 and the batch only (half the programs of every
     power of two): a group of requests is padded to the batch unless that more than doubles it,
     then prefilled one by one; with every width, a group is padded to the next power of two."""
-    from dflash_jax.engine.scheduler import BatchEngine
+    from dflash_jax.engine.scheduler import admission_parts
 
-    two = SimpleNamespace(widths=[1, 8])
-    parts = lambda n, g=two: BatchEngine._admission_parts(g, list(range(n)))
+    two = [1, 8]
+    parts = lambda n, widths=two: admission_parts(widths, list(range(n)))
     assert parts(1) == [[0]] and parts(3) == [[0], [1], [2]] and parts(4) == [[0, 1, 2, 3]]
     assert parts(5) == [list(range(5))] and parts(8) == [list(range(8))]
-    every = SimpleNamespace(widths=[1, 2, 4, 8])
+    every = [1, 2, 4, 8]
     assert all(parts(n, every) == [list(range(n))] for n in range(1, 9))
 
 

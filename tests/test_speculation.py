@@ -21,7 +21,7 @@ from dflash_jax import DFlashError
 from dflash_jax.engine import BatchEngine, Sampling
 from dflash_jax.engine.speculation import (AcceptanceCounts, Speculation, choose, default_candidates,
                                            expected_tokens, rates_for_tau)
-from test_spec_decode import prompts, sampling_setup, setup
+from fixtures import prompts, sampling_setup, setup
 
 # --------------------------------------------------------------------------- the policy
 

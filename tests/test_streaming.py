@@ -6,9 +6,10 @@ recurrent states), cancelled requests free their slots, and nothing compiles aft
 draft-tree engine (`tree_budget`) and a DFlash2 drafter (its sampled rows accepted by rejection
 sampling against its selector's proposal) serve the same way.
 
-Each engine compiles every prompt bucket at every admission width, the streaming loop and the
-pieces (about a minute on 2 cores), so these run with the full matrix (-m heavy); the server's
-own tests (tests/test_serve.py) cover the same engine over HTTP.
+Each engine of the full matrix compiles every prompt bucket at every admission width, the streaming
+loop and the pieces (about a minute on a 2-core CPU), so those run with `-m heavy`; everyday, the
+smallest serving engine (a Qwen3 pair of 8 tokens, 2 slots, one prompt bucket) streams greedy rows
+as `generate` gives them. The server's own tests (tests/test_serve.py) cover the engine over HTTP.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import jax
 import numpy as np
 import pytest
 
+from dflash_jax.compiling import compiles
 from dflash_jax.engine import BatchEngine, Sampling
 from dflash_jax.engine.step import prefill, prefill_part, run_cycles
 from dflash_jax.engine.streaming import QueueFull, StreamRequest, StreamingEngine
 from dflash_jax.errors import DFlashError
 from dflash_jax.dflash2 import DFlash2Config
 from dflash_jax.drafter import init_drafter_params
-from test_spec_decode import setup
-
-pytestmark = pytest.mark.heavy
+from fixtures import setup
 
 # name: (setup, page pool pages or None, draft-tree budget, a DFlash2 drafter); pieces of 16 tokens,
 # prompts up to 64
@@ -41,8 +41,8 @@ LENGTHS = (5, 30, 12, 60, 3, 17, 40, 9, 22, 14, 64, 33)
 LIMITS = (24, 7, 19, 24, 1, 24, 12, 24, 3, 22, 20, 24)
 
 
-def compiles():
-    return prefill._cache_size(), prefill_part._cache_size(), run_cycles._cache_size()
+def programs():
+    return compiles(prefill), compiles(prefill_part), compiles(run_cycles)
 
 
 def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
@@ -67,6 +67,35 @@ def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
     return streamed, results
 
 
+def test_a_small_serving_engine_streams_what_generate_gives():
+    """Everyday: greedy rows joining a running batch of 2 slots stream, token for token, what
+    `BatchEngine.generate` gives the same prompts with the same limits; nothing compiles while
+    serving."""
+    target, tparams, drafter, dparams = setup("qwen3-v8")
+    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=8,
+                      max_prompt_len=16, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
+    rs = np.random.RandomState(3)
+    prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in (5, 16, 3, 11, 1)]
+    limits = (8, 3, 8, 5, 2)
+    want = {r.index: r for r in gen.generate(prompts, max_new_tokens=list(limits))}
+    engine = StreamingEngine(gen, max_waiting=len(prompts))
+    assert not engine.interleaves and engine.warmup() == [16]
+    warm = programs()
+    engine.start()
+    try:
+        streamed, results = serve(engine, prompts, limits, [gen.spec.sampling] * len(prompts), range(len(prompts)))
+        for i in range(len(prompts)):
+            assert streamed[i] == results[i].output_ids == want[i].output_ids, i
+            assert results[i].finish_reason == want[i].finish_reason == "length", i
+            assert len(streamed[i]) == limits[i], i
+        assert max(a for r in results.values() for a in r.acceptance_lengths) > 1  # drafts were accepted
+        assert programs() == warm  # nothing compiled while serving
+        assert engine.metrics.running == 0 and engine.metrics.requests["length"] == len(prompts)
+    finally:
+        assert engine.close(timeout=60)
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
     name, pool, tree, dflash2 = CASES[case]
@@ -82,7 +111,7 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
     gen = BatchEngine(target, tparams, drafter, dparams, sampling=Sampling(per_row=True), **kw)
     engine = StreamingEngine(gen, max_waiting=len(prompts))
     assert engine.interleaves and engine.warmup() == [16]  # longer prompts: pieces of 16
-    warm = compiles()
+    warm = programs()
     greedy = {r.index: r for r in BatchEngine(target, tparams, drafter, dparams, **kw).generate(
         prompts, max_new_tokens=list(LIMITS))}
     if tree:  # a draft tree's rows are plain decoding's
@@ -94,7 +123,7 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
     ids = [1000 + 7 * i for i in range(len(prompts))]
     mixed = {r.index: r for r in gen.generate(prompts, max_new_tokens=list(LIMITS), sampling=samplings, indices=ids)}
     assert gen.spec.rejection == dflash2
-    warm = compiles()
+    warm = programs()
     engine.start()
     try:
         streamed, results = serve(engine, prompts, LIMITS, [Sampling(per_row=True)] * len(prompts),
@@ -107,13 +136,14 @@ def test_served_rows_equal_generate_and_long_prompts_go_in_pieces(case):
         for i in range(len(prompts)):
             assert streamed[i] == mixed[ids[i]].output_ids, i
         assert any(s.temperature > 0 and streamed[i] != greedy[i].output_ids for i, s in enumerate(samplings))
-        assert compiles() == warm  # nothing compiled while serving
+        assert programs() == warm  # nothing compiled while serving
         assert engine.metrics.running == 0 and engine.metrics.waiting == 0
         assert engine.metrics.requests["length"] + engine.metrics.requests["stop"] == 2 * len(prompts)
     finally:
         assert engine.close(timeout=60)
 
 
+@pytest.mark.heavy
 def test_cancelled_requests_free_their_slots_and_the_queue_is_bounded(monkeypatch):
     """... and the rows handed to `cancel` are never written by the host afterwards: jax may read a
     host array when the call runs, behind the one in flight (on a CPU from the array's own memory),

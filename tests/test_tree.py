@@ -44,7 +44,7 @@ from dflash_jax.errors import DFlashError, InputError
 from dflash_jax.kv import init_cache, read_kv, write_kv
 from dflash_jax.model import init_params
 from bench.timing import compile_counts
-from test_spec_decode import (
+from fixtures import (
     CHUNK, MAX_NEW, MAX_PROMPT, N_SAMPLES, PAGE, PROMPT_LENGTHS, SAMPLINGS, SETUPS,
     SLOTS, V, by_index, check_lengths, exact_joint, heavy, model_config, perturbed, prompts,
     setup, speculative_samples, tv, tv_bound,
@@ -571,7 +571,7 @@ BLOCK = 8  # the setups' drafters' block: trees up to 7 deep
 
 @functools.cache
 def pair(name, kv_heads=None):
-    """A setup of test_spec_decode, or (kv_heads) its target with that many K/V heads and fresh
+    """A setup of tests/fixtures.py, or (kv_heads) its target with that many K/V heads and fresh
     parameters (the drafter's are the setup's: it shares only the embedding and the head)."""
     if kv_heads is None:
         return setup(name)

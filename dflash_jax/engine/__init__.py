@@ -13,6 +13,10 @@
 - `scheduler`: the batch generator (`BatchEngine`: admission, continuous batching, syncs, warm-up);
 - `streaming`: the serving engine (`StreamingEngine`: a BatchEngine fed by a queue of requests on a
   thread of its own, each row's tokens streamed at every sync; its live `EngineMetrics`);
+- `tree`: tree verification's draft tree (`build_tree`, best-first on the device) and its
+  sample-and-match walk (`follow`);
+- `speculation`: auto speculation, which draft length the next cycles run (`Speculation`, `choose`);
+- `options`: `EngineOptions`, how a `BatchEngine` runs, one frozen type the commands share;
 - `watchdog`: the host's waits on the device, each bounded (`Watchdog`: a stall ends the run).
 """
 

@@ -96,6 +96,14 @@ class Call:
     timed: bool
 
 
+def admission_parts(widths: Sequence[int], chunk: list[int]) -> list[list[int]]:
+    """Prompts admitted together, in prefill calls, given the engine's admission widths: one, padded
+    to the next width, unless that would more than double it (widths (1, 8) and 3 prompts), then
+    one call each."""
+    width = next(w for w in widths if w >= len(chunk))
+    return [chunk] if width <= 2 * len(chunk) else [[i] for i in chunk]
+
+
 class BatchEngine:
     """Batch generation with a target and (optionally) a DFlash drafter.
 
@@ -195,7 +203,7 @@ class BatchEngine:
         # Admission widths: prompts admitted together are padded to the next of these (each one
         # prefill program per prompt bucket). admission_widths narrows the set (it keeps 1 and the
         # batch): a server warms up in half the time with (1, batch), at the price of admitting a
-        # few prompts one by one (`_admission_parts`).
+        # few prompts one by one (`admission_parts`).
         self.widths = sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)})
         if admission_widths is not None:
             self.widths = sorted({1, batch_size} | {int(w) for w in admission_widths if 1 <= w <= batch_size})
@@ -281,6 +289,17 @@ class BatchEngine:
         """batch_size free slots."""
         return init_state(self.spec, self.batch_size)
 
+    @property
+    def idle_state(self) -> DecodeState | None:
+        """The state the last `generate` left, every slot free (the next call starts from it), or None."""
+        return getattr(self, "_idle", None)
+
+    @property
+    def prefix_pool(self) -> PrefixPool | None:
+        """With prefix caching, the host's index of the pages the idle state's caches hold (what the
+        calls so far cached), or None."""
+        return getattr(self, "_prefix_pool", None)
+
     def _take_state(self) -> DecodeState:
         """The state the last `generate` left (every slot free again), or a new one: the caches
         are allocated and zeroed once, not per call (a call whose tail narrowed leaves none).
@@ -316,7 +335,7 @@ class BatchEngine:
         rows = list(sampling) if sampling is not None else [self.spec.sampling] * len(prompts)
         for length, members in sorted(groups.items()):
             for chunk in (part for lo in range(0, len(members), self.batch_size)
-                          for part in self._admission_parts(members[lo:lo + self.batch_size])):
+                          for part in admission_parts(self.widths, members[lo:lo + self.batch_size])):
                 width = next(w for w in self.widths if w >= len(chunk))
                 table = None
                 if pool:  # pages None: every entry NO_PAGE
@@ -349,12 +368,6 @@ class BatchEngine:
         extra = {"resume": True} if resume else {"starts": put(begin) if self.prefix_cache else None}
         return prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where), put(ids),
                        np.int32(seed_int32(seed)), put(limits), self.stop_ids, table, row_sampling, **extra)
-
-    def _admission_parts(self, chunk: list[int]) -> list[list[int]]:
-        """Prompts admitted together, in prefill calls: one, padded to the next width, unless that
-        would more than double it (widths (1, 8) and 3 prompts), then one call each."""
-        width = next(w for w in self.widths if w >= len(chunk))
-        return [chunk] if width <= 2 * len(chunk) else [[i] for i in chunk]
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False,
                progress: Callable[[int, int, str], None] | None = None):

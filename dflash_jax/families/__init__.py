@@ -5,6 +5,10 @@ is a small module here that registers a `Family`: the switches its checkpoints u
 for the config fields only it has (experts, router, activation), and its HF <-> Flax name
 table. Adding a family that reuses existing layers is a module here, not a new decoder.
 
+Beside the families: `hf` reads a Hugging Face `config.json` into a `ModelConfig` (the fields every
+family shares, then the family's own), `registry` holds the `Family` of each `model_type`, and
+`table` the rows of the HF <-> Flax name table every family shares.
+
 | model_type | module | what differs from a Llama block |
 |---|---|---|
 | llama, qwen2, qwen3, mistral | `dense` | q/k norm, biases, sliding windows |

@@ -2,9 +2,12 @@
 
 - `layers`: RMSNorm, RoPE (default, linear, Llama 3, YaRN), attention over the paged cache
   (q/k norm, biases, sliding windows, sinks), the dense gated MLP.
+- `rope`: RoPE frequencies with Hugging Face's scaling rules, for a `RopeConfig`.
 - `moe`: the sparse mixture-of-experts block (router, dispatch by expert, grouped matmuls).
 - `delta_rule`: the gated delta rule and Qwen3.5's gated delta-net layer (linear attention
   with a recurrent state), chunked and per token, and the settling of a verify pass's state.
+- `mla`: multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5) over a latent cache, and
+  sparse attention's indexer.
 - `decoder`: the decoder layer and model, and `forward`, the one jit-compiled
   entry point for prefill, decoding and verification.
 

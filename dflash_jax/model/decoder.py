@@ -3,11 +3,13 @@
 Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/kernel`
 for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
 
-The KV cache is preallocated in pages (`dflash_jax.kv`): one buffer
-`[layers, batch, max_len, kv_heads, head_dim]` for keys and one for values, with a length per
-row. `forward` writes a chunk of T tokens per row at that row's own offset (`cache.lengths`)
-straight into the buffers (in place under jit), then attends over the pages the rows have
-used, so one entry point serves batched prefill (prompts right-padded to a bucket; pass
+The KV cache (`dflash_jax.kv.KVCache`) is preallocated with a length per row, in one of three
+layouts: per-row slots (`[layers, batch, max_len, kv_heads, head_dim]` for keys and for values),
+a page pool shared by every row (`[layers, pages, page_size, ...]` and a page table per row), or,
+where every layer of a group slides, a ring of the last positions per row. `forward` writes a
+chunk of T tokens per row at that row's own offset (`cache.lengths`) straight into the cache (in
+place under jit, `dflash_jax.kv.write_kv`), then attends over the positions the rows have used
+(`dflash_jax.attention`), so one entry point serves batched prefill (prompts right-padded to a bucket; pass
 `num_tokens`), single-token decode (T=1) and the block verify pass of speculative decoding
 (T=K+1). Rollback is a length update: entries at or past a row's length are stale, and the
 causal limit (key position <= query position, with every position below the query written

@@ -1,6 +1,6 @@
 """The cycle kind: what one decoding cycle drafts, verifies and commits, as a type.
 
-    Plain()             no drafts: plain decoding (block size 1), or auto speculation's plain cycle
+    Plain()             no drafts: plain decoding (block size 1), or auto speculation's plain cycle (`plain.py`)
     Chain(k)            the drafter's argmax at the block's first k positions, matched (`chain.py`)
     Selector(k, rule)   a DFlash2 drafter's selector walk, matched or rejection-sampled (`selector.py`)
     Tree(budget)        a draft tree of `budget` nodes (`tree.py`)
@@ -12,6 +12,7 @@ drafter, in `cycle_kind` itself; the acceptance rules); `EngineSpec` carries its
 `spec.kind.draft_verify` then `commit`. Its errors name the settings (`tree_budget needs a drafter`);
 `check_tree` gives the same rules as the command line spells them (`--tree-budget`).
 
+`base.py` holds `CycleKind` and the pieces the kinds share (`denoise`, `verify`, `accept`, `pick`).
 A new kind: a module with a `CycleKind` subclass (its `of`, `num_drafts`, `draft_verify`; its
 commit specifics, `acceptance_length` and `keep_taps`, if any) and its line in `KINDS`.
 """
