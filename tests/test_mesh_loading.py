@@ -262,8 +262,8 @@ def worker_infer(probe, work: Path, fixture: Path) -> dict:
 
     init = BatchEngine.__init__
 
-    def recording_init(self, target_config, target_params, drafter_config=None, drafter_params=None, **kw):
-        init(self, target_config, target_params, drafter_config, drafter_params, **kw)
+    def recording_init(self, target_config, target_params, drafter_config=None, drafter_params=None, *args, **kw):
+        init(self, target_config, target_params, drafter_config, drafter_params, *args, **kw)
         if probe.on:  # the first engine: loading is over
             seen["peak"], seen["final"] = probe.stop()
         pairs = list(zip(jax.tree.leaves(self.tparams), jax.tree.leaves(target_params)))

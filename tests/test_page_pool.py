@@ -228,7 +228,7 @@ def test_the_same_memory_runs_twice_the_rows_of_a_mixed_workload():
     prompt_list = [p[:max(2, len(p) // 4)] for p in prompts(name)] * 2
     limits = [2, 5, 3, 24, 4, 6, 2, 3, 8, 4, 5, 3] * 2
     per_slot = BatchEngine(*setup(name), block_size=8, batch_size=2, max_new_tokens=MAX_NEW, max_prompt_len=MAX_PROMPT,
-                         page_size=PAGE, prefill_chunk=CHUNK)
+                         page_size=PAGE, prefill_chunk=CHUNK, speculation="fixed")
     pool = pooled(name, 8, 8, kv_pages=10)
     assert per_slot.new_state().target_cache.k.size == pool.new_state().target_cache.k.size  # the same memory
     concurrency, outputs = {}, {}

@@ -162,8 +162,8 @@ def test_shared_prefixes_decode_as_without_the_cache_on_a_small_engine():
     prompts = [(first if i % 3 else second) + rs.randint(0, 8, n).tolist() for i, n in enumerate((3, 1, 4, 2, 0, 3))]
     prompts[4] = first[:9]
     limits = [8, 3, 6, 8, 2, 5]
-    kw = dict(block_size=4, batch_size=2, max_new_tokens=8, max_prompt_len=16, page_size=4, prefill_chunk=16,
-              kv_pages=16)
+    kw = dict(block_size=4, batch_size=2, speculation="fixed", max_new_tokens=8, max_prompt_len=16, page_size=4,
+              prefill_chunk=16, kv_pages=16)
 
     def decode(gen):
         got = {r.index: r for r in gen.generate(prompts, max_new_tokens=limits)}

@@ -73,7 +73,8 @@ def test_a_small_serving_engine_streams_what_generate_gives():
     serving."""
     target, tparams, drafter, dparams = setup("qwen3-v8")
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=8,
-                      max_prompt_len=16, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True))
+                      max_prompt_len=16, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True),
+                      speculation="fixed")
     rs = np.random.RandomState(3)
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in (5, 16, 3, 11, 1)]
     limits = (8, 3, 8, 5, 2)
