@@ -239,10 +239,8 @@ def load_hf_params(
         array = np.ascontiguousarray(array.astype(expected[path].dtype, copy=False))
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
-    tensors = iter_hf_tensors(hf_dir)
-    fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
-    if fmt is not None:  # each float8 tensor and its scale become one tensor, dequantized as it is read
-        tensors = pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+    suffixes = _stored_suffixes(config)
+    tensors = _hf_tensors(hf_dir, config, dequantize=not suffixes)
     if progress:
         from tqdm import tqdm
 
@@ -252,10 +250,12 @@ def load_hf_params(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head saved anyway; the embedding is the head
-        hit = hf_to_flax(name, table)
+        base, suffix = _split_suffix(name, suffixes)
+        hit = hf_to_flax(base, table)
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
         path, row, expert = hit
+        path = path[:-1] + (path[-1] + suffix,)  # a weight format's other arrays (scales) beside the weight's
         if row.piece is not None:
             _place_pieces(name, tensor, config, table, expected, filled, place)
             continue
@@ -304,7 +304,8 @@ def load_hf_params(
     for p in expected:
         if p in filled:
             continue
-        name = flax_to_hf(p, table)
+        base, suffix = _split_suffix(p[-1], suffixes)
+        name = flax_to_hf(p[:-1] + (base,), table) + suffix
         if p in stacks:
             name = name.replace("{e}", str(min(set(range(expected[p].shape[0])) - stacks[p][1])))
         elif p in parts:
@@ -314,6 +315,31 @@ def load_hf_params(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint in {hf_dir} is missing tensor {missing[0]!r}{more}")
     return _unflatten(filled)
+
+
+def _hf_tensors(hf_dir: Path, config, dequantize: bool):
+    """The HF tensors; with `dequantize`, an FP8 checkpoint's float8 tensors each paired with its
+    scale into one tensor, dequantized as it is read (a weight format that stores scales beside its
+    weights reads both as they are)."""
+    tensors = iter_hf_tensors(hf_dir)
+    fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
+    return tensors if fmt is None or not dequantize else pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+
+
+def _stored_suffixes(config) -> tuple[str, ...]:
+    """What the config's weight format stores beside each weight (`dflash_jax.model.weights`), as
+    suffixes of its name: the loader reads each from the HF tensor named the weight's plus it."""
+    from dflash_jax.model.weights import weight_format
+
+    return weight_format(config.weight_format).suffixes
+
+
+def _split_suffix(name: str, suffixes: tuple[str, ...]) -> tuple[str, str]:
+    """(the weight's name, the stored suffix) of a tensor or parameter name ("" for the weight's own)."""
+    for suffix in suffixes:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix
+    return name, ""
 
 
 def _place_pieces(name, tensor, config: ModelConfig, table, expected, filled, place):

@@ -230,6 +230,9 @@ class ModelConfig:
     # rotated part's width (RoPE's), and the cache holds one latent per position (`kv.init_cache`).
     mla: MlaConfig | None = None
     dtype: str = "float32"
+    # How the linear layers' weights are stored on the device (`dflash_jax.model.weights`: a
+    # registered format; "dense": the weights themselves, in `dtype`).
+    weight_format: str = "dense"
 
     @property
     def num_groups(self) -> int:

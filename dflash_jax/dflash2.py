@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.model.layers import unfused
+from dflash_jax.model.weights import Projection
 
 ARCHITECTURE = "DFlash2DraftModel"
 REQUIRED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -104,8 +105,8 @@ class DynamicConv(nn.Module):
     def setup(self):
         self.groups = self.hidden // self.group_size
         self.base_kernel = self.param("base_kernel", _identity_kernel, (2, self.taps, self.hidden), self.dtype)
-        self.kernel_projection = nn.Dense(2 * self.taps * self.groups, use_bias=False, dtype=self.dtype,
-                                          param_dtype=self.dtype, kernel_init=nn.initializers.zeros)
+        self.kernel_projection = Projection(2 * self.taps * self.groups, False, self.dtype, self.dtype,
+                                            kernel_init=nn.initializers.zeros)
 
     def _convolve(self, y, delta, side: int, block_size: int):
         """y [b, T, hidden], delta [b, T, K, G] -> [b, T, hidden]: blocks are the runs of block_size rows.
@@ -147,7 +148,7 @@ class CandidateSelector(nn.Module):
 
     def setup(self):
         init = nn.initializers.normal(0.02)  # not zero: the bilinear term's gradients vanish at zero
-        self.hidden_projection = nn.Dense(self.rank, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+        self.hidden_projection = Projection(self.rank, False, self.dtype, self.dtype)
         self.predecessor_codebook = self.param("predecessor_codebook", init, (self.vocab_size, self.rank), self.dtype)
         self.successor_codebook = self.param("successor_codebook", init, (self.vocab_size, self.rank), self.dtype)
 

@@ -28,6 +28,7 @@ from dflash_jax.attention import AttentionMetadata, LayerKV, attend, block_atten
 from dflash_jax.config import jnp_dtype
 from dflash_jax.kv import KVCache, row_lengths, write_kv
 from dflash_jax.model import MLP, RMSNorm, apply_rope, rope_angles, unfused
+from dflash_jax.model.weights import Projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +217,7 @@ class DraftAttention(nn.Module):
     def setup(self):
         c = self.config
         dtype = jnp_dtype(c.dtype)
-        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype)
+        dense = lambda n, bias: Projection(n, bias, dtype, dtype, format=c.weight_format)
         self.q_proj = dense(c.num_attention_heads * c.head_dim, c.qkv_bias)
         self.k_proj = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias)
         self.v_proj = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias)
@@ -332,7 +333,7 @@ class DFlashDrafter(nn.Module):
     def setup(self):
         c = self.config.model
         dtype = jnp_dtype(c.dtype)
-        self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+        self.fc = Projection(c.hidden_size, False, dtype, dtype, format=c.weight_format)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
         windows = c.sliding_windows or (None,) * c.num_hidden_layers
         layer = DraftLayer

@@ -8,6 +8,8 @@
   with a recurrent state), chunked and per token, and the settling of a verify pass's state.
 - `mla`: multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5) over a latent cache, and
   sparse attention's indexer.
+- `weights`: every weight matmul (`project`, `Projection`) through a registry of weight
+  formats (how a weight is stored and multiplied: `dense` today).
 - `decoder`: the decoder layer and model, and `forward`, the one jit-compiled
   entry point for prefill, decoding and verification.
 

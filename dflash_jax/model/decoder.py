@@ -41,6 +41,7 @@ from dflash_jax.model.delta_rule import GatedDeltaNet, Pending
 from dflash_jax.model.delta_rule import settle_state
 from dflash_jax.model.mla import LatentAttention
 from dflash_jax.model.moe import MoE
+from dflash_jax.model.weights import Projection, Transposed, as_weight, project
 
 
 # --------------------------------------------------------------------------- layers
@@ -49,7 +50,7 @@ from dflash_jax.model.moe import MoE
 def _linear_layer(c: ModelConfig, name: str) -> GatedDeltaNet:
     lin = c.linear_attention
     return GatedDeltaNet(c.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.conv_kernel,
-                         eps=c.rms_norm_eps, dtype=jnp_dtype(c.dtype), name=name)
+                         eps=c.rms_norm_eps, dtype=jnp_dtype(c.dtype), weight_format=c.weight_format, name=name)
 
 
 class DecoderLayer(nn.Module):
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
             x = x + mlp(norm(c, "post_attention_layernorm")(x))
         if c.per_layer_input_size:
             dtype = jnp_dtype(c.dtype)
-            dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+            dense = lambda n, name: Projection(n, False, dtype, dtype, format=c.weight_format, name=name)
             gate = ACTIVATIONS[c.mlp_activation](dense(c.per_layer_input_size, "per_layer_input_gate")(x))
             h = dense(c.hidden_size, "per_layer_projection")(gate * per_layer_input)
             x = x + norm(c, "post_per_layer_input_norm")(h)
@@ -118,7 +119,7 @@ class Decoder(nn.Module):
         if c.per_layer_input_size:
             width = c.num_hidden_layers * c.per_layer_input_size
             self.embed_tokens_per_layer = nn.Embed(c.per_layer_vocab_size, width, dtype=dtype, param_dtype=dtype)
-            self.per_layer_model_projection = nn.Dense(width, use_bias=False, dtype=dtype, param_dtype=dtype)
+            self.per_layer_model_projection = Projection(width, False, dtype, dtype, format=c.weight_format)
             self.per_layer_projection_norm = norm(c)
 
     def __call__(self, tokens, cache: KVCache, taps: Sequence[int], rows=None, valid=None, defer=False, tree=None):
@@ -171,8 +172,8 @@ class Decoder(nn.Module):
         return (context + identity) * jnp.asarray(2 ** -0.5, x.dtype)
 
     def tied_logits(self, h):
-        """h @ the embedding table^T: the LM head of a model with tied embeddings."""
-        return self.embed_tokens.attend(h)
+        """h @ the embedding table^T: the LM head of a model with tied embeddings (as `nn.Embed.attend`)."""
+        return project(h, as_weight(self.embed_tokens.embedding), Transposed(self.embed_tokens.dtype))
 
 
 class CausalLM(nn.Module):
@@ -185,7 +186,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(c)
         if not c.tie_word_embeddings:
             dtype = jnp_dtype(c.dtype)
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+            self.lm_head = Projection(c.vocab_size, False, dtype, dtype)  # the head stays dense, as quantized checkpoints keep it
 
     def __call__(self, tokens, cache: KVCache, taps: Sequence[int] = (), rows=None, valid=None, defer=False,
                  tree=None):

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.model.layers import RMSNorm
+from dflash_jax.model.weights import Projection
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -246,6 +247,7 @@ class GatedDeltaNet(nn.Module):
     conv_kernel: int
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
+    weight_format: str = "dense"  # the projections' (`dflash_jax.model.weights`)
 
     @property
     def conv_dim(self) -> int:
@@ -254,7 +256,7 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x, tail, state, *, valid=None, defer: bool = False, chunk: int = 64):
         b, t, _ = x.shape
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        dense = lambda n, name: Projection(n, False, self.dtype, self.dtype, format=self.weight_format, name=name)
         kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         conv_w = self.param("conv1d", nn.initializers.normal(0.5), (self.conv_dim, 1, self.conv_kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (self.v_heads,), self.dtype)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from dflash_jax.attention import AttentionMetadata, LayerKV, attend
 from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.model.rope import rope_inv_freq
+from dflash_jax.model.weights import Projection
 from dflash_jax.platform import target_platform
 
 
@@ -127,7 +128,7 @@ class Attention(nn.Module):
         root's position and seeing their ancestors (`AttentionMetadata.tree`)."""
         c, i = self.config, self.layer
         dtype = jnp_dtype(c.dtype)
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+        dense = lambda n, name, bias: Projection(n, bias, dtype, dtype, format=c.weight_format, name=name)
         b, t, _ = x.shape
         head_dim, kv_heads = c.attention_shape(i)
         heads, window = c.num_attention_heads, c.sliding_windows[i] if c.sliding_windows else None
@@ -190,6 +191,6 @@ class MLP(nn.Module):
         c = self.config
         dtype = jnp_dtype(c.dtype)
         width = self.width or c.intermediate_size
-        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=dtype, param_dtype=dtype, name=name)
+        dense = lambda n, name: Projection(n, c.mlp_bias, dtype, dtype, format=c.weight_format, name=name)
         h = ACTIVATIONS[c.mlp_activation](dense(width, "gate_proj")(x)) * dense(width, "up_proj")(x)
         return dense(c.hidden_size, "down_proj")(h)

@@ -40,17 +40,19 @@ from dflash_jax.attention import AttentionMetadata, LayerKV, attend
 from dflash_jax.config import ModelConfig, jnp_dtype
 from dflash_jax.kv import read_kv, write_kv
 from dflash_jax.model.layers import apply_rope, norm, unfused
+from dflash_jax.model.weights import Einsum, Projection, declare, project
 
 
 class Kernel(nn.Module):
-    """A bare `kernel` parameter (kv_b_proj's, used as two per-head matrices, not as a Dense)."""
+    """A bare `kernel` weight (kv_b_proj's, used as two per-head matrices, not as a Dense)."""
 
     shape: tuple[int, ...]
     dtype: jnp.dtype
+    format: str = "dense"
 
     @nn.compact
     def __call__(self):
-        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, self.dtype)
+        return declare(self, "kernel", self.shape, self.dtype, nn.initializers.lecun_normal(), self.format)
 
 
 def deinterleave(x):
@@ -73,7 +75,7 @@ class Indexer(nn.Module):
     def __call__(self, x, q_latent, cos, sin, cache, query_pos, rows):
         c, ix = self.config, self.config.mla.indexer
         dtype = jnp_dtype(c.dtype)
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)  # noqa: E731
+        dense = lambda n, name: Projection(n, False, dtype, dtype, format=c.weight_format, name=name)  # noqa: E731
         b, t, _ = x.shape
         rot = c.mla.qk_rope_head_dim
 
@@ -112,8 +114,8 @@ class LatentAttention(nn.Module):
     def __call__(self, x, cos, sin, cache, query_pos, rows, tree_mask=None, selected=None):
         c, m = self.config, self.config.mla
         dtype = jnp_dtype(c.dtype)
-        dense = lambda n, name, bias=False: nn.Dense(n, use_bias=bias, dtype=dtype, param_dtype=dtype,  # noqa: E731
-                                                     name=name)
+        dense = lambda n, name, bias=False: Projection(n, bias, dtype, dtype, format=c.weight_format,  # noqa: E731
+                                                       name=name)
         b, t, _ = x.shape
         heads = c.num_attention_heads
         if m.q_lora_rank is None:
@@ -130,10 +132,12 @@ class LatentAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope[:, :, None, :], cos, sin)[:, :, 0]
 
-        kv_b = Kernel((heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dtype, name="kv_b_proj")()
-        kv_b = kv_b.reshape(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w_uk, w_uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
-        q_absorbed = jnp.einsum("bthn,hnl->bthl", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dtype)
+        kv_b = Kernel((heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dtype, c.weight_format,
+                      name="kv_b_proj")()
+        per_head = lambda w: w.reshape(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)  # noqa: E731
+        w_uk = lambda w: per_head(w)[:, :m.qk_nope_head_dim]  # noqa: E731
+        w_uv = lambda w: per_head(w)[:, m.qk_nope_head_dim:]  # noqa: E731
+        q_absorbed = project(q_nope, kv_b, Einsum("bthn,hnl->bthl", dtype, w_uk))
         q = jnp.concatenate([q_absorbed, q_rope.astype(dtype)], axis=-1)[:, :, None]  # [n, T, 1, heads, latent]
 
         if m.indexer is not None and not m.indexer.is_shared(self.layer):
@@ -148,5 +152,5 @@ class LatentAttention(nn.Module):
                          LayerKV(cache.k, cache.v, c.cache_slot(self.layer)), meta)
         cache = cache.replace(k=kv.k, v=kv.v)
         out = out.astype(dtype).reshape(b, t, heads, m.kv_lora_rank)
-        out = jnp.einsum("bthl,hvl->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+        out = project(out, kv_b, Einsum("bthl,hvl->bthv", dtype, w_uv))
         return dense(c.hidden_size, "o_proj", c.o_bias)(out.reshape(b, t, heads * m.v_head_dim)), cache, selected

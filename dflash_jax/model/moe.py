@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, MoeConfig
 from dflash_jax.config import jnp_dtype
 from dflash_jax.model.layers import MLP, RMSNorm
+from dflash_jax.model.weights import Grouped, Projection, declare, project
 
 
 def route(logits, moe: MoeConfig, correction=None):
@@ -97,9 +98,9 @@ def activate(gate, up, moe: MoeConfig):
 def _grouped_mlp(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype):
     """The experts' MLP on rows grouped by expert: xs [M, hidden] (group_sizes [experts]; rows
     past their sum are zero), expert_of [M] each row's expert (for the biases). params: the
-    kernels ([experts, in, out]) and biases ([experts, out]) by name. Returns [M, hidden]."""
+    kernels (`Weight`s [experts, in, out]) and biases ([experts, out]) by name. Returns [M, hidden]."""
     def grouped(x, name):
-        y = jax.lax.ragged_dot(x, params[name], group_sizes, preferred_element_type=jnp.float32).astype(dtype)
+        y = project(x, params[name], Grouped(group_sizes, dtype))
         if moe.expert_bias:
             y = y + jnp.take(params[f"{name}_bias"], expert_of, axis=0, mode="clip")
         return y
@@ -138,7 +139,7 @@ def expert_parallel(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dt
         y = jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
         return jax.lax.psum(jnp.roll(y, start, axis=0), "model")
 
-    specs = {k: P("model", *(None,) * (v.ndim - 1)) for k, v in params.items()}
+    specs = jax.tree.map(lambda v: P("model", *(None,) * (v.ndim - 1)), params)  # a weight's arrays too
     return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), axis_names={"model"},
                          check_vma=False)(xs, group_sizes, expert_of, params)
 
@@ -172,7 +173,7 @@ class Experts(nn.Module):
             shapes = {"gate_proj": (e, h, i), "up_proj": (e, h, i), "down_proj": (e, i, h)}
         params = {}
         for name, shape in shapes.items():  # in the order they were always created (their init keys)
-            params[name] = self.param(name, init, shape, dtype)
+            params[name] = declare(self, name, shape, dtype, init, c.weight_format)
             if moe.expert_bias:
                 params[f"{name}_bias"] = self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype)
         mesh = _model_axis_mesh()
@@ -203,9 +204,8 @@ class MoE(nn.Module):
         correction = None
         if moe.router == "sigmoid_grouped":
             correction = self.param("e_score_correction_bias", nn.initializers.zeros, (moe.num_experts,), jnp.float32)
-        logits = nn.Dense(moe.num_experts, use_bias=moe.router_bias,
-                          dtype=jnp.float32 if moe.router_float32 else dtype, param_dtype=dtype,
-                          name="router")(scored)
+        logits = Projection(moe.num_experts, moe.router_bias, jnp.float32 if moe.router_float32 else dtype, dtype,
+                            name="router")(scored)  # a router stays dense (quantized checkpoints keep it)
         weights, experts = route(logits, moe, correction)
         if moe.per_expert_scale:
             per_expert = self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), dtype)
@@ -218,7 +218,7 @@ class MoE(nn.Module):
         if moe.shared_expert_size:
             shared = MLP(c, moe.shared_expert_size, name="shared_expert")(tokens)
             if moe.shared_expert_gated:
-                gate = nn.Dense(1, use_bias=False, dtype=dtype, param_dtype=dtype, name="shared_expert_gate")(tokens)
+                gate = Projection(1, False, dtype, dtype, name="shared_expert_gate")(tokens)
                 shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype) * shared
             out = out + shared
         return out.reshape(shape)

@@ -1,0 +1,207 @@
+"""Weights and the products with them: the one seam between a stored weight and `x @ W`.
+
+Every weight matmul of the models (attention and MLP projections, MLA's kv_b_proj folds, the
+experts' grouped matmuls, the router, the LM head, tied or not, and the drafter's projections) is
+`project(x, weight, spec)`: `weight` a `Weight` (a format and the arrays it stores), `spec` the
+contraction, written for the weight's logical (dense) value:
+
+  `Dot`        x [..., in] . W [in, out], as `nn.Dense` (both promoted to its dtype)
+  `Transposed` x [..., in] . W [out, in]^T, as `nn.Embed.attend` (a tied LM head)
+  `Grouped`    `jax.lax.ragged_dot` of rows grouped by expert with W [experts, in, out]
+  `Einsum`     `jnp.einsum(subscripts, x, view(W))` in float32 (MLA's per-head folds of kv_b_proj)
+
+A weight format (`WeightFormat`, registered by name in `FORMATS`) says what a weight of a given
+logical shape stores (`stored`: the parameters, each named the weight's name plus a suffix, with its
+shape, dtype and initializer), how a contraction runs on them (`product`: by default, the spec on
+`materialize`'s dense value; a format may run its own kernel instead). The loader reads a stored
+array from the checkpoint tensor of the weight's HF name plus the same suffix (`X.weight_scale_inv`
+for `X/kernel_scale_inv`), laid out as the weight is (transposed, stacked), cast to its declared
+dtype (`dflash_jax.checkpoint.load_hf_params`). A quantized format (FP8 with block scales, say) is one
+`register(WeightFormat(...))` here; a model picks it with `ModelConfig.weight_format`, which the
+projections of its linear layers take (`Projection(format=...)`); routers, embeddings and the LM
+head stay "dense", as quantized checkpoints keep them.
+
+The one format today, "dense", stores the weight itself (`kernel` [in, out] for a projection,
+under the same names and shapes as `nn.Dense`) in the parameter dtype, and its products are the
+plain contractions, bit for bit what the models computed before the seam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from flax.linen.dtypes import promote_dtype
+
+from dflash_jax.errors import ConfigError
+
+# --------------------------------------------------------------------------- contractions
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """x [..., in] . W [in, out] -> [..., out], both promoted to `dtype` (None: their common type),
+    as `nn.Dense` computes it."""
+
+    dtype: Any = None
+
+    def __call__(self, x, w):
+        x, w = promote_dtype(x, w, dtype=self.dtype)
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+    """x [..., in] . W [out, in]^T -> [..., out], as `nn.Embed.attend` (the tied LM head: W the
+    embedding table)."""
+
+    dtype: Any = None
+
+    def __call__(self, x, w):
+        x, w = promote_dtype(x, w, dtype=self.dtype)
+        return jnp.dot(x, w.T)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Grouped:
+    """`ragged_dot`: x [M, in] grouped by expert (group_sizes [experts]) . W [experts, in, out] ->
+    [M, out], accumulated in float32 and cast to `dtype`."""
+
+    group_sizes: Any
+    dtype: Any
+
+    def __call__(self, x, w):
+        y = jax.lax.ragged_dot(x, w, self.group_sizes, preferred_element_type=jnp.float32)
+        return y.astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Einsum:
+    """`jnp.einsum(subscripts, x, view(W))` accumulated in float32 and cast to `dtype`: view picks
+    the part of the weight the product uses (MLA: one half of kv_b_proj, per head)."""
+
+    subscripts: str
+    dtype: Any
+    view: Callable = lambda w: w
+
+    def __call__(self, x, w):
+        return jnp.einsum(self.subscripts, x, self.view(w), preferred_element_type=jnp.float32).astype(self.dtype)
+
+
+# --------------------------------------------------------------------------- formats
+
+
+Stored = dict[str, tuple[tuple[int, ...], Any, Callable]]  # suffix -> (shape, dtype, initializer)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How a weight is kept on the device.
+
+    stored(shape, dtype, init) -> {suffix: (shape, dtype, initializer)}: the parameters a weight of
+        logical shape `shape` ([..., in, out]; `dtype` and `init` the model's) stores, each named the
+        weight's name plus `suffix` ("" for the weight's own parameter).
+    materialize({suffix: array}, dtype) -> the dense weight [..., in, out] in dtype (dequantized).
+    product(spec, x, {suffix: array}, dtype) -> spec's contraction; None: `spec(x, materialize(arrays, dtype))`.
+    (dtype: the model's, which the weight was declared with.)"""
+
+    name: str
+    stored: Callable[..., Stored]
+    materialize: Callable[[dict], jax.Array]
+    product: Callable | None = None
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The stored parameters' suffixes beyond the weight's own ("")."""
+        return tuple(s for s in self.stored((1, 1), jnp.float32, nn.initializers.zeros) if s)
+
+
+FORMATS: dict[str, WeightFormat] = {}
+
+
+def register(fmt: WeightFormat) -> WeightFormat:
+    if fmt.name in FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The registered format called `name`; an unknown name is a one-line ConfigError."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ConfigError(f"unknown weight format {name!r} (known: {', '.join(sorted(FORMATS))})") from None
+
+
+DENSE = register(WeightFormat(
+    "dense",
+    stored=lambda shape, dtype, init: {"": (tuple(shape), dtype, init)},
+    materialize=lambda arrays, dtype: arrays[""],
+    product=lambda spec, x, arrays, dtype: spec(x, arrays[""]),
+))
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@struct.dataclass
+class Weight:
+    """A weight as its format stores it: `arrays` by suffix (a pytree: it passes through jit and
+    shard_map like its arrays), declared for a model of `dtype`."""
+
+    arrays: dict[str, jax.Array]
+    format: WeightFormat = struct.field(pytree_node=False, default=DENSE)
+    dtype: Any = struct.field(pytree_node=False, default=None)
+
+    @property
+    def dense(self) -> jax.Array:
+        """The logical (dequantized) weight."""
+        return self.format.materialize(self.arrays, self.dtype)
+
+
+def declare(module: nn.Module, name: str, shape, dtype, init, format: str = "dense") -> Weight:
+    """The weight `name` of logical shape `shape` as parameters of `module` (inside its compact
+    method or setup), in `format`: for "dense", one parameter `name` of that shape and dtype."""
+    fmt = weight_format(format)
+    return Weight({suffix: module.param(name + suffix, i, s, d) for suffix, (s, d, i) in
+                   fmt.stored(tuple(shape), dtype, init).items()}, fmt, dtype)
+
+
+def as_weight(array) -> Weight:
+    """A dense array (an embedding table, a parameter read elsewhere) as a dense `Weight`."""
+    return Weight({"": array}, DENSE, array.dtype)
+
+
+def project(x, weight: Weight, spec=Dot()):
+    """spec's contraction of x with the weight, through its format."""
+    fmt = weight.format
+    if fmt.product is not None:
+        return fmt.product(spec, x, weight.arrays, weight.dtype)
+    return spec(x, weight.dense)
+
+
+class Projection(nn.Module):
+    """`nn.Dense` through the seam: `kernel` [in, features] (and `bias` [features]) stored in
+    `format`, x [..., in] -> [..., features] computed in `dtype` (as nn.Dense: x, kernel and bias
+    promoted to it; None: their common type)."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    format: str = "dense"
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = declare(self, "kernel", (x.shape[-1], self.features), self.param_dtype, self.kernel_init, self.format)
+        y = project(x, kernel, Dot(self.dtype))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y += jnp.reshape(bias.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
+        return y
