@@ -70,11 +70,12 @@ def serve(engine, prompts, limits, samplings, row_ids, gap=0.002):
 def test_a_small_serving_engine_streams_what_generate_gives():
     """Everyday: greedy rows joining a running batch of 2 slots stream, token for token, what
     `BatchEngine.generate` gives the same prompts with the same limits; nothing compiles while
-    serving."""
+    serving; through a page pool, whose figures say a row's pages are back when the row's end is
+    heard (a scrape that sees no row running sees no page held)."""
     target, tparams, drafter, dparams = setup("qwen3-v8")
     gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=8,
                       max_prompt_len=16, sync_every=1, prefill_chunk=16, sampling=Sampling(per_row=True),
-                      speculation="fixed")
+                      speculation="fixed", kv_pages=4, page_size=16)
     rs = np.random.RandomState(3)
     prompts = [rs.randint(0, target.vocab_size, n).tolist() for n in (5, 16, 3, 11, 1)]
     limits = (8, 3, 8, 5, 2)
@@ -92,6 +93,17 @@ def test_a_small_serving_engine_streams_what_generate_gives():
         assert max(a for r in results.values() for a in r.acceptance_lengths) > 1  # drafts were accepted
         assert programs() == warm  # nothing compiled while serving
         assert engine.metrics.running == 0 and engine.metrics.requests["length"] == len(prompts)
+        heard, ended = {}, threading.Event()
+
+        def emit(tokens, result):
+            if result is not None:
+                with engine.metrics.lock:
+                    heard.update(running=engine.metrics.running, pages=dict(engine.metrics.kv_pages))
+                ended.set()
+
+        engine.submit(StreamRequest(prompts[0], 4, emit, gen.spec.sampling, row_id=9))
+        assert ended.wait(120)
+        assert heard["running"] == 0 and heard["pages"]["held"] == 0 and heard["pages"]["total"] == 4, heard
     finally:
         assert engine.close(timeout=60)
 

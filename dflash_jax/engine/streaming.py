@@ -312,8 +312,9 @@ class StreamingEngine:
         def end(s: int, result: Result):
             req = ledger.finish(s)
             to_end[s] = True
-            with m.lock:
-                m.running = ledger.busy  # before the request hears
+            with m.lock:  # before the request hears; its pages with it (a scrape that sees the row gone
+                m.running = ledger.busy  # sees its pages back, not the figures of the loop's last turn)
+                m.kv_pages = pool_pages(ledger.pool)
                 m.cycles += len(result.acceptance_lengths)
                 m.accepted += sum(result.acceptance_lengths)
                 for a in result.acceptance_lengths:
