@@ -440,8 +440,8 @@ def extend_context(params, config: DrafterConfig, features, cache: KVCache, num_
     k, v = DFlashDrafter(config).apply({"params": params}, features, positions, method=DFlashDrafter.context_kv)
     num_tokens = num_tokens.astype(jnp.int32)
     new_lengths = cache.lengths + num_tokens if rows is None else cache.lengths.at[rows].add(num_tokens, mode="drop")
-    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows, cache.pages, cache.ring),
-                         v=write_kv(cache.v, None, v, lengths, rows, cache.pages, cache.ring),
+    return cache.replace(k=write_kv(cache.k, None, k, lengths, rows, **cache.kv_args("k")),
+                         v=write_kv(cache.v, None, v, lengths, rows, **cache.kv_args("v")),
                          lengths=new_lengths)
 
 

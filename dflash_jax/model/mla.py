@@ -18,8 +18,8 @@ queries before and the output after. The softmax scale stays the expanded head's
 (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (times YaRN's mscale squared: `ModelConfig.attention_scale`).
 
 Parameters (HF names under `self_attn.`): q_proj, or q_a_proj + q_a_layernorm + q_b_proj;
-kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj ([kv_lora_rank, heads * (nope + v)] as a Flax
-kernel), o_proj.
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj (kept in HF's layout, [heads * (nope + v), kv_lora_rank],
+a bare kernel read as two per-head matrices), o_proj.
 
 DeepSeek sparse attention (GLM-5, `MlaConfig.indexer`): an `Indexer` picks, per query, the top-k
 cached positions by its own cheap scores; attention then sees only those (`AttentionMetadata.selected`)
