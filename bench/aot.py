@@ -93,7 +93,8 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.engine import EngineSpec, Sampling, decode_state_shardings, init_state, prefill, run_cycles
+    from dflash_jax.engine import (EngineSpec, Sampling, decode_state_shardings, init_state, prefill, rows_of,
+                                   run_cycles)
     from dflash_jax.sharding import param_shardings
 
     from bench.cost import abstract_inputs, ideal_bytes, selector_codebook_bytes
@@ -123,6 +124,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
             args = (tparams, dparams, spec, abstract_sharded(empty, decode_state_shardings(empty, mesh)),
                     rep((batch, context), jnp.int32), rep((batch,), jnp.int32), rep((batch,), jnp.int32),
                     rep((batch,), jnp.uint32), rep((), jnp.int32), rep((batch,), jnp.int32), rep((8,), jnp.int32),
+                    jax.tree.map(lambda x: rep(x.shape, x.dtype), rows_of([spec.sampling], batch)),
                     None if kv_pages is None else rep(empty.target_cache.pages.shape, jnp.int32))
             fig = compile_for_tpu(prefill, args, hlo_dir, f"prefill{tag}")
         else:

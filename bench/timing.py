@@ -196,7 +196,8 @@ def synthetic_state(spec, batch: int, context: int, seed: int = 0):
         context_cache=None if ctx is None else ctx.replace(lengths=lengths, **pages),
         anchor=jnp.ones((batch,), jnp.int32), num_generated=jnp.ones((batch,), jnp.int32),
         done=jnp.zeros((batch,), bool), max_new_tokens=jnp.full((batch,), spec.max_new_tokens, jnp.int32),
-        row_keys=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), jnp.arange(batch)),
+        sampling=state.sampling.replace(
+            key=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), jnp.arange(batch))),
     )
 
 

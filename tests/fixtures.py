@@ -236,7 +236,7 @@ def numpy_distribution(logits, sampling):
     z = np.asarray(logits, np.float64) / sampling.temperature
     shape = z.shape
     z = z.reshape(-1, shape[-1])
-    if sampling.top_k:
+    if 0 < sampling.top_k < shape[-1]:  # k >= vocab keeps every token, as in HF
         kth = -np.sort(-z, -1)[:, sampling.top_k - 1:sampling.top_k]
         z = np.where(z < kth, -np.inf, z)
     margin = np.inf

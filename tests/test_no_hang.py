@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.engine import Sampling, prefill, run_cycles
+from dflash_jax.engine import Sampling, prefill, rows_of, run_cycles
 from dflash_jax.engine.watchdog import STALL_EXIT_CODE, Watchdog
 from dflash_jax.model import delta_rule
 from dflash_jax.training import target_features
@@ -48,7 +48,8 @@ def engine_programs(gen):
     loop = run_cycles.lower(gen.tparams, gen.dparams, gen.spec, state, gen.stop_ids, np.int32(1), np.bool_(False))
     one = lambda dtype: jnp.ones((1,), dtype)
     admit = prefill.lower(gen.tparams, gen.dparams, gen.spec, state, jnp.ones((1, 16), jnp.int32), one(jnp.int32),
-                          jnp.zeros((1,), jnp.int32), one(jnp.uint32), np.int32(0), one(jnp.int32), gen.stop_ids)
+                          jnp.zeros((1,), jnp.int32), one(jnp.uint32), np.int32(0), one(jnp.int32), gen.stop_ids,
+                          jax.tree.map(jnp.asarray, rows_of([gen.spec.sampling])))
     return {"run_cycles": loop, "prefill": admit}
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -566,21 +567,62 @@ def test_top_k_beyond_the_vocabulary_keeps_everything_and_bad_indices_are_refuse
 # --------------------------------------------------------------------------- 7. sampling per row
 
 
-def test_per_row_settings_process_logits_as_one_setting_does():
-    """Each row's own temperature, top-k and top-p cut its logits as a Sampling of those values
-    does (random logits: no ties at a cut-off)."""
-    from dflash_jax.engine.sampling import processed_logits_rows
+def test_each_row_samples_from_its_own_settings_distribution():
+    """The one logits processor, with each row's own temperature, top-k and top-p (`RowSampling`
+    from `rows_of`), gives each row the distribution a float64 reference of its settings gives
+    (random logits: no ties at a cut-off); a greedy row's logits are left as they are."""
+    from dflash_jax.engine.sampling import processed_rows, rows_of
 
     settings = [Sampling(0.5, top_k=5), Sampling(0.8, top_p=0.9), Sampling(1.0), Sampling(0.7, top_k=9, top_p=0.5),
-                Sampling(1.0, top_k=80)]
+                Sampling(1.0, top_k=80), Sampling()]
     logits = random_logits(3, (len(settings), 50))
-    got = np.asarray(processed_logits_rows(jnp.asarray(logits), jnp.asarray([s.temperature for s in settings]),
-                                           jnp.asarray([s.top_k for s in settings]),
-                                           jnp.asarray([s.top_p for s in settings])))
-    for row, s in enumerate(settings):
-        want = np.asarray(processed_logits(jnp.asarray(logits[row:row + 1]), s))[0]
-        np.testing.assert_array_equal(got[row] > NEG, want > NEG)
-        np.testing.assert_allclose(got[row][want > NEG], want[want > NEG], rtol=1e-6)
+    rows = jax.tree.map(jnp.asarray, rows_of(settings))
+    got = np.asarray(jax.nn.softmax(processed_rows(jnp.asarray(logits)[:, None], rows), axis=-1))[:, 0]
+    for row, s in enumerate(settings[:-1]):
+        want, margin = numpy_distribution(logits[row:row + 1], s)
+        assert margin > 1e-5
+        np.testing.assert_array_equal(got[row] > 0, want[0] > 0)
+        np.testing.assert_allclose(got[row], want[0], atol=1e-6)
+    np.testing.assert_allclose(got[-1], np.asarray(jax.nn.softmax(logits[-1])), rtol=1e-5)
+
+
+def test_logit_bias_and_a_constraint_reach_greedy_and_sampled_rows():
+    """A row's logit bias (its RowSampling slots) moves its greedy pick and its sampled
+    distribution, padding slots (-1) do nothing, another row is untouched; an `allowed` mask
+    removes every other token from both."""
+    from dflash_jax.engine.sampling import pick, processed_rows, rows_of
+
+    logits = jnp.asarray(random_logits(4, (2, 3, 40)))  # 2 rows, 3 positions
+    rows = rows_of([Sampling(), Sampling(1.0)])
+    plain = jax.tree.map(jnp.asarray, rows)
+    low = int(np.asarray(logits)[0, 0].argmin())
+    rows.bias_ids[0, :2], rows.bias[0, :2] = (low, 7), (100.0, -100.0)
+    rows.bias_ids[1, 5], rows.bias[1, 5] = low, 5.0
+    biased = jax.tree.map(jnp.asarray, rows).replace(key=jnp.zeros((2, 2), jnp.uint32))
+    plain = plain.replace(key=biased.key)
+    positions = jnp.zeros((2, 3), jnp.int32)
+    tokens = np.asarray(pick(logits, biased, positions))
+    assert (tokens[0] == low).all()  # +100 makes the row's lowest logit its argmax
+    np.testing.assert_array_equal(np.asarray(pick(logits, plain, positions))[0], np.asarray(logits)[0].argmax(-1))
+    want = np.asarray(logits)[1].copy()
+    want[:, low] += 5.0
+    np.testing.assert_allclose(np.asarray(processed_rows(logits, biased))[1], want, rtol=1e-6)
+    allowed = jnp.zeros((2, 3, 40), bool).at[:, :, 11].set(True)
+    np.testing.assert_array_equal(np.asarray(pick(logits, biased, positions, allowed=allowed)), 11)
+    probs = np.asarray(jax.nn.softmax(processed_rows(logits, biased, allowed), axis=-1))[1]
+    np.testing.assert_allclose(probs[:, 11], 1.0)
+
+
+def test_tied_logits_at_a_cut_off_share_their_fate():
+    """Top-k and top-p keep every token tied with the cut-off (one implementation: the value
+    cut), so which of two equal logits survives never depends on their index."""
+    logits = np.full((1, 10), -5.0, np.float32)
+    logits[0, [2, 6]] = 3.0
+    logits[0, 4] = 4.0
+    kept_k = np.asarray(processed_logits(jnp.asarray(logits), Sampling(1.0, top_k=2))) > NEG
+    np.testing.assert_array_equal(np.flatnonzero(kept_k[0]), [2, 4, 6])
+    kept_p = np.asarray(processed_logits(jnp.asarray(logits), Sampling(1.0, top_p=0.75))) > NEG
+    np.testing.assert_array_equal(np.flatnonzero(kept_p[0]), [2, 4, 6])
 
 
 @pytest.mark.heavy  # the everyday suite is at its budget; tests/test_streaming.py (heavy) serves such rows too

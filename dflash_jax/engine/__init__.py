@@ -1,6 +1,7 @@
 """The speculative decoding engine:
 
-- `sampling`: how the target picks tokens (greedy, temperature / top-k / top-p, per-row keys);
+- `sampling`: how the target picks tokens: each row's `RowSampling` (greedy or temperature / top-k /
+  top-p, its key, logit bias, constraint and logprobs slots), built by `rows_of`, read by `pick`;
 - `step`: the pure device step (`EngineSpec`, `init_state`, `prefill`, `insert`, `cycle`: the spec's
   kind's draft, verify and accept, then `commit`; `run_cycles`), jit-compiled over static shapes;
 - `cycles`: the cycle kind as a type (`Plain`, `Chain`, `Selector`, `Tree`; `cycle_kind`, the one
@@ -21,7 +22,7 @@
 """
 
 from dflash_jax.engine.sampling import (
-    Sampling, greedy_pick, position_keys, processed_logits, sample,
+    RowSampling, Sampling, greedy_pick, pick, position_keys, processed_logits, rows_of,
 )
 from dflash_jax.engine.scheduler import BatchEngine, bucket
 from dflash_jax.engine.slots import GenerationStats, Result, SlotLedger, timed
@@ -32,7 +33,7 @@ from dflash_jax.engine.step import (
 )
 
 __all__ = [
-    "Sampling", "greedy_pick", "position_keys", "processed_logits", "sample",
+    "RowSampling", "Sampling", "greedy_pick", "pick", "position_keys", "processed_logits", "rows_of",
     "GenerationStats", "BatchEngine", "Result", "SlotLedger", "bucket", "timed",
     "CycleKind", "cycle_kind",
     "DecodeState", "EngineSpec", "accept", "commit", "cycle", "decode_state_shardings", "draft", "init_state", "insert",

@@ -14,10 +14,14 @@ is replaced by a draw from norm(max(0, p - q)). The output then has the target's
 plain decoding's seeded tokens. The walk's, the acceptance's and the replacement's draws use keys
 of their own, `draw_keys(row_keys, positions, use)`.
 
-A BatchEngine samples either with one `Sampling` for every row (a compile-time setting), or, with
-`Sampling(per_row=True)` (the server), with each row's own temperature, top-k and top-p, held
-in the decoding state: greedy and sampled rows then share one batch and one compiled program
-(`sample_rows`).
+Each row's sampling lives on the device as a `RowSampling` (temperature, top-k, top-p, its key,
+plus the slots structured output and logprobs fill: a logit bias, a constraint, a logprobs
+count), part of the decoding state, built on the host by one helper (`rows_of`) and read by one
+logits processor (`pick`; `target_probs` for rejection sampling) at every position the target
+samples from: prefill, the chain's, the tree's and DFlash2's verify. A BatchEngine's `Sampling`
+(a compile-time setting) is its rows' default; with `Sampling(per_row=True)` (the server) each
+row brings its own, and greedy and sampled rows share one batch and one compiled program. A
+greedy engine compiles the argmax alone (`pick(sampled=False)`).
 
 Every setting is bounded where it is made (`check_sampling`, which `Sampling` runs): the engine
 casts temperature and top_p to float32 and top_k to int32 at admission, so an out-of-range value
@@ -32,8 +36,10 @@ import json
 import math
 import numbers
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.errors import DFlashError, InputError
 
@@ -175,28 +181,153 @@ class Sampling:
         return self.temperature == 0 and not self.per_row
 
 
-def processed_logits(logits, sampling: Sampling):
-    """Temperature, top-k and top-p applied; removed tokens get -inf. [..., vocab] float32."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
-    neg = jnp.finfo(jnp.float32).min
-    if 0 < sampling.top_k < logits.shape[-1]:  # k >= vocab keeps everything, as in HF
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if sampling.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
+# --------------------------------------------------------------------------- each row's sampling on the device
+
+# The most logit-bias entries a row holds (OpenAI's limit on a request's `logit_bias`); every row
+# has this many slots, unused ones -1, so admissions of any bias share one compiled program.
+LOGIT_BIAS_SLOTS = 300
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """How each row of a decoding state picks its tokens: a pytree of [batch, ...] arrays, part of
+    `DecodeState` (its `sampling`), set at admission and read by the one logits processor
+    (`pick`, `target_probs`) at every position the target samples from: prefill's first token,
+    the chain's, the tree's and DFlash2's verify.
+
+    temperature [batch] float32 (0: greedy), top_k [batch] int32 (0: off), top_p [batch] float32
+    (1: off); key [batch, 2] uint32, the row's random stream (fold_in(PRNGKey(seed), row id),
+    drawn at admission: None in what `rows_of` builds); bias_ids, bias [batch, LOGIT_BIAS_SLOTS]
+    the logit bias added to the row's logits before anything else (id -1: an unused slot);
+    constraint [batch] int32, the slot of the row's constraint in the engine's constraint pool
+    (-1: none; its automaton's mask reaches `pick` as `allowed`); logprobs [batch] int32, how many
+    top log-probabilities the row returns per token (-1: none)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    key: jax.Array | None
+    bias_ids: jax.Array
+    bias: jax.Array
+    constraint: jax.Array
+    logprobs: jax.Array
+
+    @classmethod
+    def idle(cls, batch: int) -> "RowSampling":
+        """`batch` greedy rows with nothing set (a free slot's), on the device."""
+        zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+        return cls(temperature=zeros(batch, dtype=jnp.float32), top_k=zeros(batch),
+                   top_p=jnp.ones((batch,), jnp.float32), key=zeros(batch, 2, dtype=jnp.uint32),
+                   bias_ids=jnp.full((batch, LOGIT_BIAS_SLOTS), -1, jnp.int32),
+                   bias=zeros(batch, LOGIT_BIAS_SLOTS, dtype=jnp.float32),
+                   constraint=jnp.full((batch,), -1, jnp.int32), logprobs=jnp.full((batch,), -1, jnp.int32))
+
+
+def rows_of(samplings, width: int | None = None) -> RowSampling:
+    """The one host helper: the RowSampling (numpy arrays, key None: drawn at admission) of rows
+    with these `Sampling`s, padded to `width` rows (padding: greedy, nothing set)."""
+    samplings = list(samplings)
+    width = len(samplings) if width is None else width
+    temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
+    top_k = np.zeros((width,), np.int32)
+    for j, s in enumerate(samplings):
+        temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
+    return RowSampling(temperature=temperature, top_k=top_k, top_p=top_p, key=None,
+                       bias_ids=np.full((width, LOGIT_BIAS_SLOTS), -1, np.int32),
+                       bias=np.zeros((width, LOGIT_BIAS_SLOTS), np.float32),
+                       constraint=np.full((width,), -1, np.int32), logprobs=np.full((width,), -1, np.int32))
+
+
+def _cut(logits, temperature, top_k, top_p):
+    """Temperature, top-k and top-p applied to logits [n, vocab] float32 with each row's own
+    settings [n] (temperature > 0; top_k 0 and top_p 1: off); removed tokens get float32's lowest.
+    The one implementation: one descending sort of the row gives both cut-offs as values, the
+    k-th largest logit and the smallest logit of the shortest prefix (of the top-k survivors)
+    whose probability reaches top_p; a token below either is removed, one equal to the cut-off
+    kept (so tied tokens share a fate). The sort runs only when some row asks for it."""
+    vocab = logits.shape[-1]
+    logits = logits / temperature[:, None]
+
+    def cut(logits):
+        ordered = -jnp.sort(-logits, axis=-1)
+        at = lambda i: jnp.take_along_axis(ordered, jnp.clip(i, 0, vocab - 1)[:, None], axis=-1)[:, 0]
+        kth = jnp.where((top_k > 0) & (top_k < vocab), at(top_k - 1), _NEG)  # k >= vocab keeps all, as in HF
+        ordered = jnp.where(ordered < kth[:, None], _NEG, ordered)
+        probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        keep_sorted = before < sampling.top_p  # the smallest prefix reaching top_p
-        keep = _unsort(keep_sorted, order)
-        logits = jnp.where(keep, logits, neg)
-    return logits
+        count = (before < top_p[:, None]).sum(-1)  # the smallest prefix reaching top_p
+        pth = jnp.where(top_p < 1.0, at(count - 1), _NEG)
+        return jnp.where(logits < jnp.maximum(kth, pth)[:, None], _NEG, logits)
+
+    needed = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    return jax.lax.cond(needed.any(), cut, lambda x: x, logits)
 
 
-def _unsort(values, order):
-    """Scatter values given in `order` back to vocabulary order (last axis)."""
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(values, inverse, axis=-1)
+def _per_position(x, positions: int):
+    """A row's [batch, ...] setting repeated for each of its positions: [batch * positions, ...]."""
+    return jnp.repeat(x, positions, axis=0)
+
+
+def _adjusted(logits, rows: RowSampling, allowed=None):
+    """Logits [n, vocab] float32 of n = batch x T positions with each row's bias added and, where
+    `allowed` [n, vocab] (bool) is given, the tokens outside it removed: what greedy and sampled
+    rows both pick from. The bias scatter runs only when some row has one."""
+    n, vocab = logits.shape
+    t = n // rows.temperature.shape[0]
+    logits = logits.astype(jnp.float32)
+    ids, bias = _per_position(rows.bias_ids, t), _per_position(rows.bias, t)
+
+    def add(x):
+        return x.at[jnp.arange(n)[:, None], jnp.where(ids >= 0, ids, vocab)].add(bias, mode="drop")
+
+    logits = jax.lax.cond((rows.bias_ids >= 0).any(), add, lambda x: x, logits)
+    return logits if allowed is None else jnp.where(allowed, logits, _NEG)
+
+
+def processed_rows(logits, rows: RowSampling, allowed=None):
+    """The logits each position samples from, [batch, T, vocab] float32 from logits [batch, T,
+    vocab]: the row's bias and constraint, then its temperature, top-k and top-p (`_cut`). A
+    greedy row's are only biased and constrained (its pick is their argmax)."""
+    b, t, vocab = logits.shape
+    flat = _adjusted(logits.reshape(-1, vocab), rows, None if allowed is None else allowed.reshape(-1, vocab))
+    temperature = _per_position(rows.temperature, t)
+    flat = _cut(flat, jnp.where(temperature > 0, temperature, 1.0), _per_position(rows.top_k, t),
+                _per_position(rows.top_p, t))
+    return flat.reshape(b, t, vocab)
+
+
+def pick(logits, rows: RowSampling, positions, *, sampled: bool = True, allowed=None):
+    """The one logits processor's tokens: logits [batch, T, vocab] -> [batch, T] int32, each row
+    with its own settings (`RowSampling`), the sample at sequence position positions [batch, T]
+    drawn with the key fold_in(row key, position). A greedy row (temperature 0) takes the argmax of
+    its biased, constrained logits. sampled False: the engine never samples (a static promise:
+    only the argmax is compiled); else the sampled branch runs only when some row samples."""
+    b, t, vocab = logits.shape
+    flat = _adjusted(logits.reshape(-1, vocab), rows, None if allowed is None else allowed.reshape(-1, vocab))
+    greedy = greedy_pick(flat).reshape(b, t)
+    if not sampled:
+        return greedy
+    temperature = _per_position(rows.temperature, t)
+
+    def draw(_):
+        cut = _cut(flat, jnp.where(temperature > 0, temperature, 1.0), _per_position(rows.top_k, t),
+                   _per_position(rows.top_p, t))
+        keys = position_keys(rows.key, positions).reshape(-1, 2)
+        tokens = jax.vmap(jax.random.categorical)(keys, cut).astype(jnp.int32).reshape(b, t)
+        return jnp.where((rows.temperature > 0)[:, None], tokens, greedy)
+
+    return jax.lax.cond((rows.temperature > 0).any(), draw, lambda _: greedy, None)
+
+
+def processed_logits(logits, sampling: Sampling):
+    """Temperature, top-k and top-p of one `Sampling` (temperature > 0) applied to logits [...,
+    vocab]; removed tokens get float32's lowest. [..., vocab] float32 (the rows' `_cut`)."""
+    flat = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
+    full = lambda x, dtype: jnp.full((flat.shape[0],), x, dtype)
+    out = _cut(flat, full(sampling.temperature, jnp.float32), full(sampling.top_k, jnp.int32),
+               full(sampling.top_p, jnp.float32))
+    return out.reshape(logits.shape)
 
 
 def greedy_pick(logits):
@@ -207,65 +338,9 @@ def greedy_pick(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def sample(logits, keys, sampling: Sampling):
-    """Tokens [...] from logits [..., vocab] with one key [..., 2] per token."""
-    if sampling.greedy:
-        return greedy_pick(logits)
-    flat_logits = processed_logits(logits.reshape(-1, logits.shape[-1]), sampling)
-    flat_keys = keys.reshape(-1, keys.shape[-1])
-    tokens = jax.vmap(jax.random.categorical)(flat_keys, flat_logits)
-    return tokens.reshape(logits.shape[:-1]).astype(jnp.int32)
-
-
 def position_keys(row_keys, positions):
     """row_keys [batch, 2] uint32, positions [batch, T] -> keys [batch, T, 2]."""
     return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(row_keys, positions)
-
-
-# --------------------------------------------------------------------------- per-row settings
-
-
-def processed_logits_rows(logits, temperature, top_k, top_p):
-    """processed_logits with each row's own settings: logits [n, vocab], temperature [n] (> 0),
-    top_k [n] (0: off), top_p [n] (1: off). One descending sort of the row gives both cut-offs as
-    values: the k-th largest logit, and the smallest logit of the shortest prefix (of the top-k
-    survivors) whose probability reaches top_p; a token below either is removed. A token equal to
-    the cut-off value is kept (processed_logits keeps exactly a prefix in index order: the two
-    differ only where logits tie at the cut-off). The sort runs only when some row asks for it."""
-    vocab = logits.shape[-1]
-    neg = jnp.finfo(jnp.float32).min
-    logits = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-
-    def cut(logits):
-        ordered = -jnp.sort(-logits, axis=-1)
-        at = lambda i: jnp.take_along_axis(ordered, jnp.clip(i, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-        kth = jnp.where((top_k > 0) & (top_k < vocab), at(top_k - 1), neg)  # k >= vocab keeps all, as in HF
-        ordered = jnp.where(ordered < kth[:, None], neg, ordered)
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        count = (before < top_p[:, None]).sum(-1)  # the smallest prefix reaching top_p
-        pth = jnp.where(top_p < 1.0, at(count - 1), neg)
-        return jnp.where(logits < jnp.maximum(kth, pth)[:, None], neg, logits)
-
-    needed = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
-    return jax.lax.cond(needed.any(), cut, lambda x: x, logits)
-
-
-def sample_rows(logits, keys, temperature, top_k, top_p):
-    """Tokens [batch, ...] from logits [batch, ..., vocab] with one key [batch, ..., 2] per token,
-    each row with its own settings [batch] (temperature 0: that row is greedy). A batch of
-    greedy rows only takes the argmax."""
-    greedy = greedy_pick(logits)
-    batch, vocab = logits.shape[0], logits.shape[-1]
-    per_row = lambda x: jnp.repeat(x, logits.size // (batch * vocab))
-
-    def sampled(_):
-        flat = processed_logits_rows(logits.reshape(-1, vocab), per_row(temperature), per_row(top_k), per_row(top_p))
-        tokens = jax.vmap(jax.random.categorical)(keys.reshape(-1, keys.shape[-1]), flat).astype(jnp.int32)
-        hot = (temperature > 0).reshape((batch,) + (1,) * (greedy.ndim - 1))
-        return jnp.where(hot, tokens.reshape(greedy.shape), greedy)
-
-    return jax.lax.cond((temperature > 0).any(), sampled, lambda _: greedy, None)
 
 
 # --------------------------------------------------------------------------- rejection sampling
@@ -285,18 +360,10 @@ def draw_keys(row_keys, positions, use: str):
     return flat.reshape(keys.shape)
 
 
-def target_probs(logits, sampling: Sampling, row_sampling):
-    """p [batch, T, vocab] float32: the distribution the target samples each position from (its
-    temperature, top-k and top-p: the engine's, or with sampling.per_row each row's own,
-    row_sampling = (temperature, top_k, top_p) [batch]). A greedy row's p is unused (any)."""
-    b, t, vocab = logits.shape
-    if sampling.per_row:
-        temperature, top_k, top_p = (jnp.repeat(x, t) for x in row_sampling)
-        flat = processed_logits_rows(logits.reshape(-1, vocab), jnp.where(temperature > 0, temperature, 1.0),
-                                     top_k, top_p)
-    else:
-        flat = processed_logits(logits.reshape(-1, vocab), sampling)
-    return jax.nn.softmax(flat, axis=-1).reshape(b, t, vocab)
+def target_probs(logits, rows: RowSampling):
+    """p [batch, T, vocab] float32: the distribution each row's target samples each position from
+    (its bias, temperature, top-k and top-p: `processed_rows`). A greedy row's p is unused (any)."""
+    return jax.nn.softmax(processed_rows(logits, rows), axis=-1)
 
 
 def rejection_accept(probs, drafts, candidates, rows, picked, temperature, row_keys, positions):

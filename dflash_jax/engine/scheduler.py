@@ -42,7 +42,7 @@ from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
 from dflash_jax.engine.options import EngineOptions, PairConfigs, resolve
-from dflash_jax.engine.sampling import Sampling, seed_int32
+from dflash_jax.engine.sampling import Sampling, rows_of, seed_int32
 from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.speculation import Speculation, default_candidates
 from dflash_jax.engine.step import (DecodeState, EngineSpec, cancel, init_state, narrow_state, prefill, run_cycles,
@@ -356,18 +356,15 @@ class BatchEngine:
         tokens = np.zeros((width, length), np.int32)
         lens, limits = np.ones((width,), np.int32), np.ones((width,), np.int32)
         where = np.full((width,), self.batch_size, np.int32)  # padding: no slot
-        ids = np.zeros((width,), np.uint32)
-        temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
-        top_k, begin = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
-        for j, (part, slot, row_id, max_new, sampling, start) in enumerate(rows):
+        ids, begin = np.zeros((width,), np.uint32), np.zeros((width,), np.int32)
+        for j, (part, slot, row_id, max_new, _, start) in enumerate(rows):
             tokens[j, :len(part)], lens[j], begin[j] = part, len(part), start
             where[j], ids[j], limits[j] = slot, row_id, max_new
-            temperature[j], top_k[j], top_p[j] = sampling.temperature, sampling.top_k, sampling.top_p
-        row_sampling = (put(temperature), put(top_k), put(top_p)) if self.spec.sampling.per_row else None
+        sampling = jax.tree.map(put, rows_of([row[4] for row in rows], width))
         # The calls keep their keywords (a keyword given or not is another jit signature).
         extra = {"resume": True} if resume else {"starts": put(begin) if self.prefix_cache else None}
         return prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where), put(ids),
-                       np.int32(seed_int32(seed)), put(limits), self.stop_ids, table, row_sampling, **extra)
+                       np.int32(seed_int32(seed)), put(limits), self.stop_ids, sampling, table, **extra)
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), *, exact: bool = False, stream: bool = False,
                progress: Callable[[int, int, str], None] | None = None):

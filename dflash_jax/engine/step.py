@@ -34,7 +34,7 @@ from dflash_jax.drafter import DrafterConfig, extend_context
 from dflash_jax.engine.cycles import CycleKind, Selector, cycle_kind
 from dflash_jax.engine.cycles.base import pick
 from dflash_jax.engine.cycles.selector import selector_scores as _selector_scores  # noqa: F401 (tests reach it here)
-from dflash_jax.engine.sampling import Sampling, position_keys
+from dflash_jax.engine.sampling import RowSampling, Sampling
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import ForwardOutput, forward, settle
@@ -135,7 +135,8 @@ class DecodeState:
                     plain cycle of auto speculation (no draft verified: one token).
     done:           [batch] the row needs no more cycles (also true for a free slot).
     max_new_tokens: [batch] this row's own limit (<= the spec's).
-    temperature, top_k, top_p: [batch] this row's sampling (a per-row engine's; else unused).
+    sampling:       each row's `RowSampling` (temperature, top-k, top-p, its random key, logit bias,
+                    constraint, logprobs): what the one logits processor (`pick`) reads.
     taps, num_taps: with spec.lazy_context, [batch, B, n_taps * hidden] the tap features of positions
                     committed by plain cycles and not yet in the drafter's context, and how many
                     ([batch]; the context's length + num_taps is the target's); else [batch, 0, 0].
@@ -152,11 +153,8 @@ class DecodeState:
     num_cycles: jax.Array
     done: jax.Array
     stopped: jax.Array
-    row_keys: jax.Array
     max_new_tokens: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
+    sampling: RowSampling
     taps: jax.Array
     num_taps: jax.Array
     filling: jax.Array
@@ -167,7 +165,8 @@ def map_state(state: DecodeState, f) -> DecodeState:
     heads over `kv_heads` (dflash_jax.sharding's rules)."""
     caches = {name: None if cache is None else cache.map_arrays(f)
               for name, cache in (("target_cache", state.target_cache), ("context_cache", state.context_cache))}
-    others = {fl.name: f(getattr(state, fl.name), ("batch",) + (None,) * (getattr(state, fl.name).ndim - 1))
+    rows = lambda x: f(x, ("batch",) + (None,) * (x.ndim - 1))
+    others = {fl.name: jax.tree.map(rows, getattr(state, fl.name))
               for fl in dataclasses.fields(state) if fl.name not in caches}
     return state.replace(**caches, **others)
 
@@ -204,8 +203,7 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
-        row_keys=jnp.zeros((batch, 2), jnp.uint32), max_new_tokens=zeros(batch),
-        temperature=jnp.zeros((batch,), jnp.float32), top_k=zeros(batch), top_p=jnp.ones((batch,), jnp.float32),
+        max_new_tokens=zeros(batch), sampling=RowSampling.idle(batch),
         taps=jnp.zeros((batch, *_taps_shape(spec)), jnp_dtype(spec.target.dtype)), num_taps=zeros(batch),
         filling=jnp.zeros((batch,), bool),
     ), spec.mesh)
@@ -233,25 +231,21 @@ def narrow_state(spec: EngineSpec, state: DecodeState, keep) -> DecodeState:
 # --------------------------------------------------------------------------- admission
 
 
-def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, row_keys, max_new_tokens,
-           row_sampling=None) -> DecodeState:
+def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, max_new_tokens,
+           rows: RowSampling) -> DecodeState:
     """Start new rows in `slots` [n] (out of range: padding, dropped): the first token is the
-    anchor, nothing else is generated yet. Caches are the caller's (prefill writes them).
-    row_sampling: (temperature, top_k, top_p), each [n], for a per-row engine."""
+    anchor, nothing else is generated yet, rows [n] their sampling (keys drawn). Caches are the
+    caller's (prefill writes them)."""
     n = slots.shape[0]
     put = lambda arr, values: arr.at[slots].set(values, mode="drop")
-    if row_sampling is not None:
-        temperature, top_k, top_p = row_sampling
-        state = state.replace(temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
-                              top_p=put(state.top_p, top_p))
-    return state.replace(
+    return state.replace(sampling=jax.tree.map(put, state.sampling, rows),
         anchor=put(state.anchor, anchor),
         output=put(state.output, jnp.zeros((n, spec.out_len), jnp.int32).at[:, 0].set(anchor)),
         num_generated=put(state.num_generated, jnp.ones((n,), jnp.int32)),
         acceptance=put(state.acceptance, jnp.zeros((n, spec.max_new_tokens + 1), jnp.int32)),
         num_cycles=put(state.num_cycles, jnp.zeros((n,), jnp.int32)),
         done=put(state.done, stopped), stopped=put(state.stopped, stopped),
-        row_keys=put(state.row_keys, row_keys), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
+        max_new_tokens=put(state.max_new_tokens, max_new_tokens),
         filling=put(state.filling, jnp.zeros((n,), bool)), num_taps=put(state.num_taps, jnp.zeros((n,), jnp.int32)),
     )
 
@@ -330,23 +324,20 @@ def prefill_part(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens,
 @functools.partial(jax.jit, static_argnames=("spec", "resume"), donate_argnames=("state",))
 @traced_on_mesh
 def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prompt_lens, slots, row_ids, seed,
-            max_new_tokens, stop_ids, pages=None, row_sampling=None, resume=False, starts=None) -> DecodeState:
+            max_new_tokens, stop_ids, rows: RowSampling, pages=None, resume=False, starts=None) -> DecodeState:
     """Admit prompts [n, bucket] (right-padded; prompt_lens real tokens) into `slots` [n] of the
     state (a slot of `batch` or more is padding). The target runs the prompts straight into
     those slots' cache rows, the first token is sampled, the drafter's context gets the prompts'
     taps. row_ids [n] uint32 key each row's random stream (fold_in(PRNGKey(seed), row_id));
     max_new_tokens [n] are the rows' own limits. Prompt buckets longer than spec.prefill_chunk
     run in chunks (a scan), each over the pages the chunks before it wrote, so no score matrix
-    is wider than a page nor taller than a chunk. With a page pool, pages [n, pages per row]
-    are the rows' page tables (the pages the host gave them; spec.kv_pages: none). A per-row
-    engine (spec.sampling.per_row) takes row_sampling, the rows' (temperature [n], top_k [n],
-    top_p [n]). resume: the rows hold the first pieces of their prompts (`prefill_part`) and
+    is wider than a page nor taller than a chunk. rows: the rows' `RowSampling` [n] (`rows_of`; its
+    keys are drawn here). With a page pool, pages [n, pages per row] are the rows' page tables (the
+    pages the host gave them; spec.kv_pages: none). resume: the rows hold the first pieces of their prompts (`prefill_part`) and
     these tokens are the rest. starts [n] (prefix caching): each row's first starts positions are
     its cached prompt pages (the first of its page table, both caches), and tokens are the rest of
     its prompt. One compilation per (n, bucket)."""
-    if spec.sampling.per_row and row_sampling is None:
-        raise DFlashError("a per-row sampling engine admits rows with their row_sampling")
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids)
+    rows = rows.replace(key=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), row_ids))
 
     target_cache, context_cache = state.target_cache, state.context_cache
     if not resume:
@@ -355,11 +346,10 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     before = target_cache.lengths.at[slots].get(mode="fill", fill_value=0)  # prompt tokens already in
     target_cache, context_cache, logits = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
                                                          prompt_lens, slots)
-    rows = row_sampling if spec.sampling.per_row else None
-    first = pick(spec, logits, position_keys(row_keys, (before + prompt_lens)[:, None])[:, 0], rows)
+    first = pick(spec, logits[:, None], rows, (before + prompt_lens)[:, None])[:, 0]
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
     state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
-                   row_keys, max_new_tokens, rows)
+                   max_new_tokens, rows)
     # A row whose first token stops it is done before any cycle runs: its pages go back now
     # (a filling row, whose prompt is still going in piece by piece, keeps its own).
     ended = state.done & ~state.filling

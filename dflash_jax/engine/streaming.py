@@ -1,7 +1,7 @@
 """Serving: the scheduler's admission fed by a queue, and every row's tokens streamed at each sync.
 
-`StreamingEngine(generator)` runs a BatchEngine built with `Sampling(per_row=True)` on a thread of
-its own. `submit(request)` queues a `StreamRequest` (a bounded queue: `QueueFull` when it is full);
+`StreamingEngine.of(pair, options, ...)` (or `StreamingEngine(generator)`, a BatchEngine built with
+`Sampling(per_row=True)`) runs on a thread of its own. `submit(request)` queues a `StreamRequest` (a bounded queue: `QueueFull` when it is full);
 the engine admits requests into free slots as they come (in arrival order, each with its own
 max_new_tokens, sampling and random stream), runs `sync_every` cycles per call and, while the
 device runs the next call, hands each request the tokens it gained in the last one through
@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.sampling import Sampling, check_sampling
 from dflash_jax.engine.scheduler import BatchEngine, run_steps
 from dflash_jax.engine.slots import Result, SlotLedger
@@ -173,6 +174,18 @@ class StreamingEngine:
         self._open: set[StreamRequest] = set()  # submitted and not yet ended (guarded by _lock)
         self._last_read = 0.0  # when the engine's thread last read a call's figures
         self.error: BaseException | None = None  # what ended the engine's thread, if anything did
+
+    @classmethod
+    def of(cls, pair, options: EngineOptions, *, max_new_tokens: int, max_prompt_len: int, max_waiting: int = 256,
+           on_error: Callable[[BaseException], None] | None = None, admission_widths=None) -> "StreamingEngine":
+        """A streaming engine for a loaded pair (`dflash_jax.pair.ModelPair`) run with these options
+        (the server's), as `BatchEngine.of` builds a batch engine: each row with its own sampling
+        (`Sampling(per_row=True)`), its batch whole (no narrow tail). admission_widths: as
+        `BatchEngine`'s."""
+        gen = BatchEngine.of(pair, dataclasses.replace(options, narrow_tail=False), max_new_tokens=max_new_tokens,
+                             max_prompt_len=max_prompt_len, sampling=Sampling(per_row=True),
+                             admission_widths=admission_widths)
+        return cls(gen, max_waiting=max_waiting, on_error=on_error)
 
     # ------------------------------------------------------------------ the callers' side
 

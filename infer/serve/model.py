@@ -61,7 +61,6 @@ class ServedModel:
     def load(self):
         """Read the weights, compile what serving runs, start the engine (the slow part)."""
         from dflash_jax.compiling import CompileProgress
-        from dflash_jax.engine import BatchEngine, Sampling
         from dflash_jax.engine.streaming import StreamingEngine
         from dflash_jax.pair import engine_mesh
 
@@ -75,16 +74,15 @@ class ServedModel:
             if options.prefix_cache == "on":
                 raise DFlashError(f"--prefix-cache on shares the page pool's pages: {refused}")
             options = self.options = dataclasses.replace(options, kv_pages=None, prefix_cache=None)
-        gen = BatchEngine.of(self.pair, options, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
-                                sampling=Sampling(per_row=True),
-                                admission_widths=None if args.all_admission_widths else (1, args.batch_size))
+        # An engine that fails ends the server (exit status 3), after answering every open request
+        # with an error: a supervisor restarts it, where a server without an engine would linger.
+        engine = StreamingEngine.of(self.pair, options, max_new_tokens=self.max_new, max_prompt_len=self.max_prompt,
+                                    max_waiting=args.max_waiting, on_error=lambda e: os.kill(os.getpid(), signal.SIGTERM),
+                                    admission_widths=None if args.all_admission_widths else (1, args.batch_size))
+        gen = engine.gen
         self.context = min(gen.max_prompt_len, self.tcfg.max_position_embeddings)
         self.kv_note = kv_cache_note(gen, self.kv_default, refused)
         say(f"KV cache: {self.kv_note}")
-        # An engine that fails ends the server (exit status 3), after answering every open request
-        # with an error: a supervisor restarts it, where a server without an engine would linger.
-        engine = StreamingEngine(gen, max_waiting=args.max_waiting,
-                                 on_error=lambda e: os.kill(os.getpid(), signal.SIGTERM))
         self.gen = gen
         longer = (f"; longer prompts in pieces of {args.prefill_chunk} between cycles"
                   if engine.interleaves else "")

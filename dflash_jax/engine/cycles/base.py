@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafter import draft_hidden, extend_context
-from dflash_jax.engine.sampling import position_keys, sample, sample_rows
+from dflash_jax.engine import sampling
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, forward
 
@@ -77,19 +77,11 @@ class CycleKind:
 # --------------------------------------------------------------------------- shared pieces
 
 
-def pick(spec, logits, keys, row_sampling=None):
-    """The target's tokens from logits [batch, ..., vocab]: with the engine's one Sampling, or
-    (spec.sampling.per_row) with each row's row_sampling (temperature, top_k, top_p) [batch]."""
-    if spec.sampling.per_row:
-        return sample_rows(logits, keys, *row_sampling)
-    return sample(logits, keys, spec.sampling)
-
-
-def row_temperature(spec, state):
-    """[batch] each row's temperature (a per-row engine's, else the engine's one)."""
-    if spec.sampling.per_row:
-        return state.temperature
-    return jnp.full(state.anchor.shape, spec.sampling.temperature, jnp.float32)
+def pick(spec, logits, rows, positions):
+    """The target's tokens [batch, T] from logits [batch, T, vocab] at sequence positions [batch, T],
+    each row by its own `RowSampling` (the one logits processor, `sampling.pick`); a greedy
+    engine compiles the argmax alone."""
+    return sampling.pick(logits, rows, positions, sampled=not spec.sampling.greedy)
 
 
 def denoise(tparams, dparams, spec, anchor, context_cache):
@@ -116,8 +108,7 @@ def verify(tparams, spec, state, block) -> tuple[jax.Array, ForwardOutput]:
     P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
     out = verify_pass(tparams, spec, state, block)
     start = state.target_cache.lengths
-    keys = position_keys(state.row_keys, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :])
-    return pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p)), out
+    return pick(spec, out.logits, state.sampling, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :]), out
 
 
 def accept(drafts, target_tokens):

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from dflash_jax.dflash2 import predecessors, unary_scores, walk
 from dflash_jax.drafter import DFlashDrafter
-from dflash_jax.engine.cycles.base import Settings, accept, caught_up, denoise, row_temperature, verify_pass
+from dflash_jax.engine.cycles.base import Settings, accept, caught_up, denoise, verify_pass
 from dflash_jax.engine.cycles.chain import Chain
-from dflash_jax.engine.sampling import draw_keys, greedy_pick, rejection_accept, target_probs
+from dflash_jax.engine.sampling import draw_keys, pick, rejection_accept, target_probs
 from dflash_jax.engine.tree import top_logits
 from dflash_jax.model import CausalLM
 
@@ -53,8 +53,8 @@ class Selector(Chain):
         hidden = denoise(tparams, dparams, spec, state.anchor, state.context_cache)[:, 1:1 + self.k]
         scores, candidates = selector_scores(tparams, dparams, spec, state.anchor, hidden)
         positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(self.k)[None, :]
-        drafts, rows, picked = walk(scores, candidates, row_temperature(spec, state),
-                                    draw_keys(state.row_keys, positions, "walk"))
+        drafts, rows, picked = walk(scores, candidates, state.sampling.temperature,
+                                    draw_keys(state.sampling.key, positions, "walk"))
         return drafts, (candidates, rows, picked)
 
 
@@ -76,11 +76,11 @@ def verify_rejection(tparams, spec, state, drafts, proposal):
     (target_tokens, num_accepted, the forward output), as the chain's verify and accept do."""
     block = jnp.concatenate([state.anchor[:, None], drafts], axis=1)
     out = verify_pass(tparams, spec, state, block)
-    greedy = greedy_pick(out.logits)
-    temperature = row_temperature(spec, state)
+    temperature = state.sampling.temperature
     positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(block.shape[1])[None, :]
-    probs = target_probs(out.logits, spec.sampling, (temperature, state.top_k, state.top_p))
-    tokens, num_accepted = rejection_accept(probs, drafts, *proposal, temperature, state.row_keys, positions)
+    greedy = pick(out.logits, state.sampling, positions, sampled=False)  # a greedy row's: matched
+    probs = target_probs(out.logits, state.sampling)
+    tokens, num_accepted = rejection_accept(probs, drafts, *proposal, temperature, state.sampling.key, positions)
     hot = temperature > 0
     tokens = jnp.where(hot[:, None], tokens, greedy)
     num_accepted = jnp.where(hot, num_accepted, accept(drafts, greedy))

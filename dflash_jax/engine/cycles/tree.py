@@ -11,7 +11,6 @@ import dataclasses
 import jax.numpy as jnp
 
 from dflash_jax.engine.cycles.base import CycleKind, Settings, caught_up, denoise, pick
-from dflash_jax.engine.sampling import position_keys
 from dflash_jax.engine.tree import Tree as DraftTree
 from dflash_jax.engine.tree import build_tree, follow, top_candidates
 from dflash_jax.model import CausalLM, forward
@@ -57,8 +56,7 @@ def verify_tree(tparams, spec, state, tree: DraftTree):
                   tree=(tree.depth, tree.mask))
     start = state.target_cache.lengths
     # The same key for every node of one depth: the one plain decoding uses at that position.
-    keys = position_keys(state.row_keys, start[:, None] + 1 + tree.depth)
-    node_tokens = pick(spec, out.logits, keys, (state.temperature, state.top_k, state.top_p))
+    node_tokens = pick(spec, out.logits, state.sampling, start[:, None] + 1 + tree.depth)
     path, num_accepted = follow(tree, node_tokens, spec.block_size - 1)
     target_tokens = jnp.take_along_axis(node_tokens, path, axis=1)
     taps = None if out.tap_features is None else jnp.take_along_axis(out.tap_features, path[:, :, None], axis=1)
