@@ -38,7 +38,7 @@ SYNC_EVERY = 8
 SERVER_SYNC_EVERY = 2
 
 # Fields that must be integers >= 0.
-_NON_NEGATIVE = ("tree_budget",)
+_NON_NEGATIVE = ("tree_budget", "constraint_states", "constraint_edges")
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
              "kv_pages", "page_size", "prefill_chunk", "draft_window")
@@ -69,6 +69,8 @@ class EngineOptions:
     mesh: str | None = None  # "data=D,model=M" (None: every device on `data`; one device: no mesh)
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
+    constraint_states: int = 0  # automaton states a row's constraint may have (0: no constraints; `engine.constraints`)
+    constraint_edges: int = 0  # its transition exceptions (0: 64 per state)
 
     def __post_init__(self):
         for name in _POSITIVE:
@@ -141,5 +143,5 @@ def resolve(pair, options: EngineOptions) -> EngineOptions:
         return replace(options.plain(), speculation=speculation)
     block = options.block_size or drafter.block_size
     cycle_kind(pair.target, drafter, block, options.draft_tokens, options.tree_budget, options.acceptance,
-               names=flag)
+               constrained=options.constraint_states > 0, names=flag)
     return replace(options, block_size=block, speculation=speculation)

@@ -171,6 +171,9 @@ class Sampling:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     per_row: bool = False
+    # The row's constraint: a `dflash_jax.constrain.Automaton` (hashed by identity: a cache gives one
+    # object per constraint), which the engine's constraint pool holds while the row runs (None: none).
+    constraint: object = None
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)  # SamplingError
@@ -200,8 +203,9 @@ class RowSampling:
     (1: off); key [batch, 2] uint32, the row's random stream (fold_in(PRNGKey(seed), row id),
     drawn at admission: None in what `rows_of` builds); bias_ids, bias [batch, LOGIT_BIAS_SLOTS]
     the logit bias added to the row's logits before anything else (id -1: an unused slot);
-    constraint [batch] int32, the slot of the row's constraint in the engine's constraint pool
-    (-1: none; its automaton's mask reaches `pick` as `allowed`); logprobs [batch] int32, how many
+    constraint [batch] int32, the initial state of the row's automaton in the engine's constraint
+    pool (-1: none; `dflash_jax.engine.constraints`: the state its committed tokens reached is
+    `DecodeState.fsm`, whose mask reaches `pick` as `allowed`); logprobs [batch] int32, how many
     top log-probabilities the row returns per token (-1: none)."""
 
     temperature: jax.Array
@@ -224,11 +228,14 @@ class RowSampling:
                    constraint=jnp.full((batch,), -1, jnp.int32), logprobs=jnp.full((batch,), -1, jnp.int32))
 
 
-def rows_of(samplings, width: int | None = None) -> RowSampling:
+def rows_of(samplings, width: int | None = None, constraints=None) -> RowSampling:
     """The one host helper: the RowSampling (numpy arrays, key None: drawn at admission) of rows
-    with these `Sampling`s, padded to `width` rows (padding: greedy, nothing set)."""
+    with these `Sampling`s, padded to `width` rows (padding: greedy, nothing set). constraints:
+    each row's initial automaton state in the engine's pool (`ConstraintRegions.admit`; -1: none)."""
     samplings = list(samplings)
     width = len(samplings) if width is None else width
+    constraint = np.full((width,), -1, np.int32)
+    constraint[:len(samplings)] = -1 if constraints is None else constraints
     temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
     top_k = np.zeros((width,), np.int32)
     for j, s in enumerate(samplings):
@@ -236,7 +243,7 @@ def rows_of(samplings, width: int | None = None) -> RowSampling:
     return RowSampling(temperature=temperature, top_k=top_k, top_p=top_p, key=None,
                        bias_ids=np.full((width, LOGIT_BIAS_SLOTS), -1, np.int32),
                        bias=np.zeros((width, LOGIT_BIAS_SLOTS), np.float32),
-                       constraint=np.full((width,), -1, np.int32), logprobs=np.full((width,), -1, np.int32))
+                       constraint=constraint, logprobs=np.full((width,), -1, np.int32))
 
 
 def _cut(logits, temperature, top_k, top_p):

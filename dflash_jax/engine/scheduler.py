@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
+from dflash_jax.engine.constraints import ConstraintRegions
 from dflash_jax.engine.options import EngineOptions, PairConfigs, resolve
 from dflash_jax.engine.sampling import Sampling, rows_of, seed_int32
 from dflash_jax.engine.slots import Result, SlotLedger
@@ -175,7 +176,12 @@ class BatchEngine:
             cache_len=row_cache_len(self.max_prompt_len, max_new_tokens, block_size, tree_budget), mesh=mesh,
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
             tree_budget=tree_budget, acceptance=options.acceptance, draft_window=draft_window,
+            constraint_states=options.constraint_states,
+            constraint_edges=options.constraint_edges or 64 * options.constraint_states,
         )
+        # Which automaton each region of the constraint pool holds (`dflash_jax.engine.constraints`).
+        self.regions = (ConstraintRegions(batch_size, self.spec.constraint_states, self.spec.constraint_edges,
+                                          target_config.vocab_size) if self.spec.constraint_states else None)
         # Auto never changes the output. A DFlash2 drafter's rejection acceptance keeps the target's
         # distribution, but which tokens a seed gives depends on K: so with it auto runs fixed.
         self.auto_refusal = ("a DFlash2 drafter's rejection acceptance draws different tokens at each draft length "
@@ -286,7 +292,10 @@ class BatchEngine:
             return jax.tree.map(to_host, x)
 
     def new_state(self) -> DecodeState:
-        """batch_size free slots."""
+        """batch_size free slots (an empty constraint pool: the regions' bookkeeping starts over)."""
+        if self.regions is not None:
+            self.regions = ConstraintRegions(self.batch_size, self.spec.constraint_states, self.spec.constraint_edges,
+                                             self.spec.target.vocab_size)
         return init_state(self.spec, self.batch_size)
 
     @property
@@ -360,7 +369,17 @@ class BatchEngine:
         for j, (part, slot, row_id, max_new, _, start) in enumerate(rows):
             tokens[j, :len(part)], lens[j], begin[j] = part, len(part), start
             where[j], ids[j], limits[j] = slot, row_id, max_new
-        sampling = jax.tree.map(put, rows_of([row[4] for row in rows], width))
+        initial = None
+        if self.regions is not None:  # each row's automaton into the pool (its slot's region)
+            pool = state.constraints
+            initial = []
+            for row in rows:
+                pool, first = self.regions.admit(pool, int(row[1]), row[4].constraint)
+                initial.append(first)
+            state = state.replace(constraints=pool)
+        elif any(row[4].constraint is not None for row in rows):
+            raise DFlashError("this engine holds no constraints (its constraint_states is 0)")
+        sampling = jax.tree.map(put, rows_of([row[4] for row in rows], width, initial))
         # The calls keep their keywords (a keyword given or not is another jit signature).
         extra = {"resume": True} if resume else {"starts": put(begin) if self.prefix_cache else None}
         return prefill(self.tparams, self.dparams, self.spec, state, put(tokens), put(lens), put(where), put(ids),

@@ -34,6 +34,8 @@ from dflash_jax.drafter import DrafterConfig, extend_context
 from dflash_jax.engine.cycles import CycleKind, Selector, cycle_kind
 from dflash_jax.engine.cycles.base import pick
 from dflash_jax.engine.cycles.selector import selector_scores as _selector_scores  # noqa: F401 (tests reach it here)
+from dflash_jax.engine import constraints
+from dflash_jax.engine.constraints import NONE, ConstraintPool
 from dflash_jax.engine.sampling import RowSampling, Sampling
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
@@ -67,6 +69,10 @@ class EngineSpec:
     # cycle: a plain cycle then costs what plain decoding costs, near enough.
     lazy_context: bool = False
     draft_window: int | None = None  # a block sees its row's last N committed positions, kept in a ring (None: all)
+    # Rows' constraints (`dflash_jax.engine.constraints`): a pool region per slot of this many automaton
+    # states and transition exceptions (0: no constraints, nothing compiled for them).
+    constraint_states: int = 0
+    constraint_edges: int = 0
 
     # The kind of cycle these settings make (`dflash_jax.engine.cycles.cycle_kind`, where every rule
     # of draft_tokens, tree_budget and acceptance lives): derived, so not compared (the settings are).
@@ -75,7 +81,7 @@ class EngineSpec:
     def __post_init__(self):
         object.__setattr__(self, "kind", cycle_kind(
             self.target, self.drafter, self.block_size, draft_tokens=self.draft_tokens, tree_budget=self.tree_budget,
-            acceptance=self.acceptance, greedy=self.sampling.greedy))
+            acceptance=self.acceptance, greedy=self.sampling.greedy, constrained=self.constraint_states > 0))
         if self.draft_window is not None and self.draft_window < 1:
             raise DFlashError(f"--draft-window must be >= 1, got {self.draft_window}")
 
@@ -137,6 +143,10 @@ class DecodeState:
     max_new_tokens: [batch] this row's own limit (<= the spec's).
     sampling:       each row's `RowSampling` (temperature, top-k, top-p, its random key, logit bias,
                     constraint, logprobs): what the one logits processor (`pick`) reads.
+    fsm:            [batch] each row's constraint automaton state after its committed tokens, the
+                    anchor included (`constraints.NONE`: no constraint).
+    constraints:    the pool of the rows' automata (`ConstraintPool`; None: spec.constraint_states 0):
+                    one region per slot, shared by the rows, not split by row.
     taps, num_taps: with spec.lazy_context, [batch, B, n_taps * hidden] the tap features of positions
                     committed by plain cycles and not yet in the drafter's context, and how many
                     ([batch]; the context's length + num_taps is the target's); else [batch, 0, 0].
@@ -155,6 +165,8 @@ class DecodeState:
     stopped: jax.Array
     max_new_tokens: jax.Array
     sampling: RowSampling
+    fsm: jax.Array
+    constraints: ConstraintPool | None
     taps: jax.Array
     num_taps: jax.Array
     filling: jax.Array
@@ -167,8 +179,9 @@ def map_state(state: DecodeState, f) -> DecodeState:
               for name, cache in (("target_cache", state.target_cache), ("context_cache", state.context_cache))}
     rows = lambda x: f(x, ("batch",) + (None,) * (x.ndim - 1))
     others = {fl.name: jax.tree.map(rows, getattr(state, fl.name))
-              for fl in dataclasses.fields(state) if fl.name not in caches}
-    return state.replace(**caches, **others)
+              for fl in dataclasses.fields(state) if fl.name not in caches and fl.name != "constraints"}
+    whole = jax.tree.map(lambda x: f(x, (None,) * x.ndim), state.constraints)  # the rows share it
+    return state.replace(**caches, **others, constraints=whole)
 
 
 def constrain_state(state: DecodeState, mesh) -> DecodeState:
@@ -203,7 +216,9 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         anchor=zeros(batch), output=zeros(batch, spec.out_len), num_generated=zeros(batch),
         acceptance=zeros(batch, spec.max_new_tokens + 1), num_cycles=zeros(batch),
         done=jnp.ones((batch,), bool), stopped=jnp.zeros((batch,), bool),
-        max_new_tokens=zeros(batch), sampling=RowSampling.idle(batch),
+        max_new_tokens=zeros(batch), sampling=RowSampling.idle(batch), fsm=jnp.full((batch,), NONE, jnp.int32),
+        constraints=(ConstraintPool.empty(batch, spec.constraint_states, spec.constraint_edges, spec.target.vocab_size)
+                     if spec.constraint_states else None),
         taps=jnp.zeros((batch, *_taps_shape(spec)), jnp_dtype(spec.target.dtype)), num_taps=zeros(batch),
         filling=jnp.zeros((batch,), bool),
     ), spec.mesh)
@@ -238,7 +253,8 @@ def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, max_new
     caller's (prefill writes them)."""
     n = slots.shape[0]
     put = lambda arr, values: arr.at[slots].set(values, mode="drop")
-    return state.replace(sampling=jax.tree.map(put, state.sampling, rows),
+    fsm = constraints.advance(state.constraints, rows.constraint, anchor)  # the anchor was drawn under its mask
+    return state.replace(sampling=jax.tree.map(put, state.sampling, rows), fsm=put(state.fsm, fsm),
         anchor=put(state.anchor, anchor),
         output=put(state.output, jnp.zeros((n, spec.out_len), jnp.int32).at[:, 0].set(anchor)),
         num_generated=put(state.num_generated, jnp.ones((n,), jnp.int32)),
@@ -346,7 +362,8 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     before = target_cache.lengths.at[slots].get(mode="fill", fill_value=0)  # prompt tokens already in
     target_cache, context_cache, logits = _prompt_chunks(tparams, dparams, spec, target_cache, context_cache, tokens,
                                                          prompt_lens, slots)
-    first = pick(spec, logits[:, None], rows, (before + prompt_lens)[:, None])[:, 0]
+    allowed = constraints.allowed(state.constraints, rows.constraint[:, None], spec.target.vocab_size)
+    first = pick(spec, logits[:, None], rows, (before + prompt_lens)[:, None], allowed)[:, 0]
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
     state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
                    max_new_tokens, rows)
@@ -389,6 +406,10 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     length = spec.kind.acceptance_length(spec, num_accepted)  # auto's plain cycle: 0 (`Plain`)
     acceptance = jnp.where(slot & active[:, None], length[:, None], state.acceptance)
     num_generated = state.num_generated + n_new
+    fsm = state.fsm
+    if state.constraints is not None:  # each row's automaton walks its kept tokens, the new anchor last
+        walked = constraints.walk(state.constraints, state.fsm, target_tokens)
+        fsm = jnp.where(active, jnp.take_along_axis(walked, (num_accepted + 1)[:, None], axis=1)[:, 0], fsm)
     context_cache, taps, num_taps = spec.kind.keep_taps(dparams, spec, state, verified, n_new, active)
     # The reference keeps cycling while generated <= max_new (its `start < max_length`).
     done = state.done | stopped | (num_generated > state.max_new_tokens)
@@ -410,7 +431,7 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
         target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
         num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
-        done=done, stopped=state.stopped | stopped, taps=taps, num_taps=num_taps,
+        done=done, stopped=state.stopped | stopped, taps=taps, num_taps=num_taps, fsm=fsm,
     )
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafter import draft_hidden, extend_context
-from dflash_jax.engine import sampling
+from dflash_jax.engine import constraints, sampling
 from dflash_jax.errors import DFlashError
 from dflash_jax.model import CausalLM, ForwardOutput, forward
 
@@ -77,11 +77,12 @@ class CycleKind:
 # --------------------------------------------------------------------------- shared pieces
 
 
-def pick(spec, logits, rows, positions):
+def pick(spec, logits, rows, positions, allowed=None):
     """The target's tokens [batch, T] from logits [batch, T, vocab] at sequence positions [batch, T],
-    each row by its own `RowSampling` (the one logits processor, `sampling.pick`); a greedy
-    engine compiles the argmax alone."""
-    return sampling.pick(logits, rows, positions, sampled=not spec.sampling.greedy)
+    each row by its own `RowSampling` (the one logits processor, `sampling.pick`), within allowed
+    [batch, T, vocab] (the rows' constraints; None: every token); a greedy engine compiles the
+    argmax alone."""
+    return sampling.pick(logits, rows, positions, sampled=not spec.sampling.greedy, allowed=allowed)
 
 
 def denoise(tparams, dparams, spec, anchor, context_cache):
@@ -105,10 +106,14 @@ def verify_pass(tparams, spec, state, block) -> ForwardOutput:
 def verify(tparams, spec, state, block) -> tuple[jax.Array, ForwardOutput]:
     """The target runs block [batch, K+1] = [anchor, d_1..d_K] at each row's length.
     Returns target_tokens [batch, K+1] (target_tokens[:, i] is the target's token for position
-    P + i + 1 given the block up to i) and the forward output (cache written, taps)."""
+    P + i + 1 given the block up to i) and the forward output (cache written, taps). A row's
+    constraint masks position i by the state its automaton reaches over d_1..d_i."""
     out = verify_pass(tparams, spec, state, block)
     start = state.target_cache.lengths
-    return pick(spec, out.logits, state.sampling, start[:, None] + 1 + jnp.arange(block.shape[1])[None, :]), out
+    states = constraints.walk(state.constraints, state.fsm, block[:, 1:])
+    allowed = constraints.allowed(state.constraints, states, spec.target.vocab_size)
+    positions = start[:, None] + 1 + jnp.arange(block.shape[1])[None, :]
+    return pick(spec, out.logits, state.sampling, positions, allowed), out
 
 
 def accept(drafts, target_tokens):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from dflash_jax.engine.cycles.base import CycleKind, Settings, accept, caught_up, denoise, verify
+from dflash_jax.engine.constraints import allowed, advance
 from dflash_jax.engine.sampling import greedy_pick
 from dflash_jax.model import CausalLM
 
@@ -28,15 +30,31 @@ class Chain(CycleKind):
     def num_drafts(self) -> int:
         return self.k
 
-    def drafts(self, tparams, dparams, spec, anchor, context_cache):
+    def drafts(self, tparams, dparams, spec, anchor, context_cache, fsm=None, pool=None):
         """d_1..d_K [batch, K] for the block [anchor, MASK x (B-1)] placed at each row's context
         length. The drafter always denoises the whole block it was trained on; only the K slots
-        that will be verified go through the LM head."""
+        that will be verified go through the LM head. With the rows' constraints (their automata's
+        states fsm [batch] in pool), each draft is the argmax among the tokens the state its
+        predecessors reach allows (`masked_argmax`)."""
         hidden = denoise(tparams, dparams, spec, anchor, context_cache)[:, 1:1 + self.k]
-        return greedy_pick(CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.logits))
+        logits = CausalLM(spec.target).apply({"params": tparams}, hidden, method=CausalLM.logits)
+        if pool is None:
+            return greedy_pick(logits)
+        return masked_argmax(pool, fsm, logits, spec.target.vocab_size)
 
     def draft_verify(self, tparams, dparams, spec, state):
         state = caught_up(dparams, spec, state)
-        drafts = self.drafts(tparams, dparams, spec, state.anchor, state.context_cache)
+        drafts = self.drafts(tparams, dparams, spec, state.anchor, state.context_cache, state.fsm, state.constraints)
         target_tokens, verified = verify(tparams, spec, state, jnp.concatenate([state.anchor[:, None], drafts], axis=1))
         return state, target_tokens, accept(drafts, target_tokens), verified
+
+
+def masked_argmax(pool, fsm, logits, vocab_size):
+    """Drafts [batch, K] from logits [batch, K, vocab] along each row's automaton: d_i is the argmax
+    among the tokens the state after d_1..d_{i-1} (from fsm [batch]) allows; a row without a
+    constraint takes the plain argmax."""
+    def step(state, x):
+        d = greedy_pick(jnp.where(allowed(pool, state, vocab_size), x, -jnp.inf))
+        return advance(pool, state, d), d
+
+    return jax.lax.scan(step, fsm, jnp.swapaxes(logits, 0, 1))[1].T

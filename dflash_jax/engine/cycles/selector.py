@@ -33,7 +33,7 @@ class Selector(Chain):
     def of(cls, settings: Settings) -> "Selector | None":
         return cls(settings.drafts, settings.rule) if settings.dflash2 else None
 
-    def drafts(self, tparams, dparams, spec, anchor, context_cache):
+    def drafts(self, tparams, dparams, spec, anchor, context_cache, fsm=None, pool=None):
         """The selector's argmax walk d_1..d_K [batch, K] over the block's first K drafted slots."""
         hidden = denoise(tparams, dparams, spec, anchor, context_cache)[:, 1:1 + self.k]
         return walk(*selector_scores(tparams, dparams, spec, anchor, hidden))[0]
