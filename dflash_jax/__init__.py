@@ -2,7 +2,8 @@
 
 Its packages: `model` (the one decoder), `families` (what each Hugging Face `model_type` turns
 on), `kv` (the KV cache), `attention` (the one attention interface and its implementations),
-`engine` (the decoding engine: the device step, batching, serving).
+`engine` (the decoding engine: the device step, batching, serving), `constrain` (structured
+output's host side: a request's constraint compiled to a token automaton).
 
 Its modules: `config` (`ModelConfig`), `drafter` (the DFlash drafter), `dflash2` (what a DFlash2
 drafter adds), `pair` (a target and its drafter loaded), `chat` (prompts to token ids),
