@@ -53,9 +53,12 @@ def fake_served(check=lambda ids, n: None, max_new=16):
         chats.append((messages, kwargs) if template is None else (messages, kwargs, template))
         return [7, 8, 9]
 
+    from infer.serve.toolcalls.request import ModelTools
+
     return SimpleNamespace(name="m", max_new=max_new, encode=lambda p: p if isinstance(p, list) else [ord(c) for c in p],
                            chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check),
-                           vocab_size=1000, trust_request_chat_template=False)
+                           vocab_size=1000, trust_request_chat_template=False,
+                           tools=ModelTools.of("qwen3", "{% for t in tools %}<tool_call>{% endfor %}"))
 
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -669,6 +672,164 @@ def test_a_failing_engine_answers_its_open_requests_and_says_so():
     assert len(errors) == 1 and str(errors[0]) == "device lost"
     with pytest.raises(DFlashError, match="the engine failed: device lost"):
         engine.submit(StreamRequest([1], 4, lambda tokens, result: None))
+
+
+# ----------------------------------------------------------------------------- everyday: tool calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+HERMES_ANSWER = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+                 '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+def tool_client(answer: str, pieces: int = 7, reason: str = "stop"):
+    """The app over a scripted engine whose tokens are characters (a token's id is its code point):
+    it answers `answer` in `pieces` deliveries. Its decode drops the hermes markers as a tokenizer
+    skips special tokens, unless asked to keep the format's markers."""
+    from starlette.testclient import TestClient
+
+    from infer.serve.app import create_app
+
+    ids = [ord(c) for c in answer]
+    step = -(-len(ids) // pieces)
+    engine = FakeEngine(chunks=[ids[i:i + step] for i in range(0, len(ids), step)], reason=reason)
+    served = fake_served()
+    def decode(ids, keep_markers=False):
+        text = "".join(map(chr, ids))
+        return text if keep_markers else text.replace("<tool_call>", "").replace("</tool_call>", "")
+
+    served.decode = decode
+    served.vocab_size, served.engine, served.context = 0x110000, engine, 64
+    return TestClient(create_app(served, None)), served
+
+
+def test_a_chat_with_tools_answers_the_calls_whole_and_streamed():
+    client, served = tool_client(HERMES_ANSWER)
+    body = {"messages": CHAT, "tools": [WEATHER]}  # tool_choice "auto": the default with tools
+    with client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+        calls = choice["message"]["tool_calls"]
+        assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("function", "get_weather", {"city": "Paris", "days": 3}), ("function", "get_weather", {"city": "Rome"})]
+        assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+        messages, kwargs = served.chats[-1]
+        assert kwargs["tools"] == [WEATHER]  # the tools reach the template
+
+        got = events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        assert got[-1] == "[DONE]" and got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        deltas = [c["choices"][0]["delta"] for c in got[1:-1]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+        streamed = {}
+        for d in deltas:
+            for c in d.get("tool_calls", ()):
+                entry = streamed.setdefault(c["index"], {"name": c["function"].get("name"), "arguments": ""})
+                assert ("id" in c) == (entry["arguments"] == "" and "name" in c["function"])  # the id comes first
+                entry["arguments"] += c["function"]["arguments"]
+        assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(streamed.items())] == [
+            ("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Rome"})]
+        reasons = [c["choices"][0]["finish_reason"] for c in got[1:-1]]
+        assert reasons == [None] * (len(reasons) - 1) + ["tool_calls"]
+
+        # parallel_tool_calls false: the first call only, whole and streamed.
+        r = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+        assert [c["function"]["arguments"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == [
+            '{"city": "Paris", "days": 3}']
+        got = events(client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False, "stream": True}))
+        assert {c["index"] for x in got[1:-1] for c in x["choices"][0]["delta"].get("tool_calls", ())} == {0}
+
+        # tool_choice "none": the tools are in the template, the answer is text (special tokens skipped, as always).
+        r = client.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+        choice = r.json()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": HERMES_ANSWER.replace("<tool_call>", "").replace(
+            "</tool_call>", "")} and choice["finish_reason"] == "stop"
+        assert served.chats[-1][1]["tools"] == [WEATHER]
+
+
+def test_a_chat_with_tools_and_no_call_answers_text():
+    client, _ = tool_client("Paris is sunny. <tool_use> is not a call.\n")
+    with client:
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER]})
+        choice = r.json()["choices"][0]
+        assert choice == {"index": 0, "finish_reason": "stop", "logprobs": None,
+                          "message": {"role": "assistant", "content": "Paris is sunny. <tool_use> is not a call.\n"}}
+        got = events(client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER], "stream": True}))
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in got[:-1]) == choice["message"]["content"]
+        assert got[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_and_assistant_call_messages_reach_the_template():
+    served = fake_served()
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                    {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "rain"}]}]
+    prepare_request(served, {"messages": messages, "tools": [WEATHER]}, True)
+    sent, kwargs = served.chats[-1]
+    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]}
+    assert sent[2:] == [{"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"},
+                        {"role": "tool", "content": "rain", "tool_call_id": "c2", "name": "get_weather"}]
+    prepare_request(served, {"messages": messages}, True)  # a conversation with calls needs no tools now
+    assert "tools" not in served.chats[-1][1]
+
+
+def _tool_refusal(body, served=None) -> APIError:
+    with pytest.raises(APIError) as e:
+        prepare_request(served or fake_served(), {"messages": CHAT, **body}, True)
+    assert e.value.status == 400 and len(e.value.message) < 300
+    return e.value
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools", "tools[0].function.name must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools", "function.name must be 1 to 64"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strnig"}}}}}]}, "tools", "tools[0].function.parameters is not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     "a JSON schema of an object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "tools", "unknown field 'params'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0] must be"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "another tool's too"),
+    ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
+    ({"tools": "get_weather"}, "tools", "tools must be a list"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice",
+     "not among tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "tool_choice must be"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "must be a boolean"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0]", "arguments must be a JSON object"),
+    ({"messages": [{"role": "user", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages[0]",
+     "only an assistant message has tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+                   {"role": "tool", "content": "x"}]}, "messages[1]", "needs the tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}},
+                                                        {"id": "c", "function": {"name": "g"}}]}]},
+     "messages[0]", "an earlier call's too"),
+])
+def test_tool_requests_are_checked(body, param, says):
+    e = _tool_refusal(body)
+    assert e.param == param and says in e.message, e.message
+
+
+def test_tools_are_refused_where_the_chat_template_takes_none():
+    from infer.serve.toolcalls.request import ModelTools
+
+    served = fake_served()
+    served.tools = ModelTools.of("llama", "{{ messages[0].content }}")  # never reads `tools`: they would vanish
+    e = _tool_refusal({"tools": [WEATHER]}, served)
+    assert e.param == "tools" and "takes no tools" in e.message
+    assert served.tools.format.name == "llama3" and served.chats == []
 
 
 # ----------------------------------------------------------------------------- heavy: the server

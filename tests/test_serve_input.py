@@ -156,8 +156,10 @@ def test_every_known_field_not_done_is_accepted_at_its_no_op_and_refused_otherwi
     ({"max_completion_tokens": 5}, False, "max_completion_tokens", "use max_tokens"),
     ({"response_format": {"type": "json_object"}}, True, "response_format", "structured output"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, False, "response_format", "structured output"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools", "function calling"),
-    ({"tool_choice": "auto"}, True, "tool_choice", "function calling"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, True, "tools", "function.name must be"),
+    ({"tool_choice": "auto"}, True, "tool_choice", "tool_choice needs tools"),
+    ({"functions": [{"name": "f"}]}, True, "functions", "send tools"),
+    ({"function_call": "auto"}, True, "function_call", "send tool_choice"),
     ({"logit_bias": {"5": 100}}, False, "logit_bias", "not supported"),
     ({"presence_penalty": 0.5}, True, "presence_penalty", "only 0"),
     ({"frequency_penalty": -1}, False, "frequency_penalty", "only 0"),
@@ -202,11 +204,11 @@ def test_harmless_fields_are_accepted_at_their_no_op_values():
 
 
 @pytest.mark.parametrize("message,says", [
-    ({"role": "wizard", "content": "x"}, "role must be one of system, developer, user, assistant; got 'wizard'"),
-    ({"role": "tool", "content": "x", "tool_call_id": "1"}, "tool messages are not supported"),
+    ({"role": "wizard", "content": "x"}, "role must be one of system, developer, user, assistant, tool; got 'wizard'"),
+    ({"role": "tool", "content": "x", "tool_call_id": "1"}, "tool_call_id '1' answers no earlier"),
     ({"role": "function", "content": "x"}, "function messages are not supported"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, "tool calls"),
-    ({"role": "user", "content": "x", "tool_call_id": "1"}, "tool messages are not supported"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, "tool_calls[0] must be"),
+    ({"role": "user", "content": "x", "tool_call_id": "1"}, "tool_call_id belongs to a tool message"),
     ({"role": "user", "content": "x", "nmae": "a"}, "unknown field 'nmae' in messages[1]; did you mean 'name'?"),
     ({"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}, "in messages[1].content[0]"),
     ({"role": "r" * 5000, "content": "x"}, "got 'rrrr"),

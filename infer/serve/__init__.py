@@ -22,4 +22,5 @@ engine's tokens back into text and OpenAI's response schema. Its modules:
 - `streaming`: a row's text released as it grows (`StreamedText`: stop strings, UTF-8 hold-back), the
   whole answer (`collect`, `response`) and the server-sent events (`event_stream`).
 - `metrics`: /metrics in Prometheus's text format.
+- `toolcalls/`: tool calls: the formats' parsers and call patterns, and a request's tools checked.
 """

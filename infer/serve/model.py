@@ -12,6 +12,7 @@ import sys
 from dflash_jax.chat import encode_chat, encode_text, has_chat_template
 from dflash_jax.errors import DFlashError
 from infer.serve.protocol import APIError
+from infer.serve.toolcalls.request import ModelTools
 
 MODEL_DEFAULT_NAME = "dflash-demo"
 
@@ -53,6 +54,10 @@ class ServedModel:
         self.tokenizer, self.stops = pair.tokenizer, pair.stop_tokens
         self.vocab_size = self.tcfg.vocab_size
         self.thinking = args.enable_thinking
+        self.tools = ModelTools.of(getattr(self.tcfg, "model_type", None), getattr(self.tokenizer, "chat_template", None))
+        self.marker_skips = marker_skips(self.tokenizer, self.tools.format)
+        if has_chat_template(self.tokenizer):
+            say(self.tools.note())
         # A request's own chat_template is Jinja run on the server: only when the operator says so.
         self.trust_request_chat_template = args.trust_request_chat_template
         self.engine = None
@@ -128,10 +133,28 @@ class ServedModel:
             raise APIError(400, f"the chat template refused these messages: {str(e).splitlines()[0]}",
                            "messages") from None
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], keep_markers: bool = False) -> str:
+        """ids' text, special tokens skipped; keep_markers: but the tool-call format's markers kept."""
         if self.tokenizer is None:
             return ""
+        if keep_markers:
+            return self.tokenizer.decode([t for t in ids if t not in self.marker_skips], skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def marker_skips(tokenizer, fmt) -> frozenset[int]:
+    """The special tokens a decode keeping `fmt`'s markers skips: every special token but those."""
+    if tokenizer is None:
+        return frozenset()
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if getattr(t, "special", False)}
+    keep = set()
+    for marker in fmt.special():
+        ids = tokenizer.convert_tokens_to_ids([marker])
+        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
+            keep.add(ids[0])
+    return frozenset(special - keep)
 
 
 # --------------------------------------------------------------------------- the KV cache

@@ -7,7 +7,8 @@ model's name, every field beyond the model's own (`NOT_DONE`: a field the server
 not do is accepted at its no-op value and refused otherwise; any other field is unknown), the
 bounds (`n`, `max_tokens`, the sampling settings' as `dflash_jax.engine.sampling` sets them, `stop`,
 `stop_token_ids`, `messages`), the chat messages' roles and fields, the chat template's variables
-(`TEMPLATE_VARIABLES`) and a request's own template (only with --trust-request-chat-template);
+(`TEMPLATE_VARIABLES`), a request's tools, tool_choice and tool messages
+(`infer.serve.toolcalls.request`) and a request's own template (only with --trust-request-chat-template);
 then the engine's own refusal (a prompt longer than the context, a token outside the vocabulary).
 Each is an `APIError` in OpenAI's schema, 400 naming the field.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from infer.serve.toolcalls.request import plan_tools, tool_messages
 
 
 @dataclass
@@ -40,6 +42,7 @@ class PreparedRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     n: int = 1  # choices: rows of the same prompt, each its own random stream (`choice_row_ids`)
+    tools: Any = None  # a chat request's tools (infer.serve.toolcalls.request.ToolPlan), or None
 
     def choice_row_ids(self) -> list[int]:
         """The row id (random stream) of each of the n choices. Choice 0's is the request's, so a
@@ -101,12 +104,10 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "guided_choice": (BOTH, (None,), "structured output (guided_choice) is not supported"),
     "guided_grammar": (BOTH, (None,), "structured output (guided_grammar) is not supported"),
     "structured_outputs": (BOTH, (None,), "structured output is not supported"),
-    "tools": (CHAT, (None, []), "tools (function calling) are not supported"),
-    "tool_choice": (CHAT, (None, "none"), "tools (function calling) are not supported: tool_choice may only be "
-                                          "\"none\""),
-    "parallel_tool_calls": (CHAT, (None, bool), "parallel_tool_calls must be a boolean"),
-    "functions": (CHAT, (None, []), "functions (function calling) are not supported"),
-    "function_call": (CHAT, (None, "none"), "function calling is not supported: function_call may only be \"none\""),
+    "functions": (CHAT, (None, []), "functions (the deprecated form of function calling) is not supported: send "
+                                    "tools"),
+    "function_call": (CHAT, (None, "none"), "function_call (the deprecated form of function calling) is not supported: "
+                                            "send tool_choice"),
     "reasoning_effort": (CHAT, (None,), "reasoning_effort is not supported here; a chat template that reads it "
                                         "takes it in chat_template_kwargs"),
     "modalities": (CHAT, (None, ["text"]), "only text output is supported: modalities may only be [\"text\"]"),
@@ -127,12 +128,9 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "priority": (BOTH, (None, 0), "priority is not supported (only 0)"),
 }
 
-# A chat message's fields besides role, content and name, the same way: known, and accepted only
-# at their no-op values until tool calling exists.
+# A chat message's fields besides role, content, name, tool_calls and tool_call_id, the same way.
 MESSAGE_NOT_DONE: dict[str, tuple[tuple, str]] = {
-    "tool_calls": ((None, []), "tool calls are not supported (the server has no tool calling)"),
-    "tool_call_id": ((None,), "tool messages are not supported (the server has no tool calling)"),
-    "function_call": ((None,), "function calls are not supported (the server has no tool calling)"),
+    "function_call": ((None,), "function_call (the deprecated form of tool_calls) is not supported: send tool_calls"),
     "refusal": ((None,), "refusal is not supported"),
 }
 # stream_options' fields besides include_usage, the same way.
@@ -140,8 +138,8 @@ STREAM_OPTIONS_NOT_DONE: dict[str, tuple[tuple, str]] = {
     "continuous_usage_stats": ((None, False), "stream_options.continuous_usage_stats is not supported"),
     "include_obfuscation": ((None, bool), "stream_options.include_obfuscation must be a boolean"),
 }
-ROLES = ("system", "developer", "user", "assistant")  # "developer" is rendered as "system"
-TOOL_ROLES = ("tool", "function")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer" is rendered as "system"
+LEGACY_ROLES = ("function",)  # the deprecated form of "tool"
 
 # The chat template variables a request may set (chat_template_kwargs): variables templates read,
 # never the tokenizer's own arguments (padding, max_length, truncation, return_tensors, tokenize,
@@ -237,14 +235,15 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     row_id = body.seed % 2**32 if body.seed is not None else secrets.randbits(32)
     stop = _stop(body)
     stop_ids = _stop_ids(body, model.vocab_size)
-    prompt_ids = _chat_prompt(model, body) if chat else _completion_prompt(model, body)
+    tools = plan_tools(model, body.tools, body.tool_choice, body.parallel_tool_calls) if chat else None
+    prompt_ids = _chat_prompt(model, body, tools) if chat else _completion_prompt(model, body)
     stream = bool(body.stream)
     prepared = PreparedRequest(
         chat=chat, prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=Sampling(temperature, top_k, top_p, per_row=True), row_id=row_id, stop=stop,
         stop_ids=stop_ids, stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
-        return_token_ids=bool(body.return_token_ids), n=body.n or 1)
+        return_token_ids=bool(body.return_token_ids), n=body.n or 1, tools=tools)
     why = model.engine.check(prepared.prompt_ids, prepared.max_tokens)
     if why:
         raise APIError(400, why, "messages" if chat else "prompt", code="context_length_exceeded"
@@ -282,11 +281,12 @@ def _completion_prompt(model, body: CompletionRequest) -> list[int]:
     return model.encode(prompt)
 
 
-def _chat_prompt(model, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(model, body: ChatCompletionRequest, tools) -> list[int]:
     if len(body.messages) > MAX_MESSAGES:
         raise APIError(400, f"messages holds {len(body.messages)} messages; this server takes at most {MAX_MESSAGES}",
                        "messages")
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    tool_messages(messages, body.messages)
     kwargs = dict(body.chat_template_kwargs or {})
     template = kwargs.pop("chat_template", None)
     if body.chat_template is not None or template is not None:
@@ -304,6 +304,8 @@ def _chat_prompt(model, body: ChatCompletionRequest) -> list[int]:
         if not _template_value(value):
             raise APIError(400, f"chat_template_kwargs.{name} must be a boolean, a number or a string of at most "
                                 f"{MAX_TEMPLATE_VALUE_CHARS} characters", "chat_template_kwargs")
+    if tools is not None:
+        kwargs["tools"] = tools.tools
     return model.chat(messages, kwargs, template)
 
 
@@ -320,8 +322,9 @@ def _template_value(value) -> bool:
 def _message(i: int, m) -> dict:
     """A chat message as the template takes it; 400 naming messages[i] for one it cannot."""
     param = f"messages[{i}]"
-    if m.role in TOOL_ROLES:
-        raise APIError(400, f"{param}: {m.role} messages are not supported (the server has no tool calling)", param)
+    if m.role in LEGACY_ROLES:
+        raise APIError(400, f"{param}: {m.role} messages are not supported (the deprecated form of tool messages): "
+                            "send role \"tool\"", param)
     if m.role not in ROLES:
         raise APIError(400, f"{param}: role must be one of {', '.join(ROLES)}; got '{_short(m.role)}'", param)
     for name, value in (m.model_extra or {}).items():

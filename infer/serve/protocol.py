@@ -138,6 +138,9 @@ class ChatMessage(BaseModel):
     role: Annotated[str, Field(strict=True)]
     content: Annotated[str, Field(strict=True)] | list[TextPart] | None = None
     name: Annotated[str, Field(strict=True)] | None = Field(None, description="passed to the chat template")
+    tool_calls: list[Any] | None = Field(None, description="an assistant message's calls: [{id, type: \"function\", "
+                                                           "function: {name, arguments}}]")
+    tool_call_id: Any = Field(None, description="a tool message's: the id of the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -155,6 +158,11 @@ class ChatCompletionRequest(_Request):
     chat_template: Annotated[str, Field(strict=True)] | None = Field(
         None, description="a Jinja chat template to render the messages with; refused unless the server runs with "
                           "--trust-request-chat-template")
+    # Checked by infer.serve.toolcalls.request (a 400 naming the field, in words).
+    tools: Any = Field(None, description="[{type: \"function\", function: {name, description, parameters}}]")
+    tool_choice: Any = Field(None, description="\"none\", \"auto\" (the default with tools), \"required\" or "
+                                               "{type: \"function\", function: {name}}")
+    parallel_tool_calls: Any = Field(None, description="false: an answer keeps its first call only")
 
 
 _Request.model_rebuild()
@@ -243,6 +251,7 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # a response's calls, or a chunk's call deltas
 
 
 class Choice(BaseModel):
@@ -250,7 +259,7 @@ class Choice(BaseModel):
     response) or `delta` (a chunk) for chat; `token_ids` with return_token_ids."""
 
     index: int = 0
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: None = None
     text: str | None = None
     message: AssistantMessage | None = None

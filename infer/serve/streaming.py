@@ -33,6 +33,10 @@ class StreamedText:
 
     def __init__(self, model, request):
         self.model, self.request = model, request
+        tools = getattr(request, "tools", None)
+        # An answer read for tool calls keeps the format's markers that are special tokens.
+        self.decode = (lambda ids: model.decode(ids, keep_markers=True)) if tools is not None and tools.parses \
+            else model.decode
         self.ids: list[int] = []
         self.text, self.released = "", 0
         self.stopped = False  # a stop string or a request's stop token ended it
@@ -44,17 +48,17 @@ class StreamedText:
         """decode(ids[:k]), for k at or past the settled ids, decoding only from the window on."""
         start = max(0, self._settled - self.WINDOW)
         if start == 0:
-            return self.model.decode(self.ids[:k])
-        tail = self.model.decode(self.ids[start:k])
+            return self.decode(self.ids[:k])
+        tail = self.decode(self.ids[start:k])
         if tail.startswith(self._window_text):
             return self._settled_text + tail[len(self._window_text):]
-        return self.model.decode(self.ids[:k])
+        return self.decode(self.ids[:k])
 
     def _settle(self) -> None:
         """The ids' text so far is final unless it ends in half a character (the next ids may complete it)."""
         if self.text.endswith("\ufffd") or len(self.ids) <= self.WINDOW:
             return
-        window = self.model.decode(self.ids[len(self.ids) - self.WINDOW:])
+        window = self.decode(self.ids[len(self.ids) - self.WINDOW:])
         if window:  # (a window of special tokens alone would say nothing of the text before it)
             self._settled, self._settled_text, self._window_text = len(self.ids), self.text, window
 
@@ -167,11 +171,18 @@ async def collect(http_request, engine_requests, events: asyncio.Queue, decoded:
 
 
 def response(request, decoded: list[StreamedText], results, ident: str, model_name: str) -> dict:
-    """The whole answer of a request not streamed: a choice per row, in order."""
+    """The whole answer of a request not streamed: a choice per row, in order. A chat answer read
+    for tool calls has them as its message's `tool_calls`, and finish_reason "tool_calls"."""
     choices = []
     for i, (d, result) in enumerate(zip(decoded, results)):
         choice = Choice(index=i, finish_reason=finish_reason(d, result), logprobs=None)
-        if request.chat:
+        if request.chat and request.tools is not None and request.tools.parses:
+            content, calls = request.tools.reader().parse(d.text)
+            choice.message = AssistantMessage(role="assistant", content=content)
+            if calls:
+                choice.message.tool_calls = [c.openai() for c in calls]
+                choice.finish_reason = "tool_calls"
+        elif request.chat:
             choice.message = AssistantMessage(role="assistant", content=d.text)
         else:
             choice.text = d.text
@@ -195,12 +206,14 @@ class _Chunks:
         return f"data: {json.dumps(dump(body), ensure_ascii=False)}\n\n"
 
     def chunk(self, index: int, text: str | None, reason: str | None, ids: list[int] | None = None,
-              role: bool = False) -> str:
+              role: bool = False, tool_calls: list[dict] | None = None) -> str:
         choice = Choice(index=index, finish_reason=reason, logprobs=None)
         if self.request.chat:
             delta = AssistantMessage(role="assistant") if role else AssistantMessage()
             if text is not None:
                 delta.content = text
+            if tool_calls is not None:
+                delta.tool_calls = tool_calls
             choice.delta = delta
         else:
             choice.text = text or ""
@@ -211,6 +224,18 @@ class _Chunks:
         if self.request.include_usage:
             body.usage = None
         return self._line(body)
+
+    def read(self, reader, index: int, text: str, reason: str | None, ids: list[int] | None) -> list[str]:
+        """A delivery of an answer read for tool calls (`ToolReader`): a chunk per delta (content, or a
+        call's), the delivery's ids on the first, the finish reason on the last ("tool_calls" where
+        the answer had calls)."""
+        deltas = reader.feed(text) + (reader.finish() if reason is not None else [])
+        if reason is not None and reader.called:
+            reason = "tool_calls"
+        if not deltas:
+            return [self.chunk(index, None, reason, ids)] if reason is not None or ids else []
+        return [self.chunk(index, d.get("content"), reason if k == len(deltas) - 1 else None, ids if k == 0 else None,
+                           tool_calls=d.get("tool_calls")) for k, d in enumerate(deltas)]
 
     def usage(self, decoded: list[StreamedText]) -> str:
         return self._line(Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
@@ -226,6 +251,8 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
     `[DONE]`."""
     chunks = _Chunks(request, ident, model_name)
     results: list = [None] * len(engine_requests)
+    tools = request.tools if request.chat and request.tools is not None and request.tools.parses else None
+    readers = [tools.reader() for _ in engine_requests] if tools is not None else None
     try:
         if request.chat:
             for i in range(len(engine_requests)):
@@ -240,6 +267,11 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
                 if error is not None:  # the answer was cut: the stream says so, and ends without [DONE]
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
+            if readers is not None:
+                reason = None if result is None else finish_reason(decoded[i], result)
+                for line in chunks.read(readers[i], i, text, reason, new_ids):
+                    yield line
+            elif result is not None:
                 yield chunks.chunk(i, text, finish_reason(decoded[i], result), new_ids)
             elif text or new_ids:
                 yield chunks.chunk(i, text, None, new_ids)
