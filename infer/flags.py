@@ -86,6 +86,14 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "mesh": dict(metavar="data=D,model=M",
                  help="device mesh: batch rows over `data`, heads/MLP/vocab over `model` "
                       "(default: every device on `data`; one device: no mesh)"),
+    "constraint_states": dict(type=int, metavar="N",
+                              help="structured output: the automaton states a request's constraint may have (a "
+                                   "JSON schema, a regex, a choice, a required tool call); the device pool holds a "
+                                   "region of N per slot, 4 bytes per 32 vocabulary tokens a state (18,992 at a "
+                                   "152k vocabulary). 0: no constraints"),
+    "constraint_edges": dict(type=int, metavar="N",
+                             help="structured output: a constraint's transitions that leave the next state most of "
+                                  "a state's tokens reach (default 64 per state)"),
     "stall_timeout": dict(type=float, metavar="MINUTES",
                           help="end the run with an error (exit status 3) when the device makes no progress for "
                                "this long (compiles excluded); rows finished are kept; 0 = wait forever"),
@@ -99,7 +107,8 @@ BATCH_ENGINE_FLAGS = ("max_new_tokens", "block_size", "draft_tokens", "tree_budg
 # The engine flags of `python -m infer.serve`: no narrow tail (a server's batch has no tail).
 SERVER_ENGINE_FLAGS = ("batch_size", "max_new_tokens", "max_prompt_len", "block_size", "draft_tokens", "tree_budget",
                        "acceptance", "speculation", "draft_window", "sync_every", "prefill_chunk", "kv_pages",
-                       "prefix_cache", "page_size", "dtype", "mesh", "stall_timeout")
+                       "prefix_cache", "page_size", "dtype", "mesh", "stall_timeout", "constraint_states",
+                       "constraint_edges")
 
 
 def add_engine_flags(parser, names=BATCH_ENGINE_FLAGS, *, overrides: dict | None = None,

@@ -57,7 +57,8 @@ def fake_served(check=lambda ids, n: None, max_new=16):
 
     return SimpleNamespace(name="m", max_new=max_new, encode=lambda p: p if isinstance(p, list) else [ord(c) for c in p],
                            chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check),
-                           vocab_size=1000, trust_request_chat_template=False,
+                           vocab_size=1000, trust_request_chat_template=False, constraints=None,
+                           constraint_refusal="structured output is off on this server (--constraint-states 0)",
                            tools=ModelTools.of("qwen3", "{% for t in tools %}<tool_call>{% endfor %}"))
 
 
@@ -799,9 +800,9 @@ def _tool_refusal(body, served=None) -> APIError:
     ({"tools": [WEATHER, WEATHER]}, "tools", "another tool's too"),
     ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
     ({"tools": "get_weather"}, "tools", "tools must be a list"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "tool_choice: structured output is off on this server"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "needs structured output"),
+     "structured output is off on this server"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice",
      "not among tools"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "tool_choice must be"),

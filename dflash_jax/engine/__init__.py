@@ -18,6 +18,8 @@
   sample-and-match walk (`follow`);
 - `speculation`: auto speculation, which draft length the next cycles run (`Speculation`, `choose`);
 - `options`: `EngineOptions`, how a `BatchEngine` runs, one frozen type the commands share;
+- `constraints`: structured output on the device (`ConstraintPool`: each slot's region of automaton
+  states; `allowed`, `advance`, `walk`; the host's `ConstraintRegions`);
 - `watchdog`: the host's waits on the device, each bounded (`Watchdog`: a stall ends the run).
 """
 

@@ -38,7 +38,7 @@ from dflash_jax.engine.slots import Result, SlotLedger
 from dflash_jax.engine.step import cancel, prefill_part
 from dflash_jax.kv import PrefixPool, page_table
 from dflash_jax.sharding import put_batch
-from dflash_jax.errors import DFlashError
+from dflash_jax.errors import DFlashError, InputError
 
 
 class QueueFull(DFlashError):
@@ -215,6 +215,13 @@ class StreamingEngine:
         run_steps(steps, progress)
         return buckets
 
+    def check_constraint(self, automaton) -> None:
+        """An InputError where a row could not hold this automaton (`dflash_jax.constrain.Automaton`):
+        an engine with no constraint pool, or one too large for its regions."""
+        if self.gen.regions is None:
+            raise InputError("this engine holds no constraints (constraint_states 0)")
+        self.gen.regions.check(automaton)
+
     def check(self, prompt, max_new_tokens: int) -> str | None:
         """Why this request cannot run, or None."""
         top = self.gen.spec.max_new_tokens
@@ -241,6 +248,8 @@ class StreamingEngine:
         if not isinstance(s, Sampling):
             raise DFlashError(f"a request's sampling must be a Sampling, got {type(s).__name__}")
         check_sampling(s.temperature, s.top_k, s.top_p)  # a Sampling checks itself; this one may have been altered
+        if s.constraint is not None:
+            self.check_constraint(s.constraint)  # an InputError (a DFlashError): never the engine thread's
         with self._lock:
             if self._closing.is_set() or self.error is not None:
                 raise Closed("the server is shutting down" if self.error is None else f"the engine failed: {self.error}")

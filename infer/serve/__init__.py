@@ -17,6 +17,8 @@ engine's tokens back into text and OpenAI's response schema. Its modules:
 - `protocol`: OpenAI's wire format as pydantic models (requests, responses, the error body) and
   the mapping of validation errors to a 400 in that error schema (`APIError`).
 - `prepare`: a validated request turned into what the engine runs (`PreparedRequest`).
+- `structured`: a request's constraint (`response_format`, `structured_outputs`, a required tool call),
+  compiled in the request's thread.
 - `model`: `ServedModel`, the model served: flags checked, weights loaded, programs compiled,
   the engine started; text to token ids and back.
 - `streaming`: a row's text released as it grows (`StreamedText`: stop strings, UTF-8 hold-back), the

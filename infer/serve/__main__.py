@@ -26,6 +26,11 @@ SHUTDOWN_GRACE = 5.0
 
 # The engine flags whose meaning is the server's own.
 SERVER_HELPS = {
+    "constraint_states": "structured output (response_format, structured_outputs, a required tool call): the "
+                         "automaton states a request's constraint may have; the device pool holds a region of N per "
+                         "slot, 4 bytes per 32 vocabulary tokens a state (18,992 at a 152k vocabulary). Default: 512 "
+                         "where the cycle masks its drafts (the chain), none with a draft tree or a DFlash2 drafter "
+                         "(constrained requests then answer 400); 0: none",
     "batch_size": "requests decoded together (slots)",
     "max_new_tokens": "the most tokens a request may ask for, which sizes the cache (default 256; 128 for the demo)",
     "max_prompt_len": "longest prompt in tokens, which sizes the cache (default: the target's context, at most 2048)",
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The engine's flags, shared with python -m infer and the bench; the server syncs more often
     # (SERVER_SYNC_EVERY: tokens reach clients at each sync).
     add_engine_flags(p.add_argument_group("engine"), SERVER_ENGINE_FLAGS,
-                     overrides={"sync_every": SERVER_SYNC_EVERY}, helps=SERVER_HELPS)
+                     overrides={"sync_every": SERVER_SYNC_EVERY, "constraint_states": None}, helps=SERVER_HELPS)
     p.add_argument("--enable-thinking", action="store_true",
                    help="chat template default for enable_thinking (a request's chat_template_kwargs overrides it)")
     # Transport: what a request may cost the server before it runs, and how a shutdown ends the rest.

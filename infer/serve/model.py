@@ -35,7 +35,8 @@ class ServedModel:
             raise DFlashError(f"--kv-pages must be >= 0 (0: per-row caches), got {args.kv_pages}")
         self.kv_default = args.kv_pages is None
         flags = argparse.Namespace(**{**vars(args), "kv_pages": args.kv_pages or None,
-                                      "prefix_cache": None if self.kv_default else args.prefix_cache})
+                                      "prefix_cache": None if self.kv_default else args.prefix_cache,
+                                      "constraint_states": args.constraint_states or 0})
         self.options = EngineOptions.of(flags)  # checked once: an out-of-range flag is a one-line error
         if args.max_waiting < 1:
             raise DFlashError(f"--max-waiting must be >= 1, got {args.max_waiting}")
@@ -53,6 +54,7 @@ class ServedModel:
         pair.open_tokenizer()
         self.tokenizer, self.stops = pair.tokenizer, pair.stop_tokens
         self.vocab_size = self.tcfg.vocab_size
+        self.options, self.constraints, self.constraint_refusal = constraint_pool(self.options, args, pair)
         self.thinking = args.enable_thinking
         self.tools = ModelTools.of(getattr(self.tcfg, "model_type", None), getattr(self.tokenizer, "chat_template", None))
         self.marker_skips = marker_skips(self.tokenizer, self.tools.format)
@@ -186,3 +188,42 @@ def kv_cache_note(gen, default: bool, refused: str | None = None) -> str:
     caching = "prefix caching on" if gen.prefix_cache else (
         f"prefix caching off: {prefix_refusal(spec) or '--prefix-cache off'}")
     return f"a page pool of {spec.kv_pages} pages of {spec.page_size} positions ({size}), {caching}"
+
+
+# --------------------------------------------------------------------------- structured output
+
+# Automaton states a request's constraint may have where --constraint-states is unset (the pool holds
+# one region of this many per slot: 18,992 bytes a state at a 151,936-token vocabulary, 9.7 MB a region;
+# a typical schema needs a few hundred, docs/structured-output.md).
+DEFAULT_CONSTRAINT_STATES = 512
+
+
+def constraint_pool(options, args, pair):
+    """The server's structured output: (options with the pool's size, the `ConstraintCache` requests
+    compile with, or None and why a constrained request is refused). --constraint-states unset: a
+    pool of DEFAULT_CONSTRAINT_STATES per slot where the cycle kind masks its drafts (the chain,
+    plain decoding), none where it does not (a draft tree, a DFlash2 drafter: refused, 400); 0: none."""
+    import dataclasses
+
+    from dflash_jax.engine.options import resolve
+
+    asked = args.constraint_states
+    drafting = options.block_size > 1
+    why = None
+    if drafting and options.tree_budget:
+        why = f"a draft tree (--tree-budget {options.tree_budget}) does not yet mask its nodes"
+    elif drafting and pair.drafter.dflash2 is not None:
+        why = "a DFlash2 drafter's selector does not yet mask its candidates"
+    if asked == 0:
+        return options, None, "structured output is off on this server (--constraint-states 0)"
+    if why is not None:
+        if asked:  # asked for: the one rule's own error, naming the flag
+            resolve(pair, dataclasses.replace(options, constraint_states=asked))
+        return options, None, f"structured output needs the chain on this server: {why}"
+    if pair.tokenizer is None:
+        return options, None, "this model has no tokenizer, which constraints compile over"
+    from dflash_jax.constrain import ConstraintCache, vocabulary_of
+
+    options = dataclasses.replace(options, constraint_states=asked or DEFAULT_CONSTRAINT_STATES)
+    vocab = vocabulary_of(pair.tokenizer, pair.target.vocab_size, pair.stop_tokens)
+    return options, ConstraintCache(vocab, max_states=options.constraint_states), None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from infer.serve.structured import GRAMMAR_REFUSAL, constrained_sampling, request_constraint
 from infer.serve.toolcalls.request import plan_tools, tool_messages
 
 
@@ -97,13 +98,7 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "bad_words": (BOTH, (None, []), "bad_words is not supported"),
     "return_tokens_as_token_ids": (BOTH, (None, False), "return_tokens_as_token_ids is not supported "
                                                         "(return_token_ids is)"),
-    "response_format": (BOTH, (None, {"type": "text"}), "structured output is not supported: response_format "
-                                                        "may only be {\"type\": \"text\"}"),
-    "guided_json": (BOTH, (None,), "structured output (guided_json) is not supported"),
-    "guided_regex": (BOTH, (None,), "structured output (guided_regex) is not supported"),
-    "guided_choice": (BOTH, (None,), "structured output (guided_choice) is not supported"),
-    "guided_grammar": (BOTH, (None,), "structured output (guided_grammar) is not supported"),
-    "structured_outputs": (BOTH, (None,), "structured output is not supported"),
+    "guided_grammar": (BOTH, (None,), "guided_grammar: " + GRAMMAR_REFUSAL),
     "functions": (CHAT, (None, []), "functions (the deprecated form of function calling) is not supported: send "
                                     "tools"),
     "function_call": (CHAT, (None, "none"), "function_call (the deprecated form of function calling) is not supported: "
@@ -236,11 +231,13 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     stop = _stop(body)
     stop_ids = _stop_ids(body, model.vocab_size)
     tools = plan_tools(model, body.tools, body.tool_choice, body.parallel_tool_calls) if chat else None
+    found = request_constraint(body, tools)
+    automaton = None if found is None else constrained_sampling(model, found)  # compiled here, not on the engine
     prompt_ids = _chat_prompt(model, body, tools) if chat else _completion_prompt(model, body)
     stream = bool(body.stream)
     prepared = PreparedRequest(
         chat=chat, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        sampling=Sampling(temperature, top_k, top_p, per_row=True), row_id=row_id, stop=stop,
+        sampling=Sampling(temperature, top_k, top_p, per_row=True, constraint=automaton), row_id=row_id, stop=stop,
         stop_ids=stop_ids, stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         return_token_ids=bool(body.return_token_ids), n=body.n or 1, tools=tools)

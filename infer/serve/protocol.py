@@ -109,6 +109,12 @@ class _Request(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool | None = Field(None, description="each choice (or chunk) carries its token ids")
+    # Structured output (infer.serve.structured: at most one per request; checked there, each a 400 naming it)
+    response_format: Any = Field(None, description="{type: text | json_object | json_schema, json_schema: {schema}}")
+    structured_outputs: Any = Field(None, description="vLLM's: {json | regex | choice | json_object: ...}")
+    guided_json: dict | str | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice")
 
 
 class StreamOptions(BaseModel):

@@ -5,7 +5,7 @@ calls, whole or streamed (`ToolReader`).
 
 `tool_choice`: "none" puts the tools in the template and leaves the answer as text; "auto" (the
 default with tools) reads the answer with the target's format; "required" and a named function
-need the answer constrained to a call (`constrained_choice`, the one place that decides them).
+constrain the answer to one call (`infer.serve.structured`: the format's call pattern as a regex).
 Each refusal is an `APIError`, 400 naming the field.
 """
 
@@ -145,10 +145,8 @@ def plan_tools(model, tools, tool_choice, parallel) -> ToolPlan | None:
     support: ModelTools = model.tools
     if not support.takes_tools:
         raise APIError(400, "this model's chat template takes no tools (they would not reach the prompt)", "tools")
-    plan = ToolPlan(checked, schemas, choice, support.format, name, parallel is not False)
-    if choice in ("required", "function"):
-        constrained_choice(model, plan)
-    return plan
+    # "required" and a named function constrain the answer to a call (infer.serve.structured)
+    return ToolPlan(checked, schemas, choice, support.format, name, parallel is not False)
 
 
 def _choice(tool_choice, schemas: dict) -> tuple[str, str | None]:
@@ -165,15 +163,6 @@ def _choice(tool_choice, schemas: dict) -> tuple[str, str | None]:
         return "function", name
     raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                         "\"function\": {\"name\": ...}}", "tool_choice")
-
-
-def constrained_choice(model, plan: ToolPlan) -> None:
-    """tool_choice "required" or a named function: the answer must be a call, which needs its
-    tokens constrained to the format's call pattern (`plan.format.call_pattern`). Until the engine
-    constrains a row, refused."""
-    what = "'required'" if plan.choice == "required" else "naming a function"
-    raise APIError(400, f"tool_choice {what} needs structured output, which this server does not do yet; use "
-                        "\"auto\"", "tool_choice")
 
 
 # --------------------------------------------------------------------------- messages
