@@ -78,7 +78,7 @@ class Constraint:
             where = "/".join(str(p) for p in e.absolute_path)
             raise InputError(f"json_schema: invalid schema at '#/{where}': {_one_line(e.message)}") from None
         check_supported(schema)
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties are written in it
 
     @classmethod
     def json_object(cls) -> Constraint:
