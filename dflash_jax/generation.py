@@ -180,7 +180,9 @@ class InputRow:
 
 PROMPT_KEYS = ("input_ids", "prompt", "messages", "turns")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens") + SAMPLING_KEYS
+# A row's constraint (structured output), as the server's requests spell it (`dflash_jax.constrain.fields`).
+CONSTRAINT_KEYS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens") + SAMPLING_KEYS + CONSTRAINT_KEYS
 
 
 def edit_distance(a: str, b: str) -> int:
@@ -213,6 +215,14 @@ def _row_sampling(obj: dict, where: str) -> dict:
         value = obj[key]
         {"temperature": check_temperature, "top_p": check_top_p, "top_k": check_top_k}[key](value, f"{where}: {key}")
         out[key] = value
+    from dflash_jax.constrain.fields import constraint_of
+
+    try:
+        found = constraint_of(obj)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    if found is not None:
+        out["constraint"] = found[0]
     return out
 
 
@@ -614,6 +624,10 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
                              f"(0..{pair.target.vocab_size - 1})")
     for warning in pair.warnings if pair.drafting else ():
         say(f"warning: {warning}")
+    if any("constraint" in r.sampling for r in rows):  # a pool for the rows' constraints (structured output)
+        from dflash_jax.engine.constraints import DEFAULT_STATES
+
+        opts = replace(opts, constraint_states=opts.constraint_states or DEFAULT_STATES)
     options = resolve(pair, opts)  # block size, draft length and tree checked against the pair
     block_size = options.block_size
     over = next((r for r in rows if r.max_new_tokens is not None and r.max_new_tokens > opts.max_new_tokens), None)
@@ -730,7 +744,31 @@ class JobRun:
         if not self.plan.per_row:
             return None
         return [Sampling(r.sampling.get("temperature", job.temperature), r.sampling.get("top_k", job.top_k),
-                         r.sampling.get("top_p", job.top_p), per_row=True) for r in rs]
+                         r.sampling.get("top_p", job.top_p), per_row=True, constraint=self.automata.get(r.id))
+                for r in rs]
+
+    def compile_constraints(self, rows: list[InputRow]) -> None:
+        """Each constrained row's automaton (`dflash_jax.constrain`, compiled once per constraint over the
+        target's tokenizer), or the row written as an error where its constraint cannot run here."""
+        from dflash_jax.constrain import ConstraintCache, vocabulary_of
+
+        asked = [r for r in rows if "constraint" in r.sampling]
+        self.refused: set = set()
+        if not asked:
+            return
+        pair = self.plan.pair
+        if pair.tokenizer is None:
+            raise InputError("rows with a constraint (response_format, structured_outputs) need the target's "
+                             "tokenizer, which constraints compile over")
+        cache = ConstraintCache(vocabulary_of(pair.tokenizer, pair.target.vocab_size, pair.stop_tokens),
+                                max_states=self.gen.spec.constraint_states)
+        for r in asked:
+            try:
+                self.automata[r.id] = automaton = cache.get(r.sampling["constraint"])
+                self.gen.regions.check(automaton)
+            except InputError as e:
+                self.fail(r, str(e))
+                self.refused.add(r.id)
 
     def decode(self):
         """Every turn of every runnable row, its line written as it finishes."""
@@ -739,8 +777,12 @@ class JobRun:
         from dflash_jax.compiling import CompileProgress
 
         job, gen, todo = self.job, self.gen, self.plan.todo
+        self.automata: dict = {}
         # The engine's own limits (a page pool's size): still before any compile.
+        self.compile_constraints(self.runnable)
         for r in self.runnable:
+            if r.id in self.refused:
+                continue
             why = gen.check_prompt(r.turn_ids[0], self.limit(r))
             if why:
                 self.fail(r, why)

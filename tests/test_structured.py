@@ -65,3 +65,28 @@ def test_demo_rows_answer_valid_json_and_equal_constrained_plain_decoding(temper
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     check(spec, schemas)
     assert sum(r.finish_reason == "stop" for r in spec) >= 3  # most answers complete within the limit
+
+
+def test_rows_of_python_m_infer_carry_their_constraints(tmp_path):
+    """`python -m infer` rows take the server's constraint fields: a row's response_format and
+    structured_outputs answer as the server would (valid JSON, a regex's match), a row without one is
+    free; a row whose constraint is refused is an error row naming it, the others run."""
+    from infer.cli import EXIT_ROW_ERRORS, main
+
+    rows = [{"id": "schema", "prompt": PROMPTS[0],
+             "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[1]}}},
+            {"id": "regex", "prompt": PROMPTS[1], "structured_outputs": {"regex": "[0-9]{2,4}-[a-c]{1,3}"}},
+            {"id": "free", "prompt": PROMPTS[1]},
+            {"id": "huge", "prompt": PROMPTS[0], "structured_outputs": {"regex": "x{600}"}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["--input", str(src), "--output", str(out), "--max-new-tokens", "96", "--batch-size", "4",
+                 "--speculation", "fixed", "--quiet"])
+    assert code == EXIT_ROW_ERRORS
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    jsonschema.validate(json.loads(got["schema"]["text"]), SCHEMAS[1])
+    import re
+
+    assert re.fullmatch("[0-9]{2,4}-[a-c]{1,3}", got["regex"]["text"]), got["regex"]["text"]
+    assert "text" in got["free"] and "error" not in got["free"]
+    assert "601 states" in got["huge"]["error"] and "512" in got["huge"]["error"], got["huge"]["error"]

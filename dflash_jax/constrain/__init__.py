@@ -9,6 +9,8 @@ over the target's vocabulary, as numpy arrays the engine loads into its device p
 - `automaton.py`: `Automaton` (masks, edges, final states) and `compile_constraint` (outlines-core's
   `Index`, renumbered densely, dead states pruned, eos in final states);
 - `cache.py`: `ConstraintCache`, automata by constraint, LRU, thread-safe;
+- `fields.py`: `constraint_of`, the request's or input row's fields that ask for a constraint
+  (`response_format`, `structured_outputs`, `guided_*`), their one home;
 - `__main__.py`: `python -m dflash_jax.constrain`, a constraint's size and compile time on a vocabulary.
 """
 

@@ -192,16 +192,10 @@ def kv_cache_note(gen, default: bool, refused: str | None = None) -> str:
 
 # --------------------------------------------------------------------------- structured output
 
-# Automaton states a request's constraint may have where --constraint-states is unset (the pool holds
-# one region of this many per slot: 18,992 bytes a state at a 151,936-token vocabulary, 9.7 MB a region;
-# a typical schema needs a few hundred, docs/structured-output.md).
-DEFAULT_CONSTRAINT_STATES = 512
-
-
 def constraint_pool(options, args, pair):
     """The server's structured output: (options with the pool's size, the `ConstraintCache` requests
     compile with, or None and why a constrained request is refused). --constraint-states unset: a
-    pool of DEFAULT_CONSTRAINT_STATES per slot where the cycle kind masks its drafts (the chain,
+    pool of `engine.constraints.DEFAULT_STATES` per slot where the cycle kind masks its drafts (the chain,
     plain decoding), none where it does not (a draft tree, a DFlash2 drafter: refused, 400); 0: none."""
     import dataclasses
 
@@ -224,6 +218,8 @@ def constraint_pool(options, args, pair):
         return options, None, "this model has no tokenizer, which constraints compile over"
     from dflash_jax.constrain import ConstraintCache, vocabulary_of
 
-    options = dataclasses.replace(options, constraint_states=asked or DEFAULT_CONSTRAINT_STATES)
+    from dflash_jax.engine.constraints import DEFAULT_STATES
+
+    options = dataclasses.replace(options, constraint_states=asked or DEFAULT_STATES)
     vocab = vocabulary_of(pair.tokenizer, pair.target.vocab_size, pair.stop_tokens)
     return options, ConstraintCache(vocab, max_states=options.constraint_states), None

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
-from infer.serve.structured import GRAMMAR_REFUSAL, constrained_sampling, request_constraint
+from dflash_jax.constrain.fields import GRAMMAR_REFUSAL
+from infer.serve.structured import constrained_sampling, request_constraint
 from infer.serve.toolcalls.request import plan_tools, tool_messages
 
 
