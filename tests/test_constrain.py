@@ -340,3 +340,19 @@ def test_cache_threads(vocab, monkeypatch):
     for i, r in enumerate(results):
         assert r is cache.get(keys[i % 3])
     assert len(errors) == 24 and bad not in cache
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda: Constraint.regex("a{2000}"), "repetition count of 2000 is more than 1024"),
+    (lambda: Constraint.regex("a{3,5000}"), "repetition count of 5000"),
+    (lambda: Constraint.regex("x" * 70000), "70000 characters is more than 65536"),
+    (lambda: Constraint.json_schema({"type": "string", "maxLength": 100000}), "maxLength 100000 at '#'"),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"type": "array", "maxItems": 5000}}}),
+     "maxItems 5000 at '#/properties/a'"),
+    (lambda: Constraint.choice(["y" * 40000, "z" * 40000]), "characters is more than 65536"),
+])
+def test_sizes_are_bounded_before_anything_compiles(make, says):
+    """A constraint whose compile could run away (a huge count, a huge text) is refused when made, in
+    microseconds, before outlines-core builds anything."""
+    with pytest.raises(InputError, match=re.escape(says)):
+        make()

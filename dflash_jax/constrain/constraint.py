@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from dflash_jax.errors import InputError
 
@@ -38,6 +39,12 @@ ANNOTATIONS = frozenset({
 })
 # outlines-core reads the first of these a (sub)schema has and ignores the rest.
 _DISPATCH = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref")
+# Bounds checked before anything compiles (the compile itself is not interruptible, and runs on a
+# request's thread): a constraint's text, and every repetition count (a regex's {m,n}, a schema's
+# lengths and item counts), each of which can add a state per unit.
+MAX_TEXT = 65536
+MAX_REPEAT = 1024
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # Rust regex's meta characters (escaped in a choice).
 _META = set("\\.+*?()|[]{}^$#&-~")
 
@@ -59,6 +66,10 @@ class Constraint:
     def regex(cls, pattern: str) -> Constraint:
         if not isinstance(pattern, str):
             raise InputError(f"regex: expected a string, got {type(pattern).__name__}")
+        _bounded("regex", pattern)
+        counts = [int(n) for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", pattern) for n in m.groups() if n]
+        if counts and max(counts) > MAX_REPEAT:
+            raise InputError(f"regex: a repetition count of {max(counts)} is more than {MAX_REPEAT}")
         return cls("regex", pattern)
 
     @classmethod
@@ -70,6 +81,8 @@ class Constraint:
                 raise InputError(f"json_schema: not JSON: {e}") from None
         if not isinstance(schema, dict):
             raise InputError(f"json_schema: a schema is a JSON object, got {type(schema).__name__}")
+        _bounded("json_schema", json.dumps(schema))
+        _bounded_counts(schema)
         import jsonschema
 
         try:
@@ -91,6 +104,7 @@ class Constraint:
         bad = [c for c in choices if not isinstance(c, str)]
         if bad:
             raise InputError(f"choice: every choice is a string, got {bad[0]!r}")
+        _bounded("choice", json.dumps(list(choices)))
         return cls("choice", json.dumps(list(choices)))
 
     def to_regex(self) -> str:
@@ -168,3 +182,20 @@ def check_supported(schema: dict) -> None:
                 walk(node[key], f"{where}/{key}", refs)
 
     walk(schema, "#", ())
+
+
+def _bounded(kind: str, text: str) -> None:
+    if len(text) > MAX_TEXT:
+        raise InputError(f"{kind}: {len(text)} characters is more than {MAX_TEXT}")
+
+
+def _bounded_counts(node, path: str = "#") -> None:
+    """Every length and item count of a schema within MAX_REPEAT (each unit can add a state)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _COUNTS and isinstance(value, int) and not isinstance(value, bool) and value > MAX_REPEAT:
+                raise InputError(f"json_schema: {key} {value} at '{path}' is more than {MAX_REPEAT}")
+            _bounded_counts(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _bounded_counts(value, f"{path}/{i}")
