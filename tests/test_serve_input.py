@@ -516,3 +516,20 @@ def test_served_chat_with_the_demo_tokenizer():
     with pytest.raises(APIError) as e:
         chat(CHAT, {}, "{{ raise_exception('no') }}")
     assert e.value.status == 400 and e.value.param == "messages" and "no" in e.value.message
+
+
+def test_every_field_of_the_openai_clients_requests_is_known():
+    """Each field of the openai client's own request types (completions and chat) is either one the
+    server's request models take or one `NOT_DONE` names (refused unless at a no-op value): none can
+    reach the server unknown, let alone be ignored."""
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chat
+
+    from infer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    for params, model, endpoint in ((completions, CompletionRequest, "completions"),
+                                    (chat, ChatCompletionRequest, "chat")):
+        fields = set(params.CompletionCreateParamsBase.__annotations__)
+        known = set(model.model_fields) | {k for k, (where, _, _) in NOT_DONE.items() if endpoint in where}
+        assert fields - known == set(), endpoint
+        assert len(fields) > 20  # the types were read

@@ -120,6 +120,10 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "metadata": (BOTH, (None, dict), "metadata must be an object"),
     "service_tier": (BOTH, (None, "auto", "default"), "service_tier may only be \"auto\" or \"default\""),
     "prompt_cache_key": (BOTH, (None, str), "prompt_cache_key must be a string"),
+    "prompt_cache_retention": (CHAT, (None,), "prompt_cache_retention is not supported: the server's prefix cache "
+                                              "keeps pages by its own policy (least recently used)"),
+    "prompt_cache_options": (CHAT, (None,), "prompt_cache_options is not supported"),
+    "moderation": (CHAT, (None,), "moderation is not supported"),
     "safety_identifier": (BOTH, (None, str), "safety_identifier must be a string"),
     "priority": (BOTH, (None, 0), "priority is not supported (only 0)"),
 }
