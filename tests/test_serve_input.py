@@ -532,4 +532,4 @@ def test_every_field_of_the_openai_clients_requests_is_known():
         fields = set(params.CompletionCreateParamsBase.__annotations__)
         known = set(model.model_fields) | {k for k, (where, _, _) in NOT_DONE.items() if endpoint in where}
         assert fields - known == set(), endpoint
-        assert len(fields) > 20  # the types were read
+        assert len(fields) > 15  # the types were read
