@@ -182,7 +182,7 @@ PROMPT_KEYS = ("input_ids", "prompt", "messages", "turns")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 # A row's constraint (structured output), as the server's requests spell it (`dflash_jax.constrain.fields`).
 CONSTRAINT_KEYS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
-ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens") + SAMPLING_KEYS + CONSTRAINT_KEYS
+ROW_KEYS = PROMPT_KEYS + ("id", "max_new_tokens") + SAMPLING_KEYS + ("logit_bias",) + CONSTRAINT_KEYS
 
 
 def edit_distance(a: str, b: str) -> int:
@@ -215,6 +215,16 @@ def _row_sampling(obj: dict, where: str) -> dict:
         value = obj[key]
         {"temperature": check_temperature, "top_p": check_top_p, "top_k": check_top_k}[key](value, f"{where}: {key}")
         out[key] = value
+    if obj.get("logit_bias") is not None:  # {"token id": bias}, as the server takes it
+        from dflash_jax.engine.sampling import Sampling, SamplingError
+
+        bias = obj["logit_bias"]
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 12 for k in bias):
+            raise InputError(f"{where}: logit_bias must map token ids (as strings) to numbers in -100..100")
+        try:
+            out["logit_bias"] = Sampling(logit_bias=tuple((int(k), v) for k, v in bias.items())).logit_bias
+        except SamplingError as e:
+            raise InputError(f"{where}: {e}") from None
     from dflash_jax.constrain.fields import constraint_of
 
     try:
@@ -618,7 +628,8 @@ def plan_job(job: GenerationJob, say) -> JobPlan:
     opts = job.options
     pair = open_pair(job.target, job.drafter, dtype=opts.dtype, use_drafter=opts.block_size != 1)
     for r in rows:
-        bad = [t for t in (r.value if r.kind == "input_ids" else ()) if not 0 <= t < pair.target.vocab_size]
+        bad = [t for t in [*(r.value if r.kind == "input_ids" else ()), *(t for t, _ in r.sampling.get("logit_bias", ()))]
+               if not 0 <= t < pair.target.vocab_size]
         if bad:
             raise InputError(f"{input_path} line {r.line}: token id {bad[0]} is outside the target's vocabulary "
                              f"(0..{pair.target.vocab_size - 1})")
@@ -744,7 +755,8 @@ class JobRun:
         if not self.plan.per_row:
             return None
         return [Sampling(r.sampling.get("temperature", job.temperature), r.sampling.get("top_k", job.top_k),
-                         r.sampling.get("top_p", job.top_p), per_row=True, constraint=self.automata.get(r.id))
+                         r.sampling.get("top_p", job.top_p), per_row=True, constraint=self.automata.get(r.id),
+                         logit_bias=r.sampling.get("logit_bias", ()))
                 for r in rs]
 
     def compile_constraints(self, rows: list[InputRow]) -> None:

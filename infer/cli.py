@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "messages (a chat: [{\"role\", \"content\"}, ...], through the chat template) or turns (the user's "
         "turns of a multi-turn chat, each answered in turn); and optionally id (a string or integer; "
         "default: the line number), max_new_tokens, temperature, top_p and top_k (the row's own, over the "
-        "flags'), and a constraint as the server takes it (structured output): response_format, "
+        "flags'), logit_bias ({\"token id\": bias}), and a constraint as the server takes it (structured "
+        "output): response_format, "
         "structured_outputs, guided_json, guided_regex and guided_choice (one per row). Other keys are ignored, "
         "each named once in a warning.",
         epilog="A rerun with the same --output resumes: rows already there are skipped, if they were made from "

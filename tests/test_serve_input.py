@@ -165,7 +165,8 @@ def test_every_known_field_not_done_is_accepted_at_its_no_op_and_refused_otherwi
     ({"tool_choice": "auto"}, True, "tool_choice", "tool_choice needs tools"),
     ({"functions": [{"name": "f"}]}, True, "functions", "send tools"),
     ({"function_call": "auto"}, True, "function_call", "send tool_choice"),
-    ({"logit_bias": {"5": 100}}, False, "logit_bias", "not supported"),
+    ({"logit_bias": {"5": 101}}, False, "logit_bias", "100"),
+    ({"logit_bias": {"x": 1}}, False, "logit_bias", "token ids below"),
     ({"presence_penalty": 0.5}, True, "presence_penalty", "only 0"),
     ({"frequency_penalty": -1}, False, "frequency_penalty", "only 0"),
     ({"frequency_penalty": False}, False, "frequency_penalty", "only 0"),  # False is not 0
@@ -533,3 +534,19 @@ def test_every_field_of_the_openai_clients_requests_is_known():
         known = set(model.model_fields) | {k for k, (where, _, _) in NOT_DONE.items() if endpoint in where}
         assert fields - known == set(), endpoint
         assert len(fields) > 15  # the types were read
+
+
+def test_logit_bias_reaches_the_rows_tokens():
+    """A request's logit_bias is its row's (`Sampling.logit_bias` -> `rows_of` -> the processor):
+    +100 on one token makes a greedy row emit only it; the row beside it is untouched."""
+    from dflash_jax.engine import BatchEngine
+    from fixtures import sampling_setup
+
+    prepared = prepare_request(fake_served(), {**base(False), "temperature": 0, "logit_bias": {"7": 100}}, False)
+    assert prepared.sampling.logit_bias == ((7, 100),)
+    target, tparams, drafter, dparams = sampling_setup()
+    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=8,
+                      max_prompt_len=16, sampling=Sampling(per_row=True), speculation="fixed")
+    rows = [prepared.sampling, Sampling(per_row=True)]
+    out = sorted(gen.generate([[3, 1, 4], [3, 1, 4]], sampling=rows), key=lambda r: r.index)
+    assert set(out[0].output_ids) == {7} and set(out[1].output_ids) != {7}

@@ -77,7 +77,8 @@ def test_rows_of_python_m_infer_carry_their_constraints(tmp_path):
              "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[1]}}},
             {"id": "regex", "prompt": PROMPTS[1], "structured_outputs": {"regex": "[0-9]{2,4}-[a-c]{1,3}"}},
             {"id": "free", "prompt": PROMPTS[1]},
-            {"id": "huge", "prompt": PROMPTS[0], "structured_outputs": {"regex": "x{600}"}}]
+            {"id": "huge", "prompt": PROMPTS[0], "structured_outputs": {"regex": "x{600}"}},
+            {"id": "bias", "prompt": PROMPTS[1], "logit_bias": {"300": 100}, "max_new_tokens": 5}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = main(["--input", str(src), "--output", str(out), "--max-new-tokens", "96", "--batch-size", "4",
@@ -89,4 +90,6 @@ def test_rows_of_python_m_infer_carry_their_constraints(tmp_path):
 
     assert re.fullmatch("[0-9]{2,4}-[a-c]{1,3}", got["regex"]["text"]), got["regex"]["text"]
     assert "text" in got["free"] and "error" not in got["free"]
+    pair, _ = demo()
+    assert got["bias"]["text"] == pair.tokenizer.decode([300] * 5, skip_special_tokens=True)  # +100: only it
     assert "601 states" in got["huge"]["error"] and "512" in got["huge"]["error"], got["huge"]["error"]

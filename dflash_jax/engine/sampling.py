@@ -174,9 +174,14 @@ class Sampling:
     # The row's constraint: a `dflash_jax.constrain.Automaton` (hashed by identity: a cache gives one
     # object per constraint), which the engine's constraint pool holds while the row runs (None: none).
     constraint: object = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100), at most LOGIT_BIAS_SLOTS
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)  # SamplingError
+        if len(self.logit_bias) > LOGIT_BIAS_SLOTS or not all(
+                _integer(t) and t >= 0 and _real(b) and -100 <= b <= 100 for t, b in self.logit_bias):
+            raise SamplingError("logit_bias", f"logit_bias must map at most {LOGIT_BIAS_SLOTS} token ids to "
+                                              f"numbers in -100..100, got {_got(list(self.logit_bias))}")
 
     @property
     def greedy(self) -> bool:
@@ -240,9 +245,11 @@ def rows_of(samplings, width: int | None = None, constraints=None) -> RowSamplin
     top_k = np.zeros((width,), np.int32)
     for j, s in enumerate(samplings):
         temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
-    return RowSampling(temperature=temperature, top_k=top_k, top_p=top_p, key=None,
-                       bias_ids=np.full((width, LOGIT_BIAS_SLOTS), -1, np.int32),
-                       bias=np.zeros((width, LOGIT_BIAS_SLOTS), np.float32),
+    bias_ids, bias = np.full((width, LOGIT_BIAS_SLOTS), -1, np.int32), np.zeros((width, LOGIT_BIAS_SLOTS), np.float32)
+    for j, s in enumerate(samplings):
+        for i, (token, value) in enumerate(s.logit_bias):
+            bias_ids[j, i], bias[j, i] = token, value
+    return RowSampling(temperature=temperature, top_k=top_k, top_p=top_p, key=None, bias_ids=bias_ids, bias=bias,
                        constraint=constraint, logprobs=np.full((width,), -1, np.int32))
 
 

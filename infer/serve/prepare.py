@@ -15,6 +15,8 @@ Each is an `APIError` in OpenAI's schema, 400 naming the field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import hashlib
 import json
@@ -80,7 +82,6 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "prompt_logprobs": (BOTH, (None,), "logprobs are not supported"),
     "max_completion_tokens": (COMPLETIONS, (None,), "max_completion_tokens is a chat field; completions use "
                                                      "max_tokens"),
-    "logit_bias": (BOTH, (None, {}), "logit_bias is not supported"),
     "presence_penalty": (BOTH, (None, 0), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": (BOTH, (None, 0), "frequency_penalty is not supported (only 0)"),
     "repetition_penalty": (BOTH, (None, 1), "repetition_penalty is not supported (only 1)"),
@@ -226,8 +227,14 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     top_p = 1.0 if body.top_p is None else float(body.top_p)
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0  # 0 or -1: off
+    bias = body.logit_bias or {}
+    if not all(k.isdigit() and len(k) < 12 and int(k) < model.vocab_size for k in bias):
+        raise APIError(400, f"logit_bias must map token ids below {model.vocab_size} (as strings) to numbers",
+                       "logit_bias")
     try:
         check_sampling(temperature, top_k, top_p)
+        sampling = Sampling(temperature, top_k, top_p, per_row=True,
+                            logit_bias=tuple((int(k), v) for k, v in bias.items()))
     except SamplingError as e:
         raise APIError(400, str(e), e.field) from None
     # A seed keys the row's random stream (taken modulo 2**32): the same request with the same
@@ -237,12 +244,13 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     stop_ids = _stop_ids(body, model.vocab_size)
     tools = plan_tools(model, body.tools, body.tool_choice, body.parallel_tool_calls) if chat else None
     found = request_constraint(body, tools)
-    automaton = None if found is None else constrained_sampling(model, found)  # compiled here, not on the engine
+    if found is not None:  # compiled here, in the request's thread, never on the engine's
+        sampling = dataclasses.replace(sampling, constraint=constrained_sampling(model, found))
     prompt_ids = _chat_prompt(model, body, tools) if chat else _completion_prompt(model, body)
     stream = bool(body.stream)
     prepared = PreparedRequest(
         chat=chat, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        sampling=Sampling(temperature, top_k, top_p, per_row=True, constraint=automaton), row_id=row_id, stop=stop,
+        sampling=sampling, row_id=row_id, stop=stop,
         stop_ids=stop_ids, stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         return_token_ids=bool(body.return_token_ids), n=body.n or 1, tools=tools)

@@ -115,6 +115,8 @@ class _Request(BaseModel):
     guided_json: dict | str | None = Field(None, description="vLLM's older name of structured_outputs.json")
     guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex")
     guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice")
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, -100..100")
 
 
 class StreamOptions(BaseModel):
