@@ -74,9 +74,7 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "best_of": (BOTH, (None, 1), "only best_of = 1 is supported"),
     "echo": (BOTH, (None, False), "echo is not supported"),
     "suffix": (COMPLETIONS, (None,), "suffix is not supported"),
-    "logprobs": (BOTH, (None, False), "logprobs are not supported"),
-    "top_logprobs": (CHAT, (None, 0), "logprobs are not supported"),
-    "prompt_logprobs": (BOTH, (None,), "logprobs are not supported"),
+    "prompt_logprobs": (BOTH, (None,), "prompt_logprobs are not supported (the output's logprobs are)"),
     "max_completion_tokens": (COMPLETIONS, (None,), "max_completion_tokens is a chat field; completions use "
                                                      "max_tokens"),
     "logit_bias": (BOTH, (None, {}), "logit_bias is not supported"),
@@ -225,6 +223,7 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
         check_sampling(temperature, top_k, top_p)
     except SamplingError as e:
         raise APIError(400, str(e), e.field) from None
+    logprobs = _logprobs(body, chat)
     # A seed keys the row's random stream (taken modulo 2**32): the same request with the same
     # seed gets the same tokens, alone or among others. Without one, a fresh stream.
     row_id = body.seed % 2**32 if body.seed is not None else secrets.randbits(32)
@@ -237,7 +236,8 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     stream = bool(body.stream)
     prepared = PreparedRequest(
         chat=chat, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        sampling=Sampling(temperature, top_k, top_p, per_row=True, constraint=automaton), row_id=row_id, stop=stop,
+        sampling=Sampling(temperature, top_k, top_p, per_row=True, constraint=automaton, logprobs=logprobs),
+        row_id=row_id, stop=stop,
         stop_ids=stop_ids, stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         return_token_ids=bool(body.return_token_ids), n=body.n or 1, tools=tools)
@@ -246,6 +246,27 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
         raise APIError(400, why, "messages" if chat else "prompt", code="context_length_exceeded"
                        if "longer than the context" in why else None)
     return prepared
+
+
+def _logprobs(body, chat: bool) -> int | None:
+    """The top alternatives a request's tokens come with (None: no logprobs): chat's logprobs true
+    with top_logprobs (0..20, default 0; without logprobs true only 0), completions' logprobs
+    (0..20; false: none)."""
+    from dflash_jax.engine.sampling import logprobs_problem
+
+    if chat:
+        top = body.top_logprobs
+        if not body.logprobs:
+            if top is None or top == 0 and not isinstance(top, bool):
+                return None
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        name, value = "top_logprobs", 0 if top is None else top
+    else:
+        name, value = "logprobs", None if body.logprobs is False else body.logprobs
+    why = logprobs_problem(value)
+    if why:
+        raise APIError(400, f"{name} {why}", name)
+    return value
 
 
 def _stop(body) -> list[str]:
