@@ -251,7 +251,7 @@ class StreamingEngine:
         if not isinstance(s, Sampling):
             raise DFlashError(f"a request's sampling must be a Sampling, got {type(s).__name__}")
         check_sampling(s.temperature, s.top_k, s.top_p, s.logprobs)  # a Sampling checks itself; it may have been altered
-        why = self.gen.check_logprobs(s.logprobs)
+        why = None if s.logprobs is None else self.gen.check_logprobs(s.logprobs)
         if why:
             raise InputError(why)
         if s.constraint is not None:
