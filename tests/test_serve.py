@@ -57,6 +57,7 @@ def fake_served(check=lambda ids, n: None, max_new=16):
 
     return SimpleNamespace(name="m", max_new=max_new, encode=lambda p: p if isinstance(p, list) else [ord(c) for c in p],
                            chat=chat, chats=chats, decode=decode, engine=SimpleNamespace(check=check),
+                           token_piece=lambda i: (decode([i]), list(decode([i]).encode())),
                            vocab_size=1000, trust_request_chat_template=False, constraints=None,
                            constraint_refusal="structured output is off on this server (--constraint-states 0)",
                            tools=ModelTools.of("qwen3", "{% for t in tools %}<tool_call>{% endfor %}"))
@@ -71,8 +72,12 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"prompt": "x", "n": 65}, False, 400, "n"),
     ({"prompt": "x", "n": 0}, False, 400, "n"),
     ({"prompt": "x", "best_of": 3}, False, 400, "best_of"),
-    ({"prompt": "x", "logprobs": 1}, False, 400, "logprobs"),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 2}, True, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, False, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, False, 400, "logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, True, 400, "top_logprobs"),
+    ({"messages": CHAT, "top_logprobs": 2}, True, 400, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": 1}, True, 400, "logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1}, False, 400, "prompt_logprobs"),
     ({"prompt": "x", "echo": True}, False, 400, "echo"),
     ({"prompt": "x", "suffix": "y"}, False, 400, "suffix"),
     ({"prompt": ["a", "b"]}, False, 400, "prompt"),
@@ -350,7 +355,12 @@ class FakeEngine:
         ids = []
         for c in self.chunks:
             ids += c
-            req.emit(list(c), None)
+            if req.sampling.logprobs is None:
+                req.emit(list(c), None)
+            else:  # scripted logprobs: token t's is -t / 10, its alternatives t + 1, t + 2, ... a tenth below each
+                k = req.sampling.logprobs
+                req.emit(list(c), None, ([-t / 10 for t in c], [[(t + j, -(t + j) / 10 - 0.1) for j in range(1, k + 1)]
+                                                               for t in c]))
         req.emit([], Result(req.row_id, ids if self.reason != "error" else [], [], self.reason))
 
     def close(self, **kw):
@@ -428,6 +438,64 @@ def test_app_answers_completions_streamed_and_not():
         r = client.get("/metrics")
         assert r.status_code == 200 and "dflash_requests_running 0" in r.text
     assert engine.closed == [{"cancel_running": True, "timeout": 30}]  # shutting down cancels what still runs
+
+
+def test_app_answers_logprobs_in_both_shapes_whole_and_streamed():
+    """The scripted engine's logprobs (token t: -t/10; alternatives t+1.. a tenth below each) reach
+    the client: chat's `content` entries (token, logprob, bytes, top_logprobs), completions' four
+    lists (text_offset counting the tokens' characters), whole and per chunk; a stop string's cut
+    cuts them too; a request that asks for none has null."""
+    engine = FakeEngine()  # tokens 1, 3 then 4: "b", "d", "e"
+    entry = lambda t: {"token": decode([t]), "logprob": -t / 10, "bytes": list(decode([t]).encode())}  # 2: "\n"
+    with app_client(engine) as client:
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1].sampling.logprobs == 2
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert [c["token"] for c in content] == ["b", "d", "e"]
+        for c, t in zip(content, (1, 3, 4)):
+            assert {k: c[k] for k in ("token", "logprob", "bytes")} == entry(t)
+            assert c["top_logprobs"] == [{**entry(t + j), "logprob": pytest.approx(-(t + j) / 10 - 0.1)}
+                                         for j in (1, 2)]
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True})
+        assert all(c["top_logprobs"] == [] for c in r.json()["choices"][0]["logprobs"]["content"])
+        assert engine.requests[-1].sampling.logprobs == 0
+        assert client.post("/v1/chat/completions", json={"messages": CHAT}).json()["choices"][0]["logprobs"] is None
+
+        got = events(client.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "top_logprobs": 1,
+                                                               "stream": True}))
+        streamed = [c["choices"][0]["logprobs"] for c in got[1:-1]]
+        assert [[e["token"] for e in lp["content"]] for lp in streamed if lp] == [["b", "d"], ["e"]]
+        assert [e["top_logprobs"][0]["token"] for lp in streamed if lp for e in lp["content"]] == ["\n", "e", "f"]
+
+        r = client.post("/v1/completions", json={"prompt": "xy", "logprobs": 2})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["tokens"] == ["b", "d", "e"] and lp["token_logprobs"] == [-0.1, -0.3, -0.4]
+        assert lp["text_offset"] == [0, 1, 2]
+        assert lp["top_logprobs"] == [{"\n": pytest.approx(-0.3), "d": pytest.approx(-0.4)},
+                                      {"e": pytest.approx(-0.5), "f": pytest.approx(-0.6)},
+                                      {"f": pytest.approx(-0.6), "g": pytest.approx(-0.7)}]
+        assert client.post("/v1/completions", json={"prompt": "xy", "logprobs": 0}).json()["choices"][0][
+            "logprobs"]["top_logprobs"] == [None, None, None]
+        got = events(client.post("/v1/completions", json={"prompt": "xy", "logprobs": 1, "stream": True}))
+        streamed = [c["choices"][0]["logprobs"] for c in got[:-1]]
+        assert [(x["tokens"], x["text_offset"]) for x in streamed if x] == [(["b", "d"], [0, 1]), (["e"], [2])]
+
+        # "d" completes the stop string: the answer, its tokens and their logprobs end there
+        r = client.post("/v1/completions", json={"prompt": "xy", "logprobs": 0, "stop": "d"})
+        assert r.json()["choices"][0]["text"] == "b" and r.json()["choices"][0]["logprobs"]["tokens"] == ["b", "d"]
+
+
+def test_a_tokens_bytes_are_its_own_where_it_is_half_a_character():
+    from infer.serve.logprobs import token_piece
+
+    pieces = {1: "Ã", 2: "<0xE2>", 3: "Ġhi"}  # byte-level BPE's 0xC3, SentencePiece's byte token, " hi"
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " hi" if ids == [3] else "\ufffd",
+                                convert_ids_to_tokens=pieces.get)
+    assert token_piece(tokenizer, 1) == ("\ufffd", [0xC3])
+    assert token_piece(tokenizer, 2) == ("\ufffd", [0xE2])
+    assert token_piece(tokenizer, 3) == (" hi", [32, 104, 105])
+    assert token_piece(None, 7) == ("token_id:7", list(b"token_id:7"))
 
 
 def test_app_stop_string_cuts_the_answer_and_cancels_the_row():
@@ -1201,7 +1269,7 @@ def test_bad_requests_answer_in_openai_schema(server):
     base = dict(model=MODEL, prompt="def f(x):\n", max_tokens=4)
     cases = [
         (dict(n=65), openai.BadRequestError, 400, "n", None, "limit (64 choices"),
-        (dict(logprobs=2), openai.BadRequestError, 400, "logprobs", None, "logprobs"),
+        (dict(logprobs=21), openai.BadRequestError, 400, "logprobs", None, "logprobs must be an integer in 0..20"),
         (dict(prompt=[5] * 100), openai.BadRequestError, 400, "prompt", "context_length_exceeded",
          "prompt of 100 tokens is longer than the context (64 tokens)"),
         (dict(max_tokens=1000), openai.BadRequestError, 400, "max_tokens", None, "limit (128"),

@@ -72,9 +72,10 @@ def _streaming_engine(vocab=1000, context=64, max_new=16, max_waiting=10**6):
     from dflash_jax.engine.streaming import StreamingEngine
 
     spec = SimpleNamespace(sampling=Sampling(per_row=True), max_new_tokens=max_new, block_size=4, kv_pages=None,
-                           target=SimpleNamespace(vocab_size=vocab, max_position_embeddings=context))
+                           target=SimpleNamespace(vocab_size=vocab, max_position_embeddings=context), max_logprobs=20)
     gen = SimpleNamespace(spec=spec, tail_widths=[], batch_size=2, max_prompt_len=context)
     gen.check_prompt = lambda prompt, n: BatchEngine.check_prompt(gen, prompt, n)
+    gen.check_logprobs = lambda logprobs: BatchEngine.check_logprobs(gen, logprobs)
     return StreamingEngine(gen, max_waiting=max_waiting)
 
 
@@ -149,10 +150,11 @@ def test_every_known_field_not_done_is_accepted_at_its_no_op_and_refused_otherwi
 
 
 @pytest.mark.parametrize("body,chat,param,says", [
-    ({"logprobs": 0}, False, "logprobs", "not supported"),  # 0 asks for the sampled token's logprob
-    ({"logprobs": 1}, False, "logprobs", "not supported"),
-    ({"logprobs": True}, True, "logprobs", "not supported"),
-    ({"top_logprobs": 2}, True, "top_logprobs", "not supported"),
+    ({"logprobs": 21}, False, "logprobs", "logprobs must be an integer in 0..20, got 21"),
+    ({"logprobs": -1}, False, "logprobs", "logprobs must be an integer in 0..20"),
+    ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs", "top_logprobs must be an integer in 0..20"),
+    ({"top_logprobs": 2}, True, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"prompt_logprobs": 1}, True, "prompt_logprobs", "prompt_logprobs are not supported"),
     ({"max_completion_tokens": 5}, False, "max_completion_tokens", "use max_tokens"),
     ({"response_format": {"type": "json_object"}}, True, "response_format", "structured output is off"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, False, "response_format", "json_schema.schema"),
@@ -453,7 +455,7 @@ def test_fuzz_hostile_bodies_never_crash_the_server():
      "chat_template"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
     ("/v1/completions", {"prompt": "x", "stop_sequences": ["\n"]}, "stop_sequences"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
 ])
 def test_the_issues_bodies_are_400_naming_the_field(path, body, param):
     from starlette.testclient import TestClient

@@ -38,7 +38,7 @@ SYNC_EVERY = 8
 SERVER_SYNC_EVERY = 2
 
 # Fields that must be integers >= 0.
-_NON_NEGATIVE = ("tree_budget", "constraint_states", "constraint_edges")
+_NON_NEGATIVE = ("tree_budget", "constraint_states", "constraint_edges", "max_logprobs")
 # Fields that must be integers >= 1 when set.
 _POSITIVE = ("max_new_tokens", "batch_size", "sync_every", "block_size", "draft_tokens", "max_prompt_len",
              "kv_pages", "page_size", "prefill_chunk", "draft_window")
@@ -71,6 +71,9 @@ class EngineOptions:
     stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
     constraint_states: int = 0  # automaton states a row's constraint may have (0: no constraints; `engine.constraints`)
     constraint_edges: int = 0  # its transition exceptions (0: 64 per state)
+    # The most top alternatives a row's logprobs may ask for (`Sampling.logprobs`; 0: no logprobs, nothing
+    # computed or stored). No flag: the server sets it (MAX_LOGPROBS), a library caller may.
+    max_logprobs: int = 0
 
     def __post_init__(self):
         for name in _POSITIVE:

@@ -107,19 +107,31 @@ def max_new_tokens_problem(x) -> str | None:
     return None if _integer(x) and 1 <= x <= INT32_MAX else f"must be an integer in 1..{INT32_MAX}, got {_got(x)}"
 
 
-def sampling_problem(temperature, top_k, top_p) -> tuple[str, str] | None:
+# The most top alternatives a row's logprobs may ask for per token (OpenAI's and vLLM's default limit).
+MAX_LOGPROBS = 20
+
+
+def logprobs_problem(x) -> str | None:
+    """logprobs: None (none) or an integer in 0..MAX_LOGPROBS (the token's own logprob and that many
+    top alternatives)."""
+    if x is None or _integer(x) and 0 <= x <= MAX_LOGPROBS:
+        return None
+    return f"must be an integer in 0..{MAX_LOGPROBS}, got {_got(x)}"
+
+
+def sampling_problem(temperature, top_k, top_p, logprobs=None) -> tuple[str, str] | None:
     """The first sampling setting out of its bounds as (field, why), why reading after the
     field's name ("must be ..., got X"); None when all fit."""
     for name, why in (("temperature", temperature_problem(temperature)), ("top_k", top_k_problem(top_k)),
-                      ("top_p", top_p_problem(top_p))):
+                      ("top_p", top_p_problem(top_p)), ("logprobs", logprobs_problem(logprobs))):
         if why is not None:
             return name, why
     return None
 
 
-def check_sampling(temperature, top_k, top_p) -> None:
+def check_sampling(temperature, top_k, top_p, logprobs=None) -> None:
     """Raise SamplingError ("top_k must be ...") for the first setting out of its bounds (`sampling_problem`)."""
-    problem = sampling_problem(temperature, top_k, top_p)
+    problem = sampling_problem(temperature, top_k, top_p, logprobs)
     if problem is not None:
         raise SamplingError(problem[0], f"{problem[0]} {problem[1]}")
 
@@ -175,9 +187,12 @@ class Sampling:
     # object per constraint), which the engine's constraint pool holds while the row runs (None: none).
     constraint: object = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100), at most LOGIT_BIAS_SLOTS
+    # The row's logprobs (`token_logprobs`): None, none; 0..MAX_LOGPROBS, each token's own logprob under
+    # the target's raw distribution and that many top alternatives (the engine's max_logprobs bounds it).
+    logprobs: int | None = None
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p)  # SamplingError
+        check_sampling(self.temperature, self.top_k, self.top_p, self.logprobs)  # SamplingError
         if len(self.logit_bias) > LOGIT_BIAS_SLOTS or not all(
                 _integer(t) and t >= 0 and _real(b) and -100 <= b <= 100 for t, b in self.logit_bias):
             raise SamplingError("logit_bias", f"logit_bias must map at most {LOGIT_BIAS_SLOTS} token ids to "
@@ -242,15 +257,16 @@ def rows_of(samplings, width: int | None = None, constraints=None) -> RowSamplin
     constraint = np.full((width,), -1, np.int32)
     constraint[:len(samplings)] = -1 if constraints is None else constraints
     temperature, top_p = np.zeros((width,), np.float32), np.ones((width,), np.float32)
-    top_k = np.zeros((width,), np.int32)
+    top_k, logprobs = np.zeros((width,), np.int32), np.full((width,), -1, np.int32)
     for j, s in enumerate(samplings):
         temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
+        logprobs[j] = -1 if s.logprobs is None else s.logprobs
     bias_ids, bias = np.full((width, LOGIT_BIAS_SLOTS), -1, np.int32), np.zeros((width, LOGIT_BIAS_SLOTS), np.float32)
     for j, s in enumerate(samplings):
         for i, (token, value) in enumerate(s.logit_bias):
             bias_ids[j, i], bias[j, i] = token, value
     return RowSampling(temperature=temperature, top_k=top_k, top_p=top_p, key=None, bias_ids=bias_ids, bias=bias,
-                       constraint=constraint, logprobs=np.full((width,), -1, np.int32))
+                       constraint=constraint, logprobs=logprobs)
 
 
 def _cut(logits, temperature, top_k, top_p):
@@ -332,6 +348,29 @@ def pick(logits, rows: RowSampling, positions, *, sampled: bool = True, allowed=
         return jnp.where((rows.temperature > 0)[:, None], tokens, greedy)
 
     return jax.lax.cond((rows.temperature > 0).any(), draw, lambda _: greedy, None)
+
+
+def token_logprobs(logits, tokens, rows: RowSampling, width: int, active=None):
+    """The logprobs of tokens [batch, T] under logits [batch, T, vocab]: the target's raw distribution
+    (log-softmax of its logits, before bias, constraint, temperature, top-k and top-p, as vLLM's
+    default), with no other pass. Returns (own [batch, T] float32, top_ids [batch, T, width] int32,
+    top [batch, T, width] float32), the width most likely tokens by `jax.lax.top_k`. Computed only
+    when some row (of active [batch], default all) asked (`RowSampling.logprobs` >= 0); else zeros."""
+    b, t, _ = logits.shape
+    asked = rows.logprobs >= 0
+    asked = asked if active is None else asked & active
+
+    def compute(_):
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        own = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+        top, ids = jax.lax.top_k(lp, width)
+        return own, ids.astype(jnp.int32), top
+
+    def none(_):
+        return (jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, width), jnp.int32),
+                jnp.zeros((b, t, width), jnp.float32))
+
+    return jax.lax.cond(asked.any(), compute, none, None)
 
 
 def processed_logits(logits, sampling: Sampling):

@@ -178,6 +178,7 @@ class BatchEngine:
             tree_budget=tree_budget, acceptance=options.acceptance, draft_window=draft_window,
             constraint_states=options.constraint_states,
             constraint_edges=options.constraint_edges or 64 * options.constraint_states,
+            max_logprobs=options.max_logprobs,
         )
         # Which automaton each region of the constraint pool holds (`dflash_jax.engine.constraints`).
         self.regions = (ConstraintRegions(batch_size, self.spec.constraint_states, self.spec.constraint_edges,
@@ -475,7 +476,7 @@ class BatchEngine:
     def land(self, call: "Call"):
         """A call's figures on the host (waiting for it), after the policy has them: its draft
         length's cost (seconds per cycle, when timed) and acceptance. Returns the figures."""
-        figures = self.read(call.figures, "running decoding cycles")
+        figures = self.read(call.figures[:3], "running decoding cycles")  # a stream's logprobs: read where asked
         now = time.perf_counter()
         tally = figures[1]
         seconds = now - max(call.issued, self._last_read) if call.timed else None
@@ -500,11 +501,25 @@ class BatchEngine:
         if bad:
             raise DFlashError(f"row index {bad[0]} outside 0..2**32-1 (indices key the random streams)")
         limits = self._limits(max_new_tokens, len(prompts))
+        for i, s in zip(indices, sampling or [self.spec.sampling] * len(prompts)):
+            why = self.check_logprobs(s.logprobs)
+            if why:
+                raise DFlashError(f"prompt {i}: {why}")
         for i, p, m in zip(indices, prompts, limits):
             why = self.check_prompt(p, m)
             if why:
                 raise DFlashError(f"prompt {i}: {why}")
         return indices, limits
+
+    def check_logprobs(self, logprobs: int | None) -> str | None:
+        """Why a row cannot have these logprobs (`Sampling.logprobs`) here, or None: more top alternatives
+        than the engine's max_logprobs, or any on an engine without them."""
+        top = self.spec.max_logprobs
+        if logprobs is None or logprobs <= top and top:
+            return None
+        if not top:
+            return "this engine computes no logprobs (its max_logprobs is 0)"
+        return f"logprobs must be at most {top} (the engine's max_logprobs), got {logprobs}"
 
     def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, indices: Sequence[int] | None = None,
                  max_new_tokens: int | Sequence[int] | None = None, progress=None,
@@ -513,7 +528,8 @@ class BatchEngine:
         and key their random streams. `max_new_tokens`: one limit for every row or one per
         row, each at most the engine's (default: the engine's). `progress(n_tokens)` is called
         after each sync with the tokens generated since the last. `sampling`: one per prompt,
-        for an engine built with Sampling(per_row=True) (default: its Sampling for every row)."""
+        for an engine built with Sampling(per_row=True) (default: its Sampling for every row).
+        A row whose Sampling asks for logprobs (an engine with max_logprobs) has them in its Result."""
         indices, limits = self._check_rows(prompts, indices, max_new_tokens, sampling)
         if not prompts:
             return
@@ -556,7 +572,8 @@ class BatchEngine:
             done, num_generated = info[0].astype(bool), info[1]
             if progress is not None:
                 progress(ledger.report(num_generated, lambda i: limits[i]))
-            yield from self._finish_rows(ledger, state, done, num_generated, indices, limits)
+            yield from self._finish_rows(ledger, state, done, num_generated, indices, limits,
+                                         lambda i: (sampling[i] if sampling is not None else self.spec.sampling).logprobs)
             if ahead:
                 if not ledger.running:
                     if ledger.width == self.batch_size:
@@ -569,16 +586,23 @@ class BatchEngine:
             state, call = self.launch(state, ledger.width, until_free=bool(ledger.waiting), timed=not admitted)
 
     def _finish_rows(self, ledger: SlotLedger, state: DecodeState, done, num_generated, indices,
-                     limits) -> Iterator[Result]:
-        """The Results of the rows that finished (done), then their slots and pages freed."""
+                     limits, logprobs_of) -> Iterator[Result]:
+        """The Results of the rows that finished (done), then their slots and pages freed.
+        logprobs_of(row): the logprobs it asked for (None: none; read only where some row asked)."""
         finished = np.flatnonzero(done & ledger.occupied())
         if not len(finished):
             return
         output, acceptance, num_cycles = self.read((state.output, state.acceptance, state.num_cycles),
                                                    "reading finished rows")
-        for s in finished:
+        asked = [logprobs_of(ledger.occupant[s]) for s in finished]
+        arrays = None
+        if any(k is not None for k in asked):
+            arrays = self.read((state.token_logprobs, state.top_ids, state.top_logprobs), "reading finished rows")
+        for s, k in zip(finished, asked):
             i = ledger.occupant[s]
-            yield ledger.result(indices[i], output[s], min(num_generated[s], limits[i]), acceptance[s], num_cycles[s])
+            logprobs = None if k is None else (k, *(a[s] for a in arrays))
+            yield ledger.result(indices[i], output[s], min(num_generated[s], limits[i]), acceptance[s], num_cycles[s],
+                                logprobs)
         for s in finished:
             ledger.finish(s)
 

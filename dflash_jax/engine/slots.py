@@ -31,6 +31,10 @@ class Result:
     acceptance_lengths: list[int]  # of each cycle that drafted (plain decoding's: 1 per step)
     finish_reason: str  # "stop" | "length" (streaming: also "cancelled", "error")
     plain_cycles: int = 0  # auto speculation's plain cycles (no draft verified, one token each)
+    # A row that asked for logprobs (`Sampling.logprobs`): each output token's logprob under the target's raw
+    # distribution and its top alternatives as (token id, logprob), most likely first; aligned with output_ids.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def cycles(self) -> int:
@@ -179,14 +183,29 @@ class SlotLedger:
         stop = next((j for j, t in enumerate(tokens) if t in self.stop_set), None)
         return (tokens, False) if stop is None else (tokens[:stop + 1], True)
 
-    def result(self, index: int, output: np.ndarray, upto: int, acceptance: np.ndarray, num_cycles: int) -> Result:
+    def result(self, index: int, output: np.ndarray, upto: int, acceptance: np.ndarray, num_cycles: int,
+               logprobs=None) -> Result:
         """The Result of a row from its output tokens (the first `upto` of them, cut at the first
         stop token) and its acceptance lengths (the first num_cycles; a 0 is auto speculation's
-        plain cycle, counted apart: `Result.plain_cycles`)."""
+        plain cycle, counted apart: `Result.plain_cycles`). logprobs: (k, the row's token_logprobs,
+        top_ids, top_logprobs), for a row that asked for k top alternatives (None: none)."""
         tokens, stopped = self.cut(output[:upto].tolist())
         lengths = acceptance[:num_cycles].tolist()
         drafted = [a for a in lengths if a > 0]
-        return Result(index, tokens, drafted, "stop" if stopped else "length", len(lengths) - len(drafted))
+        result = Result(index, tokens, drafted, "stop" if stopped else "length", len(lengths) - len(drafted))
+        if logprobs is not None:
+            result.logprobs, result.top_logprobs = token_logprobs(*logprobs, 0, len(tokens))
+        return result
+
+
+def token_logprobs(k: int, own: np.ndarray, ids: np.ndarray, top: np.ndarray, start: int,
+                   stop: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """A row's logprobs of output positions start..stop from its `DecodeState` arrays (own [out_len],
+    ids and top [out_len, max_logprobs]), k top alternatives each: (logprobs, top_logprobs), as
+    `Result` holds them."""
+    own = own[start:stop].tolist()
+    ids, top = ids[start:stop, :k].tolist(), top[start:stop, :k].tolist()
+    return own, [list(zip(i, t)) for i, t in zip(ids, top)]
 
 
 @dataclasses.dataclass

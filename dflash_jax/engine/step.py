@@ -36,7 +36,7 @@ from dflash_jax.engine.cycles.base import pick
 from dflash_jax.engine.cycles.selector import selector_scores as _selector_scores  # noqa: F401 (tests reach it here)
 from dflash_jax.engine import constraints
 from dflash_jax.engine.constraints import NONE, ConstraintPool
-from dflash_jax.engine.sampling import RowSampling, Sampling
+from dflash_jax.engine.sampling import RowSampling, Sampling, token_logprobs
 from dflash_jax.errors import DFlashError
 from dflash_jax.kv import KVCache, init_cache, init_context_cache
 from dflash_jax.model import ForwardOutput, forward, settle
@@ -73,6 +73,9 @@ class EngineSpec:
     # states and transition exceptions (0: no constraints, nothing compiled for them).
     constraint_states: int = 0
     constraint_edges: int = 0
+    # Rows' logprobs (`Sampling.logprobs`): the most top alternatives a row may ask for per token, stored in
+    # `DecodeState.token_logprobs`, `top_ids`, `top_logprobs` (0: no logprobs, nothing computed or stored).
+    max_logprobs: int = 0
 
     # The kind of cycle these settings make (`dflash_jax.engine.cycles.cycle_kind`, where every rule
     # of draft_tokens, tree_budget and acceptance lives): derived, so not compared (the settings are).
@@ -84,6 +87,9 @@ class EngineSpec:
             acceptance=self.acceptance, greedy=self.sampling.greedy, constrained=self.constraint_states > 0))
         if self.draft_window is not None and self.draft_window < 1:
             raise DFlashError(f"--draft-window must be >= 1, got {self.draft_window}")
+        if not 0 <= self.max_logprobs <= self.target.vocab_size:
+            raise DFlashError(f"max_logprobs must be in 0..{self.target.vocab_size} (the vocabulary), "
+                              f"got {self.max_logprobs}")
 
     @property
     def num_drafts(self) -> int:
@@ -152,6 +158,11 @@ class DecodeState:
                     ([batch]; the context's length + num_taps is the target's); else [batch, 0, 0].
     filling:        [batch] the slot's prompt is being prefilled piece by piece (`prefill_part`):
                     done (cycles pass over it), but cycles keep its caches and pages.
+    token_logprobs: [batch, max_new + block] float32, each output token's logprob under the target's raw
+                    distribution (`sampling.token_logprobs`), at `output`'s offsets; written for rows
+                    that asked (`RowSampling.logprobs` >= 0). [batch, 0] with spec.max_logprobs 0.
+    top_ids, top_logprobs: [batch, max_new + block, spec.max_logprobs] int32 / float32, the most likely
+                    tokens at each output position and their logprobs ([batch, 0, 0] with none).
     """
 
     target_cache: KVCache
@@ -170,6 +181,9 @@ class DecodeState:
     taps: jax.Array
     num_taps: jax.Array
     filling: jax.Array
+    token_logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 def map_state(state: DecodeState, f) -> DecodeState:
@@ -220,8 +234,17 @@ def init_state(spec: EngineSpec, batch: int) -> DecodeState:
         constraints=(ConstraintPool.empty(batch, spec.constraint_states, spec.constraint_edges, spec.target.vocab_size)
                      if spec.constraint_states else None),
         taps=jnp.zeros((batch, *_taps_shape(spec)), jnp_dtype(spec.target.dtype)), num_taps=zeros(batch),
-        filling=jnp.zeros((batch,), bool),
+        filling=jnp.zeros((batch,), bool), **_logprob_arrays(spec, batch),
     ), spec.mesh)
+
+
+def _logprob_arrays(spec: EngineSpec, batch: int) -> dict:
+    """`DecodeState`'s empty logprob arrays: an output's length of them, none without spec.max_logprobs."""
+    n = spec.max_logprobs
+    length = spec.out_len if n else 0
+    return dict(token_logprobs=jnp.zeros((batch, length), jnp.float32),
+                top_ids=jnp.zeros((batch, length, n), jnp.int32),
+                top_logprobs=jnp.zeros((batch, length, n), jnp.float32))
 
 
 def _taps_shape(spec: EngineSpec) -> tuple[int, int]:
@@ -247,13 +270,19 @@ def narrow_state(spec: EngineSpec, state: DecodeState, keep) -> DecodeState:
 
 
 def insert(spec: EngineSpec, state: DecodeState, slots, anchor, stopped, max_new_tokens,
-           rows: RowSampling) -> DecodeState:
+           rows: RowSampling, logprobs=None) -> DecodeState:
     """Start new rows in `slots` [n] (out of range: padding, dropped): the first token is the
-    anchor, nothing else is generated yet, rows [n] their sampling (keys drawn). Caches are the
-    caller's (prefill writes them)."""
+    anchor, nothing else is generated yet, rows [n] their sampling (keys drawn). logprobs: the
+    anchor's (own [n], top ids and logprobs [n, spec.max_logprobs]; `sampling.token_logprobs`),
+    None without spec.max_logprobs. Caches are the caller's (prefill writes them)."""
     n = slots.shape[0]
     put = lambda arr, values: arr.at[slots].set(values, mode="drop")
     fsm = constraints.advance(state.constraints, rows.constraint, anchor)  # the anchor was drawn under its mask
+    if logprobs is not None:
+        own, ids, top = logprobs
+        first = lambda arr, x: put(arr, jnp.zeros((n, *arr.shape[1:]), arr.dtype).at[:, 0].set(x))
+        state = state.replace(token_logprobs=first(state.token_logprobs, own), top_ids=first(state.top_ids, ids),
+                              top_logprobs=first(state.top_logprobs, top))
     return state.replace(sampling=jax.tree.map(put, state.sampling, rows), fsm=put(state.fsm, fsm),
         anchor=put(state.anchor, anchor),
         output=put(state.output, jnp.zeros((n, spec.out_len), jnp.int32).at[:, 0].set(anchor)),
@@ -365,8 +394,12 @@ def prefill(tparams, dparams, spec: EngineSpec, state: DecodeState, tokens, prom
     allowed = constraints.allowed(state.constraints, rows.constraint[:, None], spec.target.vocab_size)
     first = pick(spec, logits[:, None], rows, (before + prompt_lens)[:, None], allowed)[:, 0]
     stopped = _hits_stop(first[:, None], stop_ids)[:, 0]
+    logprobs = None
+    if spec.max_logprobs:  # the first token's, from prefill's own logits
+        own, ids, top = token_logprobs(logits[:, None], first[:, None], rows, spec.max_logprobs)
+        logprobs = (own[:, 0], ids[:, 0], top[:, 0])
     state = insert(spec, state.replace(target_cache=target_cache, context_cache=context_cache), slots, first, stopped,
-                   max_new_tokens, rows)
+                   max_new_tokens, rows, logprobs)
     # A row whose first token stops it is done before any cycle runs: its pages go back now
     # (a filling row, whose prompt is still going in piece by piece, keeps its own).
     ended = state.done & ~state.filling
@@ -393,13 +426,23 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
     target_tokens[:, :a+1]; the target cache keeps positions <= P + a (a length update; the
     linear-attention layers of a hybrid target settle their deferred states at a + 1
     positions), and the taps of those positions, which the verify produced, join the
-    drafter's context (as the spec's kind keeps them: `CycleKind.keep_taps`)."""
+    drafter's context (as the spec's kind keeps them: `CycleKind.keep_taps`). With
+    spec.max_logprobs, the kept tokens' logprobs come from the verify's logits (verified.logits
+    [batch, T, vocab], position i giving target_tokens[:, i]; a tree's compacted along its path) and
+    are written at the output's offsets."""
     b = target_tokens.shape[1]
     active = ~state.done
     start = state.target_cache.lengths
     n_new = jnp.where(active, num_accepted + 1, 0)
     write = jax.vmap(lambda row, new, off: jax.lax.dynamic_update_slice_in_dim(row, new, off, axis=0))
     output = jnp.where(active[:, None], write(state.output, target_tokens, state.num_generated), state.output)
+    logprobs = {}
+    if spec.max_logprobs:
+        new = token_logprobs(verified.logits, target_tokens, state.sampling, spec.max_logprobs, active)
+        for name, values in zip(("token_logprobs", "top_ids", "top_logprobs"), new):
+            old = getattr(state, name)
+            mask = active.reshape((-1,) + (1,) * (old.ndim - 1))
+            logprobs[name] = jnp.where(mask, write(old, values, state.num_generated), old)
     kept = jnp.arange(b)[None, :] <= num_accepted[:, None]
     stopped = active & (_hits_stop(target_tokens, stop_ids) & kept).any(axis=1)
     slot = jnp.arange(state.acceptance.shape[1])[None, :] == state.num_cycles[:, None]
@@ -431,7 +474,7 @@ def commit(dparams, spec: EngineSpec, state: DecodeState, target_tokens, num_acc
         target_cache=target_cache.replace(lengths=lengths),
         context_cache=context_cache, anchor=jnp.where(active, anchor, state.anchor), output=output,
         num_generated=num_generated, acceptance=acceptance, num_cycles=state.num_cycles + active.astype(jnp.int32),
-        done=done, stopped=state.stopped | stopped, taps=taps, num_taps=num_taps, fsm=fsm,
+        done=done, stopped=state.stopped | stopped, taps=taps, num_taps=num_taps, fsm=fsm, **logprobs,
     )
 
 
@@ -472,7 +515,8 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
     donated, already runs; tally [3, B-1] int32 is the call's cycles (tally[0, 0]) and, per draft
     position, the rows that reached it and those that accepted it (`_tally`: auto speculation's
     acceptance). stream (static): the figures are (progress, tally, (output, acceptance,
-    num_cycles)), copies of the rows' tokens so far, so that a server streams them at every call
+    num_cycles), (token_logprobs, top_ids, top_logprobs)), copies of the rows' tokens so far and
+    their logprobs (width 0 without spec.max_logprobs), so that a server streams them at every call
     without waiting on the state."""
     running = ~state.done
 
@@ -491,7 +535,8 @@ def run_cycles(tparams, dparams, spec: EngineSpec, state: DecodeState, stop_ids,
     tally = jnp.concatenate([jnp.zeros((1, counts.shape[1]), jnp.int32).at[0, :1].set(cycles), counts])
     progress = jnp.stack([state.done.astype(jnp.int32), state.num_generated])
     if stream:
-        return state, (progress, tally, (state.output + 0, state.acceptance + 0, state.num_cycles + 0))
+        logprobs = (state.token_logprobs + 0, state.top_ids + 0, state.top_logprobs + 0)
+        return state, (progress, tally, (state.output + 0, state.acceptance + 0, state.num_cycles + 0), logprobs)
     return state, (progress, tally)
 
 

@@ -5,7 +5,8 @@
 the engine admits requests into free slots as they come (in arrival order, each with its own
 max_new_tokens, sampling and random stream), runs `sync_every` cycles per call and, while the
 device runs the next call, hands each request the tokens it gained in the last one through
-`request.emit(tokens, result)`: result is None until the request finishes. A request that is
+`request.emit(tokens, result)`: result is None until the request finishes (a request that asked for
+logprobs gets them too, `emit(tokens, None, logprobs)`). A request that is
 cancelled (a client gone, a stop string found) ends at the next sync and its slot takes the next
 request. `close()` stops new requests, lets the running and queued ones finish (or cancels them)
 and ends the thread.
@@ -34,7 +35,7 @@ import numpy as np
 from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.sampling import Sampling, check_sampling
 from dflash_jax.engine.scheduler import BatchEngine, run_steps
-from dflash_jax.engine.slots import Result, SlotLedger
+from dflash_jax.engine.slots import Result, SlotLedger, token_logprobs
 from dflash_jax.engine.step import cancel, prefill_part
 from dflash_jax.kv import PrefixPool, page_table
 from dflash_jax.sharding import put_batch
@@ -55,7 +56,9 @@ class StreamRequest:
     the tokens the row gained since the last call (stop tokens included, cut at the first), and
     with its Result once it ends (finish_reason "stop", "length" or "cancelled"); it must not
     block. row_id keys the row's random stream: the same prompt, sampling and row_id give the
-    same tokens whatever else runs."""
+    same tokens whatever else runs. A request whose sampling asks for logprobs (`Sampling.logprobs`)
+    has its tokens emitted as emit(tokens, None, (logprobs, top_logprobs)), those tokens' own
+    logprobs and top alternatives as `Result` holds them, and the whole lists in its Result."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -247,7 +250,10 @@ class StreamingEngine:
         s = request.sampling
         if not isinstance(s, Sampling):
             raise DFlashError(f"a request's sampling must be a Sampling, got {type(s).__name__}")
-        check_sampling(s.temperature, s.top_k, s.top_p)  # a Sampling checks itself; this one may have been altered
+        check_sampling(s.temperature, s.top_k, s.top_p, s.logprobs)  # a Sampling checks itself; it may have been altered
+        why = None if s.logprobs is None else self.gen.check_logprobs(s.logprobs)
+        if why:
+            raise InputError(why)
         if s.constraint is not None:
             self.check_constraint(s.constraint)  # an InputError (a DFlashError): never the engine thread's
         with self._lock:
@@ -459,6 +465,9 @@ class StreamingEngine:
         progress, _, (output, acceptance, num_cycles) = gen.land(call)
         now = time.perf_counter()
         done, num_generated = progress[0].astype(bool), progress[1]
+        logprobs = None  # the rows' logprob arrays, read only where a row asked for them
+        if any(req is not None and req.sampling.logprobs is not None for req in owners):
+            logprobs = gen.read(call.figures[3], "reading the rows' logprobs")
         busy = 0
         for s, req in enumerate(owners):
             if req is None or req.finished or ledger.occupant[s] is not req:
@@ -466,6 +475,7 @@ class StreamingEngine:
             busy += 1
             upto = int(min(num_generated[s], req.max_new_tokens))
             tokens, stopped = ledger.cut(output[s, sent[s]:upto].tolist())
+            asked = None if req.sampling.logprobs is None else (req.sampling.logprobs, *(a[s] for a in logprobs))
             if tokens:
                 if req.first_token is None:
                     req.first_token = now
@@ -478,9 +488,12 @@ class StreamingEngine:
                 sent[s] += len(tokens)
                 with m.lock:
                     m.generation_tokens += len(tokens)
-                req.emit(tokens, None)
+                if asked is None:
+                    req.emit(tokens, None)
+                else:
+                    req.emit(tokens, None, token_logprobs(*asked, sent[s] - len(tokens), sent[s]))
             if stopped or done[s] or sent[s] >= req.max_new_tokens:
-                end(s, ledger.result(req.row_id, output[s], sent[s], acceptance[s], num_cycles[s]))
+                end(s, ledger.result(req.row_id, output[s], sent[s], acceptance[s], num_cycles[s], asked))
         with m.lock:
             m.slot_syncs += len(owners)
             m.busy_slot_syncs += busy

@@ -23,6 +23,7 @@ engine's tokens back into text and OpenAI's response schema. Its modules:
   the engine started; text to token ids and back.
 - `streaming`: a row's text released as it grows (`StreamedText`: stop strings, UTF-8 hold-back), the
   whole answer (`collect`, `response`) and the server-sent events (`event_stream`).
+- `logprobs`: a choice's logprobs in chat's and completions' shapes (token strings and bytes).
 - `metrics`: /metrics in Prometheus's text format.
 - `toolcalls/`: tool calls: the formats' parsers and call patterns, and a request's tools checked.
 """

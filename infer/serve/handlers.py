@@ -100,7 +100,8 @@ def submit(model, request: PreparedRequest) -> tuple[list[StreamRequest], asynci
     queued: list[StreamRequest] = []
     try:
         for i, row_id in enumerate(request.choice_row_ids()):
-            emit = lambda tokens, result, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, tokens, result))
+            emit = lambda tokens, result, logprobs=None, i=i: loop.call_soon_threadsafe(
+                events.put_nowait, (i, tokens, result, logprobs))
             engine_request = StreamRequest(request.prompt_ids, request.max_tokens, emit, request.sampling, row_id)
             model.engine.submit(engine_request)
             queued.append(engine_request)

@@ -28,6 +28,7 @@ class ServedModel:
 
     def __init__(self, args, say=lambda *a: print(*a, file=sys.stderr, flush=True)):
         from dflash_jax.engine.options import EngineOptions, resolve
+        from dflash_jax.engine.sampling import MAX_LOGPROBS
         from dflash_jax.pair import open_pair
 
         # --kv-pages: unset, a page pool of per-row caches' memory (sized below, `default_pool`); 0: per-row caches
@@ -38,6 +39,9 @@ class ServedModel:
                                       "prefix_cache": None if self.kv_default else args.prefix_cache,
                                       "constraint_states": args.constraint_states or 0})
         self.options = EngineOptions.of(flags)  # checked once: an out-of-range flag is a one-line error
+        # Requests may ask for logprobs (each token's and up to MAX_LOGPROBS alternatives): computed only
+        # in cycles where some row asks.
+        self.options = dataclasses.replace(self.options, max_logprobs=MAX_LOGPROBS)
         if args.max_waiting < 1:
             raise DFlashError(f"--max-waiting must be >= 1, got {args.max_waiting}")
         self.args, self.say = args, say
@@ -63,6 +67,7 @@ class ServedModel:
         # A request's own chat_template is Jinja run on the server: only when the operator says so.
         self.trust_request_chat_template = args.trust_request_chat_template
         self.engine = None
+        self._pieces: dict[int, tuple[str, list[int]]] = {}  # token_piece's
         self.state, self.detail, self.failure = "loading", "reading the weights", None
 
     def load(self):
@@ -134,6 +139,15 @@ class ServedModel:
         except Exception as e:  # a template's own errors (a role it does not know, ...)
             raise APIError(400, f"the chat template refused these messages: {str(e).splitlines()[0]}",
                            "messages") from None
+
+    def token_piece(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's string and UTF-8 bytes, as logprobs name it (`infer.serve.logprobs.token_piece`), cached."""
+        from infer.serve.logprobs import token_piece
+
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = token_piece(self.tokenizer, token_id)
+        return piece
 
     def decode(self, ids: list[int], keep_markers: bool = False) -> str:
         """ids' text, special tokens skipped; keep_markers: but the tool-call format's markers kept."""

@@ -77,9 +77,7 @@ NOT_DONE: dict[str, tuple[tuple[str, ...], tuple, str]] = {
     "best_of": (BOTH, (None, 1), "only best_of = 1 is supported"),
     "echo": (BOTH, (None, False), "echo is not supported"),
     "suffix": (COMPLETIONS, (None,), "suffix is not supported"),
-    "logprobs": (BOTH, (None, False), "logprobs are not supported"),
-    "top_logprobs": (CHAT, (None, 0), "logprobs are not supported"),
-    "prompt_logprobs": (BOTH, (None,), "logprobs are not supported"),
+    "prompt_logprobs": (BOTH, (None,), "prompt_logprobs are not supported (the output's logprobs are)"),
     "max_completion_tokens": (COMPLETIONS, (None,), "max_completion_tokens is a chat field; completions use "
                                                      "max_tokens"),
     "presence_penalty": (BOTH, (None, 0), "presence_penalty is not supported (only 0)"),
@@ -237,6 +235,8 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
                             logit_bias=tuple((int(k), v) for k, v in bias.items()))
     except SamplingError as e:
         raise APIError(400, str(e), e.field) from None
+    logprobs = _logprobs(body, chat)
+    sampling = dataclasses.replace(sampling, logprobs=logprobs)
     # A seed keys the row's random stream (taken modulo 2**32): the same request with the same
     # seed gets the same tokens, alone or among others. Without one, a fresh stream.
     row_id = body.seed % 2**32 if body.seed is not None else secrets.randbits(32)
@@ -259,6 +259,27 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
         raise APIError(400, why, "messages" if chat else "prompt", code="context_length_exceeded"
                        if "longer than the context" in why else None)
     return prepared
+
+
+def _logprobs(body, chat: bool) -> int | None:
+    """The top alternatives a request's tokens come with (None: no logprobs): chat's logprobs true
+    with top_logprobs (0..20, default 0; without logprobs true only 0), completions' logprobs
+    (0..20; false: none)."""
+    from dflash_jax.engine.sampling import logprobs_problem
+
+    if chat:
+        top = body.top_logprobs
+        if not body.logprobs:
+            if top is None or top == 0 and not isinstance(top, bool):
+                return None
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        name, value = "top_logprobs", 0 if top is None else top
+    else:
+        name, value = "logprobs", None if body.logprobs is False else body.logprobs
+    why = logprobs_problem(value)
+    if why:
+        raise APIError(400, f"{name} {why}", name)
+    return value
 
 
 def _stop(body) -> list[str]:

@@ -129,6 +129,8 @@ class CompletionRequest(_Request):
     """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # Checked by infer.serve.prepare (0..20; null or false: none), where the message names the bound.
+    logprobs: Any = Field(None, description="each token's logprob and this many top alternatives (0..20)")
 
 
 class TextPart(BaseModel):
@@ -171,6 +173,8 @@ class ChatCompletionRequest(_Request):
     tool_choice: Any = Field(None, description="\"none\", \"auto\" (the default with tools), \"required\" or "
                                                "{type: \"function\", function: {name}}")
     parallel_tool_calls: Any = Field(None, description="false: an answer keeps its first call only")
+    logprobs: StrictBool | None = Field(None, description="each token's logprob in choice.logprobs.content")
+    top_logprobs: Any = Field(None, description="with logprobs: this many top alternatives per token (0..20)")
 
 
 _Request.model_rebuild()
@@ -268,7 +272,7 @@ class Choice(BaseModel):
 
     index: int = 0
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # where asked (`infer.serve.logprobs`)
     text: str | None = None
     message: AssistantMessage | None = None
     delta: AssistantMessage | None = None

@@ -4,8 +4,9 @@ or is half a UTF-8 character is held back), and the two ways it reaches the clie
 into one response (`collect`) or sent as server-sent events (`event_stream`, ending in
 `data: [DONE]`).
 
-A request of n choices runs n rows. The engine delivers (choice, tokens, result) on one asyncio
-queue (`submit` in `infer.serve.handlers`); `result` is None until that choice's row has ended.
+A request of n choices runs n rows. The engine delivers (choice, tokens, result, logprobs) on one
+asyncio queue (`submit` in `infer.serve.handlers`); `result` is None until that choice's row has
+ended, `logprobs` those tokens' where the request asked (`infer.serve.logprobs` shapes them).
 `decoded` is then a list: each choice's `StreamedText`.
 """
 
@@ -15,6 +16,7 @@ import asyncio
 import json
 import time
 
+from infer.serve.logprobs import chat_logprobs, completion_logprobs
 from infer.serve.protocol import APIError, AssistantMessage, Choice, Completion, Usage, dump
 
 
@@ -38,6 +40,8 @@ class StreamedText:
         self.decode = (lambda ids: model.decode(ids, keep_markers=True)) if tools is not None and tools.parses \
             else model.decode
         self.ids: list[int] = []
+        self.logprobs: list = []  # where asked: each id's (logprob, top alternatives), cut with the ids
+        self.offset = 0  # a completion's logprobs: the characters of the tokens already sent (text_offset)
         self.text, self.released = "", 0
         self.stopped = False  # a stop string or a request's stop token ended it
         self.hold = max((len(s) for s in request.stop), default=1) - 1
@@ -62,9 +66,18 @@ class StreamedText:
         if window:  # (a window of special tokens alone would say nothing of the text before it)
             self._settled, self._settled_text, self._window_text = len(self.ids), self.text, window
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], logprobs=None) -> None:
+        """A delivery's tokens (and, where asked, their (logprobs, top_logprobs) as the engine emits them)."""
         if self.stopped:
             return
+        if logprobs is not None:
+            self.logprobs += list(zip(*logprobs))
+        try:
+            self._add(tokens)
+        finally:
+            del self.logprobs[len(self.ids):]
+
+    def _add(self, tokens: list[int]) -> None:
         for j, t in enumerate(tokens):
             if t in self.request.stop_ids:
                 tokens, self.stopped = tokens[:j + 1], True
@@ -133,9 +146,9 @@ def usage(request, decoded: list[StreamedText]) -> Usage:
 def _deliver(engine_requests, decoded: list[StreamedText], results: list, delivery) -> tuple[int, int]:
     """Add one delivery (choice, tokens, result) to its choice; a stop string or stop id ends the
     row at the engine's next sync. Returns (the choice, its token count before)."""
-    i, tokens, result = delivery
+    i, tokens, result, logprobs = delivery
     was = len(decoded[i].ids)
-    decoded[i].add(tokens)
+    decoded[i].add(tokens, logprobs)
     if decoded[i].stopped and result is None:
         engine_requests[i].stopped = engine_requests[i].cancelled = True  # ends as "stop" at the engine's next sync
     results[i] = result
@@ -175,7 +188,7 @@ def response(request, decoded: list[StreamedText], results, ident: str, model_na
     for tool calls has them as its message's `tool_calls`, and finish_reason "tool_calls"."""
     choices = []
     for i, (d, result) in enumerate(zip(decoded, results)):
-        choice = Choice(index=i, finish_reason=finish_reason(d, result), logprobs=None)
+        choice = Choice(index=i, finish_reason=finish_reason(d, result), logprobs=_logprobs(request, d, 0))
         if request.chat and request.tools is not None and request.tools.parses:
             content, calls = request.tools.reader().parse(d.text)
             choice.message = AssistantMessage(role="assistant", content=content)
@@ -194,6 +207,18 @@ def response(request, decoded: list[StreamedText], results, ident: str, model_na
                            usage=usage(request, decoded)))
 
 
+def _logprobs(request, decoded: StreamedText, was: int) -> dict | None:
+    """The logprobs of a choice's tokens from was on, in the endpoint's shape (None: not asked)."""
+    asked = request.sampling.logprobs
+    if asked is None:
+        return None
+    ids, entries = decoded.ids[was:], decoded.logprobs[was:]
+    if request.chat:
+        return chat_logprobs(decoded.model, ids, entries)
+    out, decoded.offset = completion_logprobs(decoded.model, ids, entries, decoded.offset, asked)
+    return out
+
+
 class _Chunks:
     """The data lines of one stream: every chunk carries the stream's id, object and time."""
 
@@ -206,8 +231,8 @@ class _Chunks:
         return f"data: {json.dumps(dump(body), ensure_ascii=False)}\n\n"
 
     def chunk(self, index: int, text: str | None, reason: str | None, ids: list[int] | None = None,
-              role: bool = False, tool_calls: list[dict] | None = None) -> str:
-        choice = Choice(index=index, finish_reason=reason, logprobs=None)
+              role: bool = False, tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> str:
+        choice = Choice(index=index, finish_reason=reason, logprobs=logprobs)
         if self.request.chat:
             delta = AssistantMessage(role="assistant") if role else AssistantMessage()
             if text is not None:
@@ -225,17 +250,19 @@ class _Chunks:
             body.usage = None
         return self._line(body)
 
-    def read(self, reader, index: int, text: str, reason: str | None, ids: list[int] | None) -> list[str]:
+    def read(self, reader, index: int, text: str, reason: str | None, ids: list[int] | None,
+             logprobs: dict | None = None) -> list[str]:
         """A delivery of an answer read for tool calls (`ToolReader`): a chunk per delta (content, or a
-        call's), the delivery's ids on the first, the finish reason on the last ("tool_calls" where
-        the answer had calls)."""
+        call's), the delivery's ids (and their logprobs) on the first, the finish reason on the last
+        ("tool_calls" where the answer had calls)."""
         deltas = reader.feed(text) + (reader.finish() if reason is not None else [])
         if reason is not None and reader.called:
             reason = "tool_calls"
         if not deltas:
-            return [self.chunk(index, None, reason, ids)] if reason is not None or ids else []
+            return [self.chunk(index, None, reason, ids, logprobs=logprobs)] if reason is not None or ids else []
         return [self.chunk(index, d.get("content"), reason if k == len(deltas) - 1 else None, ids if k == 0 else None,
-                           tool_calls=d.get("tool_calls")) for k, d in enumerate(deltas)]
+                           tool_calls=d.get("tool_calls"), logprobs=logprobs if k == 0 else None)
+                for k, d in enumerate(deltas)]
 
     def usage(self, decoded: list[StreamedText]) -> str:
         return self._line(Completion(id=self.ident, object=self.kind, created=self.created, model=self.model_name,
@@ -262,6 +289,7 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
             result = results[i]
             text = decoded[i].delta(final=result is not None)
             new_ids = decoded[i].ids[was:]
+            logprobs = _logprobs(request, decoded[i], was) if new_ids else None
             if result is not None:
                 error = cut_short(decoded[i], result)
                 if error is not None:  # the answer was cut: the stream says so, and ends without [DONE]
@@ -269,12 +297,12 @@ async def event_stream(request, engine_requests, events: asyncio.Queue, decoded:
                     return
             if readers is not None:
                 reason = None if result is None else finish_reason(decoded[i], result)
-                for line in chunks.read(readers[i], i, text, reason, new_ids):
+                for line in chunks.read(readers[i], i, text, reason, new_ids, logprobs):
                     yield line
             elif result is not None:
-                yield chunks.chunk(i, text, finish_reason(decoded[i], result), new_ids)
+                yield chunks.chunk(i, text, finish_reason(decoded[i], result), new_ids, logprobs=logprobs)
             elif text or new_ids:
-                yield chunks.chunk(i, text, None, new_ids)
+                yield chunks.chunk(i, text, None, new_ids, logprobs=logprobs)
         if request.include_usage:
             yield chunks.usage(decoded)
         yield "data: [DONE]\n\n"

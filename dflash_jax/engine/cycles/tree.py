@@ -51,7 +51,8 @@ def verify_tree(tparams, spec, state, tree: DraftTree):
     accepted path is found by sample-and-match (`follow`) and compacted: returns the path's
     target tokens [batch, B] (as the chain's verify: target_tokens[:, i] is the token after the
     path's i-th node), num_accepted [batch], and the forward output with the path's K/V moved to
-    positions P..P+a and its taps in path order."""
+    positions P..P+a and its taps and logits in path order (the logits only where rows' logprobs
+    read them, spec.max_logprobs)."""
     out = forward(tparams, spec.target, tree.tokens, state.target_cache, taps=spec.taps,
                   tree=(tree.depth, tree.mask))
     start = state.target_cache.lengths
@@ -60,4 +61,6 @@ def verify_tree(tparams, spec, state, tree: DraftTree):
     path, num_accepted = follow(tree, node_tokens, spec.block_size - 1)
     target_tokens = jnp.take_along_axis(node_tokens, path, axis=1)
     taps = None if out.tap_features is None else jnp.take_along_axis(out.tap_features, path[:, :, None], axis=1)
-    return target_tokens, num_accepted, out.replace(cache=out.cache.compact(start, path), tap_features=taps)
+    logits = jnp.take_along_axis(out.logits, path[:, :, None], axis=1) if spec.max_logprobs else out.logits
+    return target_tokens, num_accepted, out.replace(cache=out.cache.compact(start, path), tap_features=taps,
+                                                    logits=logits)
