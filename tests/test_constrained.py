@@ -121,7 +121,8 @@ def _rows(pair, block_size, rows, prompts, seed=0, **kw):
     return by_index(gen.generate(prompts, seed=seed, sampling=rows)), gen
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+# greedy: heavy here, everyday on the demo pair (tests/test_structured.py)
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.heavy), 1.0])
 def test_constrained_rows_decode_as_constrained_plain_decoding(temperature):
     """Rows with two constraints and none, in one batch: every constrained output walks its automaton
     to a final state and ends there (or stops at its limit inside it); the chain's tokens equal plain
@@ -147,6 +148,7 @@ def test_constrained_rows_decode_as_constrained_plain_decoding(temperature):
     assert gen.regions.loads == 2  # one region per automaton, shared by its rows
 
 
+@pytest.mark.heavy  # three engines; bench/constrained.py prints the same comparison on the demo pair
 def test_drafts_follow_the_constraint(monkeypatch):
     """Masked drafts: each draft is the drafter's argmax among the tokens its predecessors' state
     allows. Output is plain decoding's either way; masked drafts are accepted more often than the

@@ -115,6 +115,7 @@ def test_an_engine_without_logprobs_computes_none():
     assert top_k(texts[0]) == 0 and top_k(texts[MAX]) == 1
 
 
+@pytest.mark.heavy  # the everyday suite's budget; the server's streamed shapes are checked everyday (test_serve.py)
 def test_a_streamed_rows_logprobs_are_generates():
     """The serving engine emits each chunk's logprobs with its tokens: joined, they are the Result's
     and `generate`'s for the same rows; nothing compiles while serving rows that ask."""

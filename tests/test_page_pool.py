@@ -220,6 +220,7 @@ def test_a_row_is_given_every_position_it_writes_and_no_more():
     assert tight >= 2
 
 
+@pytest.mark.heavy  # a capacity figure (the bench's --page-pool); the pool's tokens are checked everyday
 def test_the_same_memory_runs_twice_the_rows_of_a_mixed_workload():
     """Per-slot caches: 2 slots of 80 positions (32 prompt + 24 new + 16, in pages of 16) = 10
     pages. The pool: the same 10 pages for 8 slots. Short prompts and short limits (the mixed

@@ -288,6 +288,7 @@ def test_a_narrowed_tail_decodes_as_the_full_batch(name, block_size, pool):
     assert programs() == warm
 
 
+@pytest.mark.heavy  # the everyday suite's budget; a narrowed tail's greedy tokens are checked everyday
 def test_a_narrowed_tail_keeps_seeded_samples():
     """Sampled rows keep their own keys when they move: the same tokens as at full width."""
     rs = np.random.RandomState(12)

@@ -54,7 +54,8 @@ def check(results, schemas):
         jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+# sampled: heavy here, everyday on tiny models (tests/test_constrained.py)
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.heavy)])
 def test_demo_rows_answer_valid_json_and_equal_constrained_plain_decoding(temperature):
     _, cache = demo()
     schemas = [SCHEMAS[0], SCHEMAS[1], SCHEMAS[1], SCHEMAS[0]]
