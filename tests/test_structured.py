@@ -94,3 +94,39 @@ def test_rows_of_python_m_infer_carry_their_constraints(tmp_path):
     pair, _ = demo()
     assert got["bias"]["text"] == pair.tokenizer.decode([300] * 5, skip_special_tokens=True)  # +100: only it
     assert "601 states" in got["huge"]["error"] and "512" in got["huge"]["error"], got["huge"]["error"]
+
+
+GOAL_SCHEMAS = SCHEMAS + [
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "price": {"type": "number"}}, "required": ["id", "price"]}, "maxItems": 3}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"quote": {"type": "string", "maxLength": 20}}, "required": ["quote"]},
+    {"type": "object", "properties": {"level": {"enum": ["low", "mid", "high"]}, "on": {"type": "boolean"},
+                                      "note": {"type": ["string", "null"], "maxLength": 8}},
+     "required": ["level", "on", "note"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 6},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "string", "maxLength": 6}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"},
+                                      "label": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
+     "required": ["x", "y", "label"]},
+]
+GOAL_PROMPTS = PROMPTS + ["Return the config as JSON.\n", "# data\n", "{\"", "result = ", "Answer:", "[1, 2"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_constrained_answer_validates_8_schemas_by_8_prompts(temperature):
+    """The issue's goal matrix (chain): 8 schemas x 8 prompts, each answer that ends "stop" valid against
+    its schema (one cut at its limit is a prefix the automaton allows), every answer equal to constrained
+    plain decoding's."""
+    _, cache = demo()
+    cases = [(s, p) for s in GOAL_SCHEMAS for p in GOAL_PROMPTS]
+    rows = [Sampling(temperature, per_row=True, constraint=cache.get(Constraint.json_schema(s))) for s, _ in cases]
+    prompts = [p for _, p in cases]
+    spec = run(16, rows, prompts, seed=11)
+    plain = run(1, rows, prompts, seed=11)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    check(spec, [s for s, _ in cases])
+    complete = sum(r.finish_reason == "stop" for r in spec)
+    assert complete >= len(cases) * 3 // 4, complete
