@@ -93,7 +93,7 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
                                    "152k vocabulary). 0: no constraints"),
     "constraint_edges": dict(type=int, metavar="N",
                              help="structured output: a constraint's transitions that leave the next state most of "
-                                  "a state's tokens reach (default 64 per state)"),
+                                  "a state's tokens reach, 8 bytes each (default 1024 per state)"),
     "stall_timeout": dict(type=float, metavar="MINUTES",
                           help="end the run with an error (exit status 3) when the device makes no progress for "
                                "this long (compiles excluded); rows finished are kept; 0 = wait forever"),

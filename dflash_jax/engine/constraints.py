@@ -37,6 +37,11 @@ from dflash_jax.errors import InputError
 # `python -m infer` that ask for one): a typical JSON schema needs a few hundred
 # (docs/structured-output.md); a region of 512 is 9.7 MB at a 151,936-token vocabulary.
 DEFAULT_STATES = 512
+# Transition exceptions a region holds per state where nothing says (`--constraint-edges`): 8 bytes each,
+# so 1024 cost 8 KiB a state beside its 18,992-byte mask at a 152k vocabulary. A string of bounded length
+# needs many (each position's tokens reach as many next positions as token lengths): 672 a state for a
+# 20-character string on the demo vocabulary.
+EDGES_PER_STATE = 1024
 NONE = -1  # a row without a constraint: every token allowed
 DEAD = -2  # a path that left its automaton (a rejected draft's): every token allowed, never committed
 

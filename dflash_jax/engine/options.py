@@ -70,7 +70,7 @@ class EngineOptions:
     dtype: str | None = None  # "bfloat16" | "float32" (None: the checkpoint's)
     stall_timeout: float = 10.0  # minutes without device progress before a stall error; 0 = never
     constraint_states: int = 0  # automaton states a row's constraint may have (0: no constraints; `engine.constraints`)
-    constraint_edges: int = 0  # its transition exceptions (0: 64 per state)
+    constraint_edges: int = 0  # its transition exceptions (0: `constraints.EDGES_PER_STATE` per state)
     # The most top alternatives a row's logprobs may ask for (`Sampling.logprobs`; 0: no logprobs, nothing
     # computed or stored). No flag: the server sets it (MAX_LOGPROBS), a library caller may.
     max_logprobs: int = 0

@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from dflash_jax.kv import PAGE_SIZE, PrefixPool, page_table, pages_needed, ring_length
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterConfig, check_pair
-from dflash_jax.engine.constraints import ConstraintRegions
+from dflash_jax.engine.constraints import EDGES_PER_STATE, ConstraintRegions
 from dflash_jax.engine.options import EngineOptions, PairConfigs, resolve
 from dflash_jax.engine.sampling import Sampling, rows_of, seed_int32
 from dflash_jax.engine.slots import Result, SlotLedger
@@ -177,7 +177,7 @@ class BatchEngine:
             draft_tokens=draft_tokens, page_size=page_size, prefill_chunk=prefill_chunk, kv_pages=kv_pages,
             tree_budget=tree_budget, acceptance=options.acceptance, draft_window=draft_window,
             constraint_states=options.constraint_states,
-            constraint_edges=options.constraint_edges or 64 * options.constraint_states,
+            constraint_edges=options.constraint_edges or EDGES_PER_STATE * options.constraint_states,
             max_logprobs=options.max_logprobs,
         )
         # Which automaton each region of the constraint pool holds (`dflash_jax.engine.constraints`).
