@@ -1507,3 +1507,47 @@ def test_structured_output_through_the_openai_client(server):
         client.completions.create(model="dflash-demo", prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {"grammar": "root ::= \"a\""}})
     assert e.value.body["param"] == "structured_outputs" and "context-free" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("choice", ["required", pytest.param({"type": "function", "function": {"name": "get_weather"}},
+                                                            marks=pytest.mark.heavy)])
+def test_a_required_tool_call_is_constrained_to_a_call_the_reader_parses(choice):
+    """tool_choice "required" or a named function: the request's constraint (compiled on the demo
+    tokenizer) admits only one call in the target's format (hermes here) whose arguments are valid
+    against the function's schema: random walks of its automaton, decoded, read back as exactly one
+    call by the same reader "auto" uses."""
+    import jsonschema
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from dflash_jax.constrain import ConstraintCache, vocabulary_of
+    from dflash_jax.pair import DEMO_DIR
+    from infer.serve.prepare import prepare_request
+
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    eos = tok.eos_token_id
+    served = fake_served()
+    served.constraints = ConstraintCache(vocabulary_of(tok, 4096, [eos]))
+    served.engine.check_constraint = lambda automaton: None
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    body = {"messages": CHAT, "tools": [WEATHER, other], "tool_choice": choice}
+    prepared = prepare_request(served, body, True)
+    automaton = prepared.sampling.constraint
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in (WEATHER, other)}
+    rng = np.random.RandomState(0)
+    for _ in range(12):
+        state, ids = automaton.initial, []
+        while len(ids) < 400:
+            allowed = automaton.allowed(state)
+            if automaton.final[state] and (rng.rand() < 0.5 or len(allowed) == 1):
+                break
+            token = int(rng.choice([t for t in allowed if t != eos]))
+            ids.append(token)
+            state = automaton.next(state, token)
+        assert automaton.final[state], "the walk never completed a call"
+        content, calls = prepared.tools.reader().parse(tok.decode(ids))
+        assert not content and len(calls) == 1, (tok.decode(ids), content, calls)
+        name = calls[0].name
+        assert name == "get_weather" or choice == "required"
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[name])
