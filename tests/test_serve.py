@@ -1423,6 +1423,39 @@ def test_full_queue_answers_429(server):
 
 
 @heavy
+def test_structured_output_through_the_openai_client(server):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs through the openai client,
+    whole and streamed: each answer that ends "stop" is valid; a grammar is a 400 naming its field."""
+    import jsonschema
+    import openai
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "n": {"type": "integer"}},
+              "required": ["city", "n"]}
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    for temperature in (0, 0.8):
+        r = client.chat.completions.create(model="dflash-demo", messages=CHAT, max_tokens=48, seed=3,
+                                           temperature=temperature, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="dflash-demo", messages=CHAT, max_tokens=48, temperature=0, response_format=fmt, stream=True)
+        if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    r = client.completions.create(model="dflash-demo", prompt="x = ", max_tokens=24, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}-[ab]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[ab]{2}", r.choices[0].text), r.choices[0].text
+    r = client.chat.completions.create(model="dflash-demo", messages=CHAT, max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="dflash-demo", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"grammar": "root ::= \"a\""}})
+    assert e.value.body["param"] == "structured_outputs" and "context-free" in e.value.body["message"]
+
+
+@heavy
 def test_sigterm_lets_a_stream_in_flight_finish(server):
     """Last: SIGTERM while a stream runs. New connections are refused at once; the stream goes
     on to its finish reason and [DONE]; the process exits 0."""
@@ -1474,39 +1507,6 @@ def test_sigterm_lets_a_stream_in_flight_finish(server):
     code = server.stop(timeout=60)
     assert code == 0, f"the server exited {code} on SIGTERM:\n{tail(server.log)}"
     assert "Traceback" not in server.log.read_text(errors="replace"), tail(server.log)
-
-
-@heavy
-def test_structured_output_through_the_openai_client(server):
-    """response_format (json_schema, json_object) and vLLM's structured_outputs through the openai client,
-    whole and streamed: each answer that ends "stop" is valid; a grammar is a 400 naming its field."""
-    import jsonschema
-    import openai
-
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "n": {"type": "integer"}},
-              "required": ["city", "n"]}
-    client = server.client()
-    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
-    for temperature in (0, 0.8):
-        r = client.chat.completions.create(model="dflash-demo", messages=CHAT, max_tokens=48, seed=3,
-                                           temperature=temperature, response_format=fmt)
-        assert r.choices[0].finish_reason == "stop", r
-        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="dflash-demo", messages=CHAT, max_tokens=48, temperature=0, response_format=fmt, stream=True)
-        if c.choices)
-    jsonschema.validate(json.loads(text), schema)
-    r = client.completions.create(model="dflash-demo", prompt="x = ", max_tokens=24, temperature=0,
-                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}-[ab]{2}"}})
-    assert re.fullmatch("[0-9]{3}-[ab]{2}", r.choices[0].text), r.choices[0].text
-    r = client.chat.completions.create(model="dflash-demo", messages=CHAT, max_tokens=48, temperature=0,
-                                       response_format={"type": "json_object"})
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="dflash-demo", prompt="x", max_tokens=4,
-                                  extra_body={"structured_outputs": {"grammar": "root ::= \"a\""}})
-    assert e.value.body["param"] == "structured_outputs" and "context-free" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("choice", ["required", pytest.param({"type": "function", "function": {"name": "get_weather"}},
