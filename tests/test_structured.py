@@ -35,10 +35,10 @@ def demo():
     return pair, cache
 
 
-def run(block_size, rows, prompts, seed=0):
+def run(block_size, rows, prompts, seed=0, batch_size=4):
     pair, _ = demo()
     gen = BatchEngine(pair.target, pair.tparams, pair.drafter if block_size > 1 else None,
-                      pair.dparams if block_size > 1 else None, block_size=block_size, batch_size=4,
+                      pair.dparams if block_size > 1 else None, block_size=block_size, batch_size=batch_size,
                       max_new_tokens=96, max_prompt_len=32, sampling=Sampling(per_row=True),
                       stop_token_ids=pair.stop_tokens, speculation="fixed", constraint_states=512)
     ids = [pair.tokenizer.encode(p) for p in prompts]
@@ -124,8 +124,8 @@ def test_every_constrained_answer_validates_8_schemas_by_8_prompts(temperature):
     cases = [(s, p) for s in GOAL_SCHEMAS for p in GOAL_PROMPTS]
     rows = [Sampling(temperature, per_row=True, constraint=cache.get(Constraint.json_schema(s))) for s, _ in cases]
     prompts = [p for _, p in cases]
-    spec = run(16, rows, prompts, seed=11)
-    plain = run(1, rows, prompts, seed=11)
+    spec = run(16, rows, prompts, seed=11, batch_size=16)
+    plain = run(1, rows, prompts, seed=11, batch_size=16)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     check(spec, [s for s, _ in cases])
     complete = sum(r.finish_reason == "stop" for r in spec)

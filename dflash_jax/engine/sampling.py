@@ -302,16 +302,15 @@ def _per_position(x, positions: int):
 def _adjusted(logits, rows: RowSampling, allowed=None):
     """Logits [n, vocab] float32 of n = batch x T positions with each row's bias added and, where
     `allowed` [n, vocab] (bool) is given, the tokens outside it removed: what greedy and sampled
-    rows both pick from. The bias scatter runs only when some row has one."""
+    rows both pick from."""
     n, vocab = logits.shape
     t = n // rows.temperature.shape[0]
     logits = logits.astype(jnp.float32)
     ids, bias = _per_position(rows.bias_ids, t), _per_position(rows.bias, t)
 
-    def add(x):
-        return x.at[jnp.arange(n)[:, None], jnp.where(ids >= 0, ids, vocab)].add(bias, mode="drop")
-
-    logits = jax.lax.cond((rows.bias_ids >= 0).any(), add, lambda x: x, logits)
+    # Unconditional (unused slots are dropped): a lax.cond here put the sharded logits' collectives in a
+    # branch, and a 4-device CPU mesh then timed out in a rendezvous (tests/test_scale.py's training eval).
+    logits = logits.at[jnp.arange(n)[:, None], jnp.where(ids >= 0, ids, vocab)].add(bias, mode="drop")
     return logits if allowed is None else jnp.where(allowed, logits, _NEG)
 
 
