@@ -13,17 +13,9 @@ import pytest
 
 from dflash_jax.constrain import Constraint, ConstraintCache, vocabulary_of
 from dflash_jax.engine import BatchEngine, Sampling
+from bench.constrained import PROMPTS as BENCH_PROMPTS, SCHEMAS  # the bench's schemas and prompts: one home
 
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
-                                      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-     "required": ["name", "age", "tags"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"},
-                                      "where": {"type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}},
-                                                "required": ["city"]}},
-     "required": ["ok", "score", "where"]},
-]
-PROMPTS = ["Write a JSON record for a user: ", "def parse(x):\n    return"]
+PROMPTS = BENCH_PROMPTS[:2]
 
 
 @functools.cache
