@@ -299,18 +299,30 @@ def _per_position(x, positions: int):
     return jnp.repeat(x, positions, axis=0)
 
 
+def _bias_rows(rows: RowSampling, vocab: int):
+    """Each row's logit bias as a dense [batch, vocab] float32 (zeros where it has none). The scatter
+    runs under a lax.cond only when some row has a bias, and its operands and result are the small,
+    replicated per-row arrays, never the sharded logits: a scatter into the logits themselves left
+    the TPU compiler without a time estimate for the whole step, and the logits' collectives inside
+    a branch timed out in a rendezvous on a 4-device CPU mesh. Adding the dense rows to the logits is
+    elementwise, so it partitions over the vocabulary without a collective."""
+    b = rows.bias_ids.shape[0]
+    used = rows.bias_ids >= 0
+
+    def build(_):
+        return jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], jnp.where(used, rows.bias_ids, vocab)].add(
+            rows.bias, mode="drop")
+
+    return jax.lax.cond(used.any(), build, lambda _: jnp.zeros((b, vocab), jnp.float32), None)
+
+
 def _adjusted(logits, rows: RowSampling, allowed=None):
     """Logits [n, vocab] float32 of n = batch x T positions with each row's bias added and, where
     `allowed` [n, vocab] (bool) is given, the tokens outside it removed: what greedy and sampled
     rows both pick from."""
     n, vocab = logits.shape
-    t = n // rows.temperature.shape[0]
-    logits = logits.astype(jnp.float32)
-    ids, bias = _per_position(rows.bias_ids, t), _per_position(rows.bias, t)
-
-    # Unconditional (unused slots are dropped): a lax.cond here put the sharded logits' collectives in a
-    # branch, and a 4-device CPU mesh then timed out in a rendezvous (tests/test_scale.py's training eval).
-    logits = logits.at[jnp.arange(n)[:, None], jnp.where(ids >= 0, ids, vocab)].add(bias, mode="drop")
+    b = rows.temperature.shape[0]
+    logits = (logits.astype(jnp.float32).reshape(b, n // b, vocab) + _bias_rows(rows, vocab)[:, None]).reshape(n, vocab)
     return logits if allowed is None else jnp.where(allowed, logits, _NEG)
 
 
