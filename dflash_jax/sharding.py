@@ -228,5 +228,10 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         # CPU processes talk through gloo (the default CPU client has no collectives).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # And compile afresh: jax writes persistent-cache entries from process 0 only, under keys
+        # that differ per process, so with a warm cache process 0 loads programs that the others
+        # compile, and gloo then pairs their collectives wrongly ("collective mismatch: 36864 vs
+        # 512", a killed-and-resumed two-process training run, tests/test_scale.py).
+        jax.config.update("jax_enable_compilation_cache", False)
     jax.distributed.initialize(coordinator, num_processes, process_id)
     return jax.process_count() > 1

@@ -149,11 +149,9 @@ def conversations(tmp_path_factory):
     return conv
 
 
-# Known regression (issue 58's stop, 2026-12-07): since the engine's per-row sampling/constraint state, the
-# killed-and-resumed two-process run aborts (-6) on "collective mismatch: 64 vs 512" before its own SIGKILL
-# at step 4 (the first two stages pass); 577a081 passes. Not strict, so a pass shows; the next stop fixes it.
-@pytest.mark.xfail(reason="two-process kill/resume aborts on a collective mismatch since the per-row sampling "
-                          "state (577a081 passes); being fixed", strict=False)
+# Each stage's processes compile afresh (`init_distributed` turns jax's persistent cache off on CPU): with a
+# cache warmed by the earlier stages, process 0 loaded programs that process 1 compiled and the resumed run
+# aborted on a gloo "collective mismatch" before its own SIGKILL.
 def test_two_processes_train_like_one_and_resume(conversations, tmp_path):
     common = [f"data.conversations={conversations}", "data.generate_from=null", "train.steps=6", "train.save_every=3",
               "train.log_every=1", "data.eval_holdout=8", "train.eval_every=1000", "train.eval_batch_size=4"]
