@@ -99,8 +99,8 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--soak-minutes", type=float, default=3.0,
-                     help="how long tests/test_soak.py's mixed traffic runs (default 3, as in CI)")
+    parser.addoption("--soak-minutes", type=float, default=2.0,
+                     help="how long tests/test_soak.py's mixed traffic runs (default 2, as in CI)")
 
 
 # Under -n, each worker takes whole test files in collection order (`--dist loadfile`), the next

@@ -15,7 +15,7 @@ it refuses with a 400), and repeats of the same requests. At the end:
 - the server's memory does not grow after the first minute: its resident set, sampled every
   second, stays within MEMORY_SLACK of its level at the end of the first minute.
 
-3 minutes by default (CI); `--soak-minutes N` runs it longer by hand.
+2 minutes by default (CI: the heavy suite's time budget); `--soak-minutes N` runs it longer by hand.
 """
 
 from __future__ import annotations
