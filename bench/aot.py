@@ -95,6 +95,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
 
     from dflash_jax.engine import (EngineSpec, Sampling, decode_state_shardings, init_state, prefill, rows_of,
                                    run_cycles)
+    from dflash_jax.engine.constraints import DEFAULT_STATES, EDGES_PER_STATE
     from dflash_jax.sharding import param_shardings
 
     from bench.cost import abstract_inputs, ideal_bytes, selector_codebook_bytes
@@ -109,6 +110,10 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
         specs["dflash2"] = specs["dflash"]
         specs["dflash"] = dataclasses.replace(specs["dflash2"], drafter=dataclasses.replace(drafter_cfg, dflash2=None))
     specs["prefill"] = specs.get("dflash2", specs["dflash"])
+    # The DFlash cycle of an engine holding constraints (the server's default pool: every row's
+    # logits masked by its automaton's state, the drafts along the masked chain, commit's walk).
+    specs["constrained"] = dataclasses.replace(specs["dflash"], constraint_states=DEFAULT_STATES,
+                                               constraint_edges=DEFAULT_STATES * EDGES_PER_STATE)
     for n in tree_budgets:
         specs[f"tree{n}"] = dataclasses.replace(specs["dflash"], tree_budget=n)
     programs = (*programs, *(f"tree{n}" for n in tree_budgets))
@@ -134,6 +139,7 @@ def _engine_programs(target_cfg, drafter_cfg, mesh, batch, context, cache_len, p
             fig["ideal"] = ideal_bytes(spec, tparams, dparams, batch, context)
             fig["selector_codebooks"] = selector_codebook_bytes(dparams)  # within the ideal's drafter_weights
         fig.update(block_size=spec.block_size if name != "prefill" else None, verify_len=spec.verify_len,
+                   constraint_states=spec.constraint_states,
                    tree_budget=spec.tree_budget if name != "prefill" else None, cache_len=cache_len)
         out[name] = fig
         print(f"  compiled {name}{tag} in {fig['compile_seconds']:.0f} s" if fig["compiled"]
@@ -190,10 +196,10 @@ def run_aot(args) -> dict:
     except (AotError, MeshError) as e:
         raise SystemExit(f"error: {e}") from None
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    unknown = set(programs) - {"prefill", "ar", "dflash", "dflash2"}
+    unknown = set(programs) - {"prefill", "ar", "dflash", "dflash2", "constrained"}
     if unknown or not programs:
-        raise SystemExit(f"error: --programs takes prefill, ar, dflash and dflash2, comma-separated (got "
-                         f"{args.programs!r})")
+        raise SystemExit(f"error: --programs takes prefill, ar, dflash, dflash2 and constrained, comma-separated "
+                         f"(got {args.programs!r})")
     scale = 1.0 if args.scale is None else args.scale
     dtype = args.dtype or "bfloat16"
     batch, context = args.batch_size or 8, args.context
@@ -269,6 +275,10 @@ def run_aot(args) -> dict:
         report["dflash2_over_dflash"] = dict(
             seconds=d2["seconds"] / d1["seconds"], bytes=d2["bytes"] / d1["bytes"],
             ideal=d2["ideal"]["bytes"] / d1["ideal"]["bytes"], flops=d2["flops"] / d1["flops"])
+    if one_chip and all(figs.get(k, {}).get("seconds") for k in ("constrained", "dflash")):
+        c, d1 = figs["constrained"], figs["dflash"]
+        report["constrained_over_dflash"] = dict(seconds=c["seconds"] / d1["seconds"], bytes=c["bytes"] / d1["bytes"],
+                                                 flops=c["flops"] / d1["flops"])
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash2")):
         report["dflash2_cycle_over_step"] = figs["dflash2"]["seconds"] / figs["ar"]["seconds"]
     if one_chip and all(figs.get(k, {}).get("seconds") for k in ("ar", "dflash")):
@@ -337,6 +347,7 @@ def print_report(r: dict) -> None:
     names = dict(prefill=f"prefill {r['batch_size']} x {r['context']}", ar="AR step",
                  dflash=f"DFlash cycle, B={r['programs'].get('dflash', {}).get('block_size', 16)}",
                  dflash2=f"DFlash2 cycle, B={r['programs'].get('dflash2', {}).get('block_size', 16)}",
+                 constrained=f"constrained cycle, B={r['programs'].get('constrained', {}).get('block_size', 16)}",
                  **{f"tree{n}": f"DFlash tree {n}" for n in r.get("tree_budgets", ())})
     for k, f in r["programs"].items():
         rows.append(row(f"{names[k]} (cache {r['cache_len']})" if k != "prefill" else names[k], f))
@@ -355,6 +366,11 @@ def print_report(r: dict) -> None:
               f"DFlash2 ideal counts the selector's two codebooks read whole "
               f"({d2['selector_codebooks'] / 1e9:.2f} GB of its {ideal['drafter_weights'] / 1e9:.2f} GB of drafter "
               f"weights) and the LM head a second time ({ideal['lm_head_again'] / 1e9:.2f} GB)")
+    if "constrained_over_dflash" in r:
+        x = r["constrained_over_dflash"]
+        print(f"\nconstrained / DFlash cycle (a pool of {r['programs']['constrained']['constraint_states']} automaton "
+              f"states a slot: logits masked at every verified position, drafts along the masked chain): estimate "
+              f"{x['seconds']:.3f}x, bytes {x['bytes']:.3f}x, flops {x['flops']:.3f}x")
     if "dflash2_cycle_over_step" in r:
         print(f"DFlash2 cycle / AR step {r['dflash2_cycle_over_step']:.2f}: the tau DFlash2 needs for a speedup of s "
               f"is s x {r['dflash2_cycle_over_step']:.2f}")

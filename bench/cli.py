@@ -185,7 +185,7 @@ def add_mode_flags(p):
     add_engine_flags(aot, ("mesh",), helps={"mesh": "the chips' split (default: all on model)"})
     aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
                      help="default prefill,ar,dflash (a DFlash2 shape: dflash is both cycles, dflash2 its "
-                          "own)")
+                          "own); constrained: the DFlash cycle of an engine holding constraints")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")

@@ -89,7 +89,7 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "constraint_states": dict(type=int, metavar="N",
                               help="structured output: the automaton states a request's constraint may have (a "
                                    "JSON schema, a regex, a choice, a required tool call); the device pool holds a "
-                                   "region of N per slot, 4 bytes per 32 vocabulary tokens a state (18,992 at a "
+                                   "region of N per slot, 4 bytes per 32 vocabulary tokens a state (19,456 at a "
                                    "152k vocabulary). 0: no constraints"),
     "constraint_edges": dict(type=int, metavar="N",
                              help="structured output: a constraint's transitions that leave the next state most of "

@@ -82,6 +82,26 @@ def counting_dfa(vocab_size, n=5):
     return Dfa.of({s: {t: s + 1 for t in (7, 8, 9, 10)} if s < n else {} for s in range(n + 1)}, {n}, vocab_size)
 
 
+def test_the_device_bit_order_holds_the_host_masks():
+    """The pool keeps masks in the device's grouped bit order (`constraints.device_masks`); `allowed`
+    and `permits` read back the host's masks exactly at a vocabulary of several groups and a ragged
+    end, NONE and DEAD allowing every token."""
+    vocab = 2 * cons.GROUP + 1234
+    rng = np.random.RandomState(1)
+    host = rng.randint(0, 2**32, (5, -(-vocab // 32)), dtype=np.uint64).astype(np.uint32)
+    want = np.unpackbits(host.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    pool = cons.ConstraintPool.empty(1, 5, 4, vocab)
+    assert pool.masks.shape == (5, 3 * cons.LANES)
+    pool = pool.replace(masks=jnp.asarray(cons.device_masks(host, vocab)))
+    states = jnp.array([0, 1, 2, 3, 4, cons.NONE, cons.DEAD], jnp.int32)
+    got = np.asarray(cons.allowed(pool, states, vocab))
+    np.testing.assert_array_equal(got[:5], want)
+    assert got[5:].all()
+    tokens = jnp.asarray(rng.randint(0, vocab, (7, 64)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(cons.permits(pool, jnp.repeat(states[:, None], 64, 1), tokens)),
+                                  np.take_along_axis(got, np.asarray(tokens), axis=1))
+
+
 def test_the_device_automaton_agrees_with_the_host_arrays():
     """`advance` and `allowed` on a pool region equal the automaton's own transitions and masks at every
     (state, token), for a DFA whose transitions go several ways (exceptions and a default)."""
@@ -121,12 +141,13 @@ def _rows(pair, block_size, rows, prompts, seed=0, **kw):
     return by_index(gen.generate(prompts, seed=seed, sampling=rows)), gen
 
 
-# greedy: heavy here, everyday on the demo pair (tests/test_structured.py)
-@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.heavy), 1.0])
-def test_constrained_rows_decode_as_constrained_plain_decoding(temperature):
+# greedy: heavy here, everyday on the demo pair (tests/test_structured.py); the tree sampled everyday
+@pytest.mark.parametrize("temperature,tree", [pytest.param(0.0, 0, marks=pytest.mark.heavy), (1.0, 0),
+                                              pytest.param(0.0, 6, marks=pytest.mark.heavy), (1.0, 6)])
+def test_constrained_rows_decode_as_constrained_plain_decoding(temperature, tree):
     """Rows with two constraints and none, in one batch: every constrained output walks its automaton
-    to a final state and ends there (or stops at its limit inside it); the chain's tokens equal plain
-    decoding's under the same constraints, greedy and seeded."""
+    to a final state and ends there (or stops at its limit inside it); the chain's and a draft tree's
+    tokens equal plain decoding's under the same constraints, greedy and seeded."""
     pair = sampling_setup()
     vocab = pair[0].vocab_size
     a, b = pairs_dfa(vocab), counting_dfa(vocab)
@@ -134,7 +155,7 @@ def test_constrained_rows_decode_as_constrained_plain_decoding(temperature):
     rows = [s(a), s(b), s(None), s(a), s(b), s(a)]
     prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7], [2], [9, 3, 2, 3]]
     plain, _ = _rows(pair, 1, rows, prompts, seed=3)
-    spec, gen = _rows(pair, 4, rows, prompts, seed=3)
+    spec, gen = _rows(pair, 4, rows, prompts, seed=3, tree_budget=tree)
     for r, p, row in zip(spec, plain, rows):
         assert r.output_ids == p.output_ids
         if row.constraint is None:
@@ -148,11 +169,13 @@ def test_constrained_rows_decode_as_constrained_plain_decoding(temperature):
     assert gen.regions.loads == 2  # one region per automaton, shared by its rows
 
 
-@pytest.mark.heavy  # three engines; bench/constrained.py prints the same comparison on the demo pair
-def test_drafts_follow_the_constraint(monkeypatch):
-    """Masked drafts: each draft is the drafter's argmax among the tokens its predecessors' state
-    allows. Output is plain decoding's either way; masked drafts are accepted more often than the
-    drafter's unmasked argmax (which this random drafter mostly spends outside the constraint)."""
+@pytest.mark.heavy  # three engines each; bench/constrained.py prints the same comparison on the demo pair
+@pytest.mark.parametrize("tree", [0, 6])
+def test_drafts_follow_the_constraint(monkeypatch, tree):
+    """Masked drafts: each chain draft is the drafter's argmax among the tokens its predecessors'
+    state allows; a tree node's children are the candidates its state allows. Output is plain
+    decoding's either way; masked drafts are accepted more often than unmasked ones (which this
+    random drafter mostly spends outside the constraint)."""
     from dflash_jax.engine.cycles import chain
 
     pair = setup("qwen3-v128")
@@ -161,24 +184,35 @@ def test_drafts_follow_the_constraint(monkeypatch):
     rows = [Sampling(constraint=a, per_row=True)] * 4
     prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7]]
     plain, _ = _rows(pair, 1, rows, prompts, constraint_states=16)
-    spec, _ = _rows(pair, 4, rows, prompts, constraint_states=16)
+    spec, _ = _rows(pair, 4, rows, prompts, constraint_states=16, tree_budget=tree)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     for r in spec:
         assert all(st >= 0 for st in a.walk(r.output_ids))
     tau = lambda results: np.mean([x for r in results for x in r.acceptance_lengths])
-    monkeypatch.setattr(chain, "masked_argmax", lambda pool, fsm, logits, vocab: chain.greedy_pick(logits))
+    if tree:  # the drafter's own top candidates, each a child whatever its parent's state
+        from dflash_jax.engine.cycles import tree as tree_kind
+
+        monkeypatch.setattr(tree_kind, "masked_logits", lambda pool, fsm, logits, vocab: logits)
+        monkeypatch.setattr(cons, "permits", lambda pool, states, tokens: jnp.ones(tokens.shape, bool))
+    else:
+        monkeypatch.setattr(chain, "masked_argmax", lambda pool, fsm, logits, vocab: chain.greedy_pick(logits))
     jax.clear_caches()  # the cycle loop traced again, with unmasked drafts
-    unmasked, _ = _rows(pair, 4, rows, prompts, constraint_states=16)
+    unmasked, _ = _rows(pair, 4, rows, prompts, constraint_states=16, tree_budget=tree)
     assert [r.output_ids for r in unmasked] == [r.output_ids for r in plain]
     jax.clear_caches()
     assert tau(spec) > tau(unmasked), (tau(spec), tau(unmasked))
 
 
 def test_constraints_are_refused_where_they_cannot_go():
+    from dflash_jax.dflash2 import DFlash2Config
+    from dflash_jax.engine.cycles import cycle_kind
+
     pair = sampling_setup()
     vocab = pair[0].vocab_size
-    with pytest.raises(InputError, match="constraint-states: constraints mask the chain"):
-        _engine(pair, 4, tree_budget=6)
+    dflash2 = dataclasses.replace(pair[2], dflash2=DFlash2Config())
+    with pytest.raises(InputError, match="constraint_states: .* a DFlash2 drafter drafts by its candidate selector"):
+        cycle_kind(pair[0], dflash2, 4, constrained=True)
+    assert cycle_kind(pair[0], pair[2], 4, tree_budget=6, constrained=True).num_drafts == 6
     gen = _engine(pair, 4)
     too_big = counting_dfa(vocab, n=12)  # 13 states, a region holds 8
     with pytest.raises(InputError, match="needs 13 automaton states; this engine holds at most 8"):

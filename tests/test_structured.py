@@ -27,12 +27,13 @@ def demo():
     return pair, cache
 
 
-def run(block_size, rows, prompts, seed=0, batch_size=4):
+def run(block_size, rows, prompts, seed=0, batch_size=4, tree_budget=0):
     pair, _ = demo()
     gen = BatchEngine(pair.target, pair.tparams, pair.drafter if block_size > 1 else None,
                       pair.dparams if block_size > 1 else None, block_size=block_size, batch_size=batch_size,
                       max_new_tokens=96, max_prompt_len=32, sampling=Sampling(per_row=True),
-                      stop_token_ids=pair.stop_tokens, speculation="fixed", constraint_states=512)
+                      stop_token_ids=pair.stop_tokens, speculation="fixed", constraint_states=512,
+                      tree_budget=tree_budget)
     ids = [pair.tokenizer.encode(p) for p in prompts]
     return sorted(gen.generate(ids, seed=seed, sampling=rows), key=lambda r: r.index)
 
@@ -106,19 +107,30 @@ GOAL_SCHEMAS = SCHEMAS + [
 GOAL_PROMPTS = PROMPTS + ["Return the config as JSON.\n", "# data\n", "{\"", "result = ", "Answer:", "[1, 2"]
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_constrained_answer_validates_8_schemas_by_8_prompts(temperature):
-    """The issue's goal matrix (chain): 8 schemas x 8 prompts, each answer that ends "stop" valid against
-    its schema (one cut at its limit is a prefix the automaton allows), every answer equal to constrained
-    plain decoding's."""
+def goal_cases(temperature):
     _, cache = demo()
     cases = [(s, p) for s in GOAL_SCHEMAS for p in GOAL_PROMPTS]
     rows = [Sampling(temperature, per_row=True, constraint=cache.get(Constraint.json_schema(s))) for s, _ in cases]
-    prompts = [p for _, p in cases]
-    spec = run(16, rows, prompts, seed=11, batch_size=16)
-    plain = run(1, rows, prompts, seed=11, batch_size=16)
-    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    return cases, rows, [p for _, p in cases]
+
+
+@functools.cache
+def goal_plain(temperature):
+    """Constrained plain decoding's answers to the goal matrix (shared by the chain and the tree)."""
+    _, rows, prompts = goal_cases(temperature)
+    return [r.output_ids for r in run(1, rows, prompts, seed=11, batch_size=16)]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("tree", [0, 16])
+def test_every_constrained_answer_validates_8_schemas_by_8_prompts(temperature, tree):
+    """The issue's goal matrix, the chain and a draft tree: 8 schemas x 8 prompts, each answer that ends
+    "stop" valid against its schema (one cut at its limit is a prefix the automaton allows), every answer
+    equal to constrained plain decoding's."""
+    cases, rows, prompts = goal_cases(temperature)
+    spec = run(16, rows, prompts, seed=11, batch_size=16, tree_budget=tree)
+    assert [r.output_ids for r in spec] == goal_plain(temperature)
     check(spec, [s for s, _ in cases])
     complete = sum(r.finish_reason == "stop" for r in spec)
     assert complete >= len(cases) * 3 // 4, complete

@@ -4,8 +4,8 @@ and its state advances with each committed token, with no host round trip per cy
 
 The pool (`ConstraintPool`, part of `DecodeState`) holds one region per batch slot, each of
 `EngineSpec.constraint_states` states and `constraint_edges` exception edges. A state is one row of
-a bitmask over the vocabulary (the tokens it allows: 4 bytes per 32 tokens, 18,992 bytes a state at
-a 151,936-token vocabulary) plus its transitions in a compact form: a default next state (the one
+a bitmask over the vocabulary (the tokens it allows: 4 bytes per 32 tokens in whole groups of 4,096
+tokens, `mask_words`: 19,456 bytes a state at a 151,936-token vocabulary) plus its transitions in a compact form: a default next state (the one
 most of its tokens go to: a JSON string's content state goes back to itself) and the tokens that go
 elsewhere (sorted, found by binary search). State ids are global: region r's states are
 r * constraint_states + local id, so a row's state is one int32 (`DecodeState.fsm`; `NONE` for a
@@ -35,10 +35,10 @@ from dflash_jax.errors import InputError
 
 # Automaton states a constraint may have where nothing says (the server's --constraint-states, rows of
 # `python -m infer` that ask for one): a typical JSON schema needs a few hundred
-# (docs/structured-output.md); a region of 512 is 9.7 MB at a 151,936-token vocabulary.
+# (docs/structured-output.md); a region of 512 is 10.0 MB of masks at a 151,936-token vocabulary.
 DEFAULT_STATES = 512
 # Transition exceptions a region holds per state where nothing says (`--constraint-edges`): 8 bytes each,
-# so 1024 cost 8 KiB a state beside its 18,992-byte mask at a 152k vocabulary. A string of bounded length
+# so 1024 cost 8 KiB a state beside its 19,456-byte mask at a 152k vocabulary. A string of bounded length
 # needs many (each position's tokens reach as many next positions as token lengths): 672 a state for a
 # 20-character string on the demo vocabulary.
 EDGES_PER_STATE = 1024
@@ -46,9 +46,29 @@ NONE = -1  # a row without a constraint: every token allowed
 DEAD = -2  # a path that left its automaton (a rejected draft's): every token allowed, never committed
 
 
+# The device's bit order: the vocabulary in groups of GROUP = 32 x 128 tokens, each group 128 words,
+# token g * GROUP + k * 128 + j at bit k of word g * 128 + j. Unpacking a state's mask is then 32
+# shifts of whole 128-lane rows, which the TPU does in place; unpacking the host's order (token v at
+# bit v % 32 of word v // 32) moved every bit across lanes, and cost the verify's masks about 1 GB a
+# cycle at batch 8 and a 152k vocabulary by the TPU compiler's estimate (grouped: 0.4 GB).
+LANES = 128
+GROUP = 32 * LANES
+
+
 def mask_words(vocab_size: int) -> int:
-    """uint32 words of one state's bitmask."""
-    return -(-vocab_size // 32)
+    """uint32 words of one state's bitmask on the device (whole groups of GROUP tokens)."""
+    return -(-vocab_size // GROUP) * LANES
+
+
+def device_masks(masks: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Host-order bitmasks [n, ceil(V / 32)] (`dflash_jax.constrain.Automaton.masks`: token v at bit
+    v % 32 of word v // 32) in the device's grouped order [n, mask_words(V)]."""
+    n = masks.shape[0]
+    bits = np.unpackbits(np.ascontiguousarray(masks, "<u4").view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    groups = mask_words(vocab_size) // LANES
+    bits = np.pad(bits, ((0, 0), (0, groups * GROUP - vocab_size))).reshape(n, groups, 32, LANES)
+    words = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)[:, None]).sum(axis=2, dtype=np.uint32)
+    return words.reshape(n, groups * LANES)
 
 
 @flax.struct.dataclass
@@ -79,14 +99,24 @@ def allowed(pool: ConstraintPool | None, states, vocab_size: int):
     if pool is None:
         return None
     words = pool.masks[jnp.clip(states, 0, pool.masks.shape[0] - 1)]  # [..., W]
-    bits = (words[..., :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [..., W, 32]
-    bits = bits.reshape(*states.shape, -1)[..., :vocab_size].astype(bool)
+    groups = words.shape[-1] // LANES
+    words = words.reshape(*states.shape, groups, 1, LANES)
+    bits = (words >> jnp.arange(32, dtype=jnp.uint32)[:, None]) & 1  # [..., groups, 32, LANES]: the grouped order
+    bits = bits.reshape(*states.shape, groups * GROUP)[..., :vocab_size].astype(bool)
     return jnp.where((states >= 0)[..., None], bits, True)
 
 
 def _bit(pool: ConstraintPool, states, tokens):
-    word = pool.masks[jnp.clip(states, 0, pool.masks.shape[0] - 1), tokens // 32]
-    return ((word >> (tokens % 32).astype(jnp.uint32)) & 1).astype(bool)
+    word = pool.masks[jnp.clip(states, 0, pool.masks.shape[0] - 1), tokens // GROUP * LANES + tokens % LANES]
+    return ((word >> (tokens % GROUP // LANES).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def permits(pool: ConstraintPool | None, states, tokens):
+    """[...] bool: whether each of states [...] allows its token of tokens [...] (every token for
+    NONE and DEAD, and without a pool): `allowed` at single tokens, without the whole mask."""
+    if pool is None:
+        return jnp.ones(jnp.shape(tokens), bool)
+    return jnp.where(states >= 0, _bit(pool, states, tokens), True)
 
 
 def advance(pool: ConstraintPool | None, states, tokens):
@@ -145,7 +175,7 @@ def region_arrays(automaton, region: int, states: int, edges: int, vocab_size: i
     if n > states:
         raise InputError(f"the constraint needs {n} automaton states; this engine holds at most {states} per "
                          f"constraint (--constraint-states)")
-    if automaton.masks.shape[1] != mask_words(vocab_size):
+    if automaton.masks.shape[1] != -(-vocab_size // 32):
         raise InputError(f"the constraint was compiled for a vocabulary of {automaton.vocab_size} tokens, "
                          f"this target's is {vocab_size}")
     base, ebase = region * states, region * edges
@@ -169,7 +199,7 @@ def region_arrays(automaton, region: int, states: int, edges: int, vocab_size: i
                          f"per constraint (--constraint-edges)")
     pad = lambda parts: np.concatenate(parts + [np.zeros((edges - used,), np.int32)])
     masks = np.zeros((states, mask_words(vocab_size)), np.uint32)
-    masks[:n] = automaton.masks
+    masks[:n] = device_masks(automaton.masks, vocab_size)
     return dict(masks=masks, default=default, starts=starts, counts=counts, tokens=pad(tokens), targets=pad(targets))
 
 

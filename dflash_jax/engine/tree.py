@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dflash_jax.engine import constraints
+
 NEG_INF = -jnp.inf
 
 
@@ -58,6 +60,9 @@ class Tree:
     depth:  [batch, N] int32, the node's depth (its position is the anchor's + depth).
     valid:  [batch, N] bool, false for padding nodes (when fewer candidates exist than the budget).
     mask:   [batch, N, N] bool, mask[i, j]: node j is node i or one of its ancestors.
+    states: [batch, N] int32, the row's constraint automaton state after the node's token (the
+            root's: the row's own; `dflash_jax.engine.constraints`), which masks the target's
+            token after the node; None where the tree was built without the rows' states.
     """
 
     tokens: jax.Array
@@ -65,6 +70,7 @@ class Tree:
     depth: jax.Array
     valid: jax.Array
     mask: jax.Array
+    states: jax.Array | None = None
 
 
 # The share of the true top-k a TPU's approximate top-k keeps (`jax.lax.approx_max_k`).
@@ -92,10 +98,15 @@ def top_candidates(logits, budget: int):
     return values - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1, keepdims=True), tokens
 
 
-def build_tree(anchor, log_probs, tokens, budget: int) -> Tree:
+def build_tree(anchor, log_probs, tokens, budget: int, fsm=None, pool=None) -> Tree:
     """The tree DDTree's best-first expansion builds under the budget, per row.
 
     anchor [batch]; log_probs, tokens [batch, D, k]: depth d + 1's candidates, best first.
+    fsm [batch], pool: the rows' constraint automata (`dflash_jax.engine.constraints`; None: none):
+    a candidate its parent's state does not allow is no child of it (its path scores -inf, so a
+    better allowed one takes its place), and each node carries the state its path reaches
+    (`Tree.states`). Filtering only changes which drafts are verified, never the output: the
+    verify masks the target's tokens by the nodes' states.
 
     Best-first (pop the best frontier node, push its next-ranked sibling and its first child, by
     the sum of log-probabilities along the path) pops nodes in the order of their path scores: a
@@ -109,10 +120,12 @@ def build_tree(anchor, log_probs, tokens, budget: int) -> Tree:
     parent before its children); paths that do not exist (fewer candidates than the budget) are
     padding nodes, not valid, numbered last.
     """
-    return jax.vmap(lambda a, lp, tk: _build_row(a, lp, tk, budget))(anchor, log_probs, tokens)
+    if fsm is None:
+        fsm = jnp.full(anchor.shape, constraints.NONE, jnp.int32)
+    return jax.vmap(lambda a, lp, tk, f: _build_row(a, lp, tk, budget, f, pool))(anchor, log_probs, tokens, fsm)
 
 
-def _build_row(anchor, log_probs, tokens, budget: int) -> Tree:
+def _build_row(anchor, log_probs, tokens, budget: int, fsm, pool) -> Tree:
     depths, k = log_probs.shape
     beam, n = budget, budget + 1
     # The children worth scoring: the child of rank r of the beam's j-th best is beaten by the
@@ -123,15 +136,22 @@ def _build_row(anchor, log_probs, tokens, budget: int) -> Tree:
     pair_parent, pair_rank = jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1])
 
     def extend(carry, d):
-        """The beam of depth d + 1: the best `beam` children of depth d's beam."""
-        prev_scores, prev_path = carry
-        scores, pick = jax.lax.top_k(prev_scores[pair_parent] + log_probs[d][pair_rank], beam)
+        """The beam of depth d + 1: the best `beam` children of depth d's beam (those their
+        parent's automaton state allows), and the states they reach."""
+        prev_scores, prev_path, prev_states = carry
+        pair_scores = prev_scores[pair_parent] + log_probs[d][pair_rank]
+        if pool is not None:
+            allowed = constraints.permits(pool, prev_states[pair_parent], tokens[d][pair_rank])
+            pair_scores = jnp.where(allowed, pair_scores, NEG_INF)
+        scores, pick = jax.lax.top_k(pair_scores, beam)
         parent, rank = pair_parent[pick], pair_rank[pick]
         path = prev_path[parent].at[:, d].set(d * beam + jnp.arange(beam))  # beam ids of the ancestors and itself
-        return (scores, path), (scores, parent, tokens[d, rank], path)
+        states = constraints.advance(pool, prev_states[parent], tokens[d, rank])
+        return (scores, path, states), (scores, parent, tokens[d, rank], path, states)
 
-    root = (jnp.full((beam,), NEG_INF, jnp.float32).at[0].set(0.0), jnp.full((beam, depths), -1, jnp.int32))
-    _, (scores, parent, cand_tokens, paths) = jax.lax.scan(extend, root, jnp.arange(depths))
+    root = (jnp.full((beam,), NEG_INF, jnp.float32).at[0].set(0.0), jnp.full((beam, depths), -1, jnp.int32),
+            jnp.full((beam,), fsm, jnp.int32))
+    _, (scores, parent, cand_tokens, paths, cand_states) = jax.lax.scan(extend, root, jnp.arange(depths))
     scores = scores.reshape(-1)
     chosen = jax.lax.top_k(scores, budget)[1]
     # Depth-major (parents first), padding last.
@@ -150,7 +170,8 @@ def _build_row(anchor, log_probs, tokens, budget: int) -> Tree:
                 parent=first(0, jnp.where(valid, node_parent, 0)),
                 depth=first(0, jnp.where(valid, depth, 1)),
                 valid=first(True, valid),
-                mask=jnp.concatenate([jnp.zeros((1, n), bool).at[0, 0].set(True), rows]))
+                mask=jnp.concatenate([jnp.zeros((1, n), bool).at[0, 0].set(True), rows]),
+                states=first(fsm, jnp.where(valid, cand_states.reshape(-1)[chosen], constraints.NONE)))
 
 
 def follow(tree: Tree, target_tokens, max_depth: int):

@@ -53,8 +53,24 @@ def masked_argmax(pool, fsm, logits, vocab_size):
     """Drafts [batch, K] from logits [batch, K, vocab] along each row's automaton: d_i is the argmax
     among the tokens the state after d_1..d_{i-1} (from fsm [batch]) allows; a row without a
     constraint takes the plain argmax."""
+    return _masked_chain(pool, fsm, logits, vocab_size)[0]
+
+
+def _masked_chain(pool, fsm, logits, vocab_size):
+    """(d [batch, K], states [batch, K]): the masked argmax chain, states[:, i] the one d_i is drawn
+    under. Only tokens and states ride the scan (a scan carrying the masked logits copied them
+    whole, by the TPU compiler's estimate)."""
     def step(state, x):
         d = greedy_pick(jnp.where(allowed(pool, state, vocab_size), x, -jnp.inf))
-        return advance(pool, state, d), d
+        return advance(pool, state, d), (d, state)
 
-    return jax.lax.scan(step, fsm, jnp.swapaxes(logits, 0, 1))[1].T
+    drafts, states = jax.lax.scan(step, fsm, jnp.swapaxes(logits, 0, 1))[1]
+    return drafts.T, states.T
+
+
+def masked_logits(pool, fsm, logits, vocab_size):
+    """logits [batch, K, vocab] with position i's outside what the state after d_1..d_{i-1} allows
+    at -inf, d_j the masked argmax chain's (from fsm [batch]; `masked_argmax`): where a draft tree
+    takes each depth's candidates from."""
+    states = _masked_chain(pool, fsm, logits, vocab_size)[1]
+    return jnp.where(allowed(pool, states, vocab_size), logits, -jnp.inf)
