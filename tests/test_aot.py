@@ -74,6 +74,24 @@ def test_a_tree_cycle_compiles_for_one_v5e_chip_through_the_kernel(tmp_path):
     assert tree["roofline"]["intensity"] > 0 and "DFlash tree 8" in p.stdout
 
 
+@pytest.mark.heavy  # two TPU compiles; the everyday suite compiles the DFlash cycle
+def test_the_constrained_cycle_compiles_beside_the_dflash_cycle_with_its_masks_in_place(tmp_path):
+    """--programs dflash,constrained: the DFlash cycle of an engine holding constraints compiles for a
+    v5p beside the plain one, the report gives constrained / DFlash, and the pool's masks are never
+    copied into another layout (the host's bit order made the compiler unpack them across lanes;
+    docs/structured-output.md has the full-size figure)."""
+    hlo = tmp_path / "hlo"
+    p, r = aot(tmp_path, "v5p:1x1x1", "--scale", "0.1", "--context", "128", "--programs", "dflash,constrained",
+               "--compare-cache-len", "0", "--hlo", str(hlo))
+    c, d = r["programs"]["constrained"], r["programs"]["dflash"]
+    assert c["compiled"] and c["fits"] and c["constraint_states"] == 512 and d["constraint_states"] == 0
+    x = r["constrained_over_dflash"]
+    assert x["seconds"] == c["seconds"] / d["seconds"] and x["seconds"] > 1.0 and x["bytes"] > 1.0
+    assert "constrained / DFlash cycle" in p.stdout
+    masks = re.findall(r"= u32\[\d+,\d+\]\{[^}]*\} copy\(", (hlo / "constrained.hlo.txt").read_text())
+    assert not masks, masks[:3]
+
+
 @pytest.mark.heavy  # two TPU compiles (21 s); the everyday suite compiles the DFlash cycle
 def test_a_dflash2_cycle_compiles_for_one_v5p_chip_beside_the_dflash_cycle(tmp_path):
     """--shape qwen3.8-27b (scaled): the DFlash2 cycle (dynamic convolutions, the candidate selector's
