@@ -176,10 +176,14 @@ def unary_scores(values, config: DFlash2Config):
     return u if cap is None else jnp.tanh(u / cap) * cap
 
 
-def walk(scores, candidates, temperature=None, keys=None):
+def walk(scores, candidates, temperature=None, keys=None, gate=None):
     """The selector's path, left to right from the anchor. scores [b, D, Kc, Kc], candidates
     [b, D, Kc]; temperature [b] and keys [b, D, 2] (None: the argmax walk). A row with
     temperature 0 takes the argmax (lowest index on ties); others the Gumbel-max of S / T.
+    gate: the rows' constraints, (state [b], allows(state, tokens [b, Kc]) -> bool [b, Kc],
+    advance(state, token [b]) -> state): each slot's candidates its predecessors' state does not
+    allow score -inf (so the proposal is renormalised over the allowed ones); a slot with none
+    allowed keeps its scores (its draft is one the verify then never accepts).
 
     Returns (drafts [b, D] int32, rows [b, D, Kc]: each slot's realised score row S[p, prev, :],
     picked [b, D]: the index of each draft among its slot's candidates). An unrolled scan: D small
@@ -187,19 +191,27 @@ def walk(scores, candidates, temperature=None, keys=None):
     b, d, k = candidates.shape
     hot = None if temperature is None else temperature > 0
 
-    def step(prev, xs):
-        s, key = xs  # s [b, Kc, Kc]
+    def step(carry, xs):
+        prev, state = carry
+        s, key, cands = xs  # s [b, Kc, Kc], cands [b, Kc]
         row = jnp.take_along_axis(s, prev[:, None, None], axis=1)[:, 0]
+        if gate is not None:
+            ok = gate[1](state, cands)
+            row = jnp.where(ok.any(-1, keepdims=True), jnp.where(ok, row, -jnp.inf), row)
         choose = row
         if hot is not None:
             gumbel = jax.vmap(lambda kk: jax.random.gumbel(kk, (k,), jnp.float32))(key)
             drawn = row / jnp.where(hot, temperature, 1.0)[:, None] + gumbel
             choose = jnp.where(hot[:, None], drawn, row)
         idx = jnp.argmax(choose, axis=-1).astype(jnp.int32)
-        return idx, (idx, row)
+        if gate is not None:
+            state = gate[2](state, jnp.take_along_axis(cands, idx[:, None], axis=-1)[:, 0])
+        return (idx, state), (idx, row)
 
     key_steps = jnp.zeros((d, b, 2), jnp.uint32) if keys is None else jnp.swapaxes(keys, 0, 1)
-    _, (picked, rows) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), (jnp.swapaxes(scores, 0, 1), key_steps),
+    state0 = jnp.zeros((b,), jnp.int32) if gate is None else gate[0]
+    _, (picked, rows) = jax.lax.scan(step, (jnp.zeros((b,), jnp.int32), state0),
+                                     (jnp.swapaxes(scores, 0, 1), key_steps, jnp.swapaxes(candidates, 0, 1)),
                                      unroll=True)
     picked, rows = jnp.swapaxes(picked, 0, 1), jnp.swapaxes(rows, 0, 1)
     return jnp.take_along_axis(candidates, picked[..., None], axis=-1)[..., 0].astype(jnp.int32), rows, picked

@@ -209,9 +209,9 @@ def test_constraints_are_refused_where_they_cannot_go():
 
     pair = sampling_setup()
     vocab = pair[0].vocab_size
+    # every kind takes constraints now: the chain, the tree, a DFlash2 drafter's selector
     dflash2 = dataclasses.replace(pair[2], dflash2=DFlash2Config())
-    with pytest.raises(InputError, match="constraint_states: .* a DFlash2 drafter drafts by its candidate selector"):
-        cycle_kind(pair[0], dflash2, 4, constrained=True)
+    assert cycle_kind(pair[0], dflash2, 4, constrained=True).num_drafts == 3
     assert cycle_kind(pair[0], pair[2], 4, tree_budget=6, constrained=True).num_drafts == 6
     gen = _engine(pair, 4)
     too_big = counting_dfa(vocab, n=12)  # 13 states, a region holds 8

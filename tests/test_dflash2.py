@@ -320,6 +320,87 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature):
     assert chi_square_p(counts.sum(2), exact.sum(2)) > 1e-3
 
 
+def alternating_dfa(vocab, banned=((0, 3, 5), (1, 2, 4))):
+    """Two states, alternating, each banning a few tokens (and the last, the fixtures' eos): each
+    position's mask depends on the tokens before it."""
+    from test_constrained import Dfa
+
+    keep = [[t for t in range(vocab - 1) if t not in b] for b in banned]
+    return Dfa.of({0: {t: 1 for t in keep[0]}, 1: {t: 0 for t in keep[1]}}, set(), vocab, eos=())
+
+
+def masked_joint(sampling, dfa):
+    """p(t1, t2, t3) of plain sampling under the automaton: each step's softmax(logits / T) over the
+    tokens its state allows, renormalised (numpy, from the target's exact logits)."""
+    from fixtures import SAMPLE_PROMPT, exact_logits
+
+    logits = exact_logits().astype(np.float64) / sampling.temperature
+    p = len(SAMPLE_PROMPT)
+    v = logits.shape[-1]
+    joint = np.zeros((v, v, v))
+    for t1 in range(v):
+        for t2 in range(v):
+            for t3 in range(v):
+                prob, state = 1.0, dfa.initial
+                for t, row in ((t1, logits[0, 0, p - 1]), (t2, logits[t1, 0, p]), (t3, logits[t1, t2, p + 1])):
+                    ok = np.array([dfa.next(state, x) >= 0 for x in range(v)])
+                    if not ok[t]:
+                        prob = 0.0
+                        break
+                    w = np.where(ok, np.exp(row - row.max()), 0.0)
+                    prob *= w[t] / w.sum()
+                    state = dfa.next(state, t)
+                joint[t1, t2, t3] = prob
+    return joint
+
+
+@pytest.mark.heavy  # 4096 rows of the DFlash2 engine with constraints
+def test_constrained_rejection_sampling_keeps_the_masked_target_distribution():
+    """A DFlash2 drafter's selector masked by each row's automaton, its proposal renormalised over the
+    allowed candidates, and rejection sampling against the masked target: the output is distributed as
+    plain sampling under the constraint (chi-square), every row walks its automaton, drafts accepted."""
+    from fixtures import N_SAMPLES, SAMPLE_PROMPT
+
+    target, tparams, drafter, dparams = dflash2_sampling_setup()
+    dfa = alternating_dfa(target.vocab_size)
+    sampling = Sampling(temperature=1.0, per_row=True)
+    gen = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=512, max_new_tokens=3,
+                      max_prompt_len=16, sampling=sampling, speculation="fixed", constraint_states=4)
+    assert gen.spec.rejection
+    rows = [dataclasses.replace(sampling, constraint=dfa)] * N_SAMPLES
+    results = by_index(gen.generate([list(SAMPLE_PROMPT)] * N_SAMPLES, seed=99, indices=range(N_SAMPLES),
+                                    sampling=rows))
+    tokens = np.array([r.output_ids for r in results])
+    assert all(s >= 0 for t in tokens for s in dfa.walk(t)), "a token outside the constraint"
+    assert np.mean([r.acceptance_lengths[0] >= 2 for r in results]) > 0.2, "drafts rarely accepted: a weak test"
+    exact = masked_joint(sampling, dfa)
+    v = exact.shape[0]
+    counts = np.zeros((v, v, v))
+    np.add.at(counts, tuple(tokens.T), 1)
+    assert chi_square_p(counts.sum(0), exact.sum(0)) > 1e-3  # (t2, t3): t3 is the first the rule decides
+    assert chi_square_p(counts.sum(2), exact.sum(2)) > 1e-3
+
+
+def test_constrained_match_keeps_constrained_plain_decodings_seeded_tokens():
+    """Sample-and-match with the selector's walk masked: plain decoding's tokens under the constraint,
+    greedy and seeded."""
+    target, tparams, drafter, dparams = dflash2_sampling_setup()
+    dfa = alternating_dfa(target.vocab_size)
+    rs = np.random.RandomState(4)
+    batch = [rs.randint(0, 11, int(n)).tolist() for n in rs.randint(3, 9, 6)]
+    for temperature in (0.0, 1.0):
+        sampling = Sampling(temperature=temperature, per_row=True)
+        rows = [dataclasses.replace(sampling, constraint=dfa)] * len(batch)
+        runs = []
+        for block in (1, 4):
+            gen = BatchEngine(target, tparams, drafter if block > 1 else None, dparams if block > 1 else None,
+                              block_size=block, batch_size=3, max_new_tokens=12, max_prompt_len=16, sampling=sampling,
+                              acceptance="match", speculation="fixed", constraint_states=4)
+            runs.append([r.output_ids for r in by_index(gen.generate(batch, seed=5, sampling=rows))])
+        assert runs[0] == runs[1]
+        assert all(s >= 0 for ids in runs[0] for s in dfa.walk(ids))
+
+
 def test_match_keeps_plain_decodings_seeded_tokens():
     target, tparams, drafter, dparams = dflash2_sampling_setup()
     sampling = Sampling(temperature=1.0)

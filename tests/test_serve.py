@@ -1016,8 +1016,10 @@ def server(offline_run, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
     port = free_port()
     with open(log, "wb") as f:
+        # --trust-request-chat-template: the demo's own template takes no tools; the tools test brings one
         proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--max-prompt-len", "64", "--batch-size", "4",
-                                 "--port", str(port), "--max-waiting", "80", "--speculation", "fixed"],
+                                 "--port", str(port), "--max-waiting", "80", "--speculation", "fixed",
+                                 "--trust-request-chat-template"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     srv = Server(proc, port, log)
     deadline = time.monotonic() + START_TIMEOUT
@@ -1453,6 +1455,89 @@ def test_structured_output_through_the_openai_client(server):
         client.completions.create(model="dflash-demo", prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {"grammar": "root ::= \"a\""}})
     assert e.value.body["param"] == "structured_outputs" and "context-free" in e.value.body["message"]
+
+
+# A hermes-style template (Qwen3's way of offering tools), brought by the request: the demo's own takes none.
+TOOLS_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+                  "{% for m in messages %}{{ m.content }}\n{% endfor %}")
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@heavy
+def test_tools_and_logprobs_through_the_openai_client(server):
+    """tools through the openai client against the served demo pair: tool_choice "required" (greedy and
+    seeded sampled, whole and streamed) and a named function always answer a call whose arguments
+    validate against the function's schema (finish_reason "tool_calls"); "auto" answers text or calls,
+    never both lost; logprobs (chat and completions) come with every token, the greedy token's own the
+    best of its alternatives."""
+    import jsonschema
+    import openai
+
+    client = server.client()
+    extra = {"chat_template": TOOLS_TEMPLATE}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, CLOCK)}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    calls = 0
+    for seed, temperature in ((0, 0.0), (1, 0.8), (2, 0.8), (3, 1.0)):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[CITY, CLOCK], tool_choice="required",
+                                           max_tokens=96, temperature=temperature, seed=seed, extra_body=extra)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            calls += 1
+    assert calls >= 4
+    named = client.chat.completions.create(model=MODEL, messages=msgs, tools=[CITY, CLOCK], max_tokens=96,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           temperature=0, extra_body=extra)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_time"])
+    # streamed: OpenAI's tool-call deltas, the arguments in pieces; no marker text leaks into content
+    pieces, content, finish = {}, "", None
+    for c in client.chat.completions.create(model=MODEL, messages=msgs, tools=[CITY], tool_choice="required",
+                                            max_tokens=96, temperature=0, stream=True, extra_body=extra):
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            entry = pieces.setdefault(d.index, {"name": None, "arguments": ""})
+            entry["name"] = entry["name"] or (d.function.name if d.function else None)
+            entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = c.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and pieces and "<tool_call>" not in content, (finish, pieces, content)
+    for entry in pieces.values():
+        assert entry["name"] == "get_weather"
+        jsonschema.validate(json.loads(entry["arguments"]), schemas["get_weather"])
+    auto = client.chat.completions.create(model=MODEL, messages=msgs, tools=[CITY], max_tokens=32, temperature=0,
+                                          extra_body=extra)
+    message = auto.choices[0].message
+    assert message.tool_calls or message.content, message
+    if message.tool_calls:
+        assert auto.choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as e:  # a request template that drops the tools
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[CITY], max_tokens=4,
+                                       extra_body={"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    assert e.value.body["param"] == "tools" and "request's chat_template takes no tools" in e.value.body["message"]
+
+    # logprobs: one entry per token; greedy, the token's own log-probability is the best alternative's
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5) and e.token == e.top_logprobs[0].token
+    r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(v, abs=1e-5) for t, v in zip(lp.top_logprobs,
+                                                                                            lp.token_logprobs))
 
 
 @heavy

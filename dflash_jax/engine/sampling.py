@@ -424,10 +424,11 @@ def draw_keys(row_keys, positions, use: str):
     return flat.reshape(keys.shape)
 
 
-def target_probs(logits, rows: RowSampling):
+def target_probs(logits, rows: RowSampling, allowed=None):
     """p [batch, T, vocab] float32: the distribution each row's target samples each position from
-    (its bias, temperature, top-k and top-p: `processed_rows`). A greedy row's p is unused (any)."""
-    return jax.nn.softmax(processed_rows(logits, rows), axis=-1)
+    (its bias and constraint, `allowed` [batch, T, vocab], then temperature, top-k and top-p:
+    `processed_rows`). A greedy row's p is unused (any)."""
+    return jax.nn.softmax(processed_rows(logits, rows, allowed), axis=-1)
 
 
 def rejection_accept(probs, drafts, candidates, rows, picked, temperature, row_keys, positions):

@@ -29,8 +29,7 @@ SERVER_HELPS = {
     "constraint_states": "structured output (response_format, structured_outputs, a required tool call): the "
                          "automaton states a request's constraint may have; the device pool holds a region of N per "
                          "slot, 4 bytes per 32 vocabulary tokens a state (19,456 at a 152k vocabulary). Default: 512 "
-                         "where the cycle masks its drafts (the chain, a draft tree), none with a DFlash2 drafter "
-                         "(constrained requests then answer 400); 0: none",
+                         "(every cycle masks its drafts: the chain, a draft tree, a DFlash2 selector); 0: none",
     "batch_size": "requests decoded together (slots)",
     "max_new_tokens": "the most tokens a request may ask for, which sizes the cache (default 256; 128 for the demo)",
     "max_prompt_len": "longest prompt in tokens, which sizes the cache (default: the target's context, at most 2048)",

@@ -209,23 +209,13 @@ def kv_cache_note(gen, default: bool, refused: str | None = None) -> str:
 def constraint_pool(options, args, pair):
     """The server's structured output: (options with the pool's size, the `ConstraintCache` requests
     compile with, or None and why a constrained request is refused). --constraint-states unset: a
-    pool of `engine.constraints.DEFAULT_STATES` per slot where the cycle kind masks its drafts (the chain,
-    a draft tree, plain decoding), none where it does not (a DFlash2 drafter: refused, 400); 0: none."""
+    pool of `engine.constraints.DEFAULT_STATES` per slot (every cycle kind masks its drafts: the chain,
+    a draft tree, a DFlash2 drafter's selector, plain decoding); 0: none."""
     import dataclasses
 
-    from dflash_jax.engine.options import resolve
-
     asked = args.constraint_states
-    drafting = options.block_size > 1
-    why = None
-    if drafting and pair.drafter.dflash2 is not None:
-        why = "a DFlash2 drafter's selector does not yet mask its candidates"
     if asked == 0:
         return options, None, "structured output is off on this server (--constraint-states 0)"
-    if why is not None:
-        if asked:  # asked for: the one rule's own error, naming the flag
-            resolve(pair, dataclasses.replace(options, constraint_states=asked))
-        return options, None, f"structured output needs a DFlash drafter on this server: {why}"
     if pair.tokenizer is None:
         return options, None, "this model has no tokenizer, which constraints compile over"
     from dflash_jax.constrain import ConstraintCache, vocabulary_of

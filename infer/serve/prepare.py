@@ -242,7 +242,11 @@ def prepare_request(model, body: Any, chat: bool) -> PreparedRequest:
     row_id = body.seed % 2**32 if body.seed is not None else secrets.randbits(32)
     stop = _stop(body)
     stop_ids = _stop_ids(body, model.vocab_size)
-    tools = plan_tools(model, body.tools, body.tool_choice, body.parallel_tool_calls) if chat else None
+    tools = None
+    if chat:  # a request's own template (a trusting server's) decides whether tools reach the prompt
+        template = body.chat_template if body.chat_template is not None else (body.chat_template_kwargs or {}).get(
+            "chat_template")
+        tools = plan_tools(model, body.tools, body.tool_choice, body.parallel_tool_calls, template)
     found = request_constraint(body, tools)
     if found is not None:  # compiled here, in the request's thread, never on the engine's
         sampling = dataclasses.replace(sampling, constraint=constrained_sampling(model, found))

@@ -80,16 +80,13 @@ def cycle_kind(target, drafter, block_size: int, draft_tokens: int | None = None
     cycle); tree_budget: draft-tree nodes per cycle (0: the chain); acceptance: how a DFlash2
     drafter's sampled rows accept drafts (`ACCEPTANCE_RULES`); greedy: the engine samples
     nothing (its DFlash2 rows then match whatever the rule); constrained: rows may carry a
-    constraint (`dflash_jax.engine.constraints`), which the plain cycle, the chain and the tree
-    mask (a DFlash2 drafter's selector does not yet)."""
+    constraint (`dflash_jax.engine.constraints`), which every kind masks (the plain cycle, the
+    chain, the tree, a DFlash2 drafter's selector): the argument is the cycle's compatibility
+    seam, and no kind refuses it today."""
     check_settings(block_size, draft_tokens, tree_budget, acceptance, names=names)
     if tree_budget:
         _check_tree(target, drafter, block_size, tree_budget, names)
     dflash2 = drafter is not None and drafter.dflash2 is not None
-    if constrained and block_size > 1 and dflash2:
-        raise InputError(f"{names('constraint_states')}: constraints mask the chain's and the tree's drafts and "
-                         f"verify; a DFlash2 drafter drafts by its candidate selector (not yet constrained): use "
-                         f"a DFlash drafter or drop the constraints")
     settings = Settings(block_size=block_size, drafts=block_size - 1 if draft_tokens is None else draft_tokens,
                         tree_budget=tree_budget, dflash2=dflash2,
                         rule="rejection" if acceptance == "rejection" and not greedy else "match")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.dflash2 import predecessors, unary_scores, walk
+from dflash_jax.engine import constraints
 from dflash_jax.drafter import DFlashDrafter
 from dflash_jax.engine.cycles.base import Settings, accept, caught_up, denoise, verify_pass
 from dflash_jax.engine.cycles.chain import Chain
@@ -34,9 +35,11 @@ class Selector(Chain):
         return cls(settings.drafts, settings.rule) if settings.dflash2 else None
 
     def drafts(self, tparams, dparams, spec, anchor, context_cache, fsm=None, pool=None):
-        """The selector's argmax walk d_1..d_K [batch, K] over the block's first K drafted slots."""
+        """The selector's argmax walk d_1..d_K [batch, K] over the block's first K drafted slots
+        (with the rows' constraint states fsm [batch] in pool: among the candidates each slot's
+        state allows, `gate`)."""
         hidden = denoise(tparams, dparams, spec, anchor, context_cache)[:, 1:1 + self.k]
-        return walk(*selector_scores(tparams, dparams, spec, anchor, hidden))[0]
+        return walk(*selector_scores(tparams, dparams, spec, anchor, hidden), gate=gate(fsm, pool))[0]
 
     def draft_verify(self, tparams, dparams, spec, state):
         if self.rule == "match":
@@ -54,8 +57,16 @@ class Selector(Chain):
         scores, candidates = selector_scores(tparams, dparams, spec, state.anchor, hidden)
         positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(self.k)[None, :]
         drafts, rows, picked = walk(scores, candidates, state.sampling.temperature,
-                                    draw_keys(state.sampling.key, positions, "walk"))
+                                    draw_keys(state.sampling.key, positions, "walk"), gate(state.fsm, state.constraints))
         return drafts, (candidates, rows, picked)
+
+
+def gate(fsm, pool):
+    """The rows' constraints as the selector's walk takes them (`dflash2.walk`), or None."""
+    if pool is None:
+        return None
+    return (fsm, lambda s, tokens: constraints.permits(pool, jnp.broadcast_to(s[:, None], tokens.shape), tokens),
+            lambda s, token: constraints.advance(pool, s, token))
 
 
 def selector_scores(tparams, dparams, spec, anchor, hidden):
@@ -78,8 +89,11 @@ def verify_rejection(tparams, spec, state, drafts, proposal):
     out = verify_pass(tparams, spec, state, block)
     temperature = state.sampling.temperature
     positions = state.target_cache.lengths[:, None] + 1 + jnp.arange(block.shape[1])[None, :]
-    greedy = pick(out.logits, state.sampling, positions, sampled=False)  # a greedy row's: matched
-    probs = target_probs(out.logits, state.sampling)
+    # p at each position is the masked target's (the state the drafts before it reach), as plain decoding's
+    allowed = constraints.allowed(state.constraints, constraints.walk(state.constraints, state.fsm, drafts),
+                                  spec.target.vocab_size)
+    greedy = pick(out.logits, state.sampling, positions, sampled=False, allowed=allowed)  # a greedy row's: matched
+    probs = target_probs(out.logits, state.sampling, allowed)
     tokens, num_accepted = rejection_accept(probs, drafts, *proposal, temperature, state.sampling.key, positions)
     hot = temperature > 0
     tokens = jnp.where(hot[:, None], tokens, greedy)

@@ -119,9 +119,10 @@ def _short(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def plan_tools(model, tools, tool_choice, parallel) -> ToolPlan | None:
+def plan_tools(model, tools, tool_choice, parallel, template=None) -> ToolPlan | None:
     """A request's tools, tool_choice and parallel_tool_calls checked against the model
-    (`model.tools`, a `ModelTools`); None when it asks for no tools."""
+    (`model.tools`, a `ModelTools`), or the request's own chat template where it brings one (on a
+    server that trusts request templates: whether it takes tools); None when it asks for no tools."""
     if parallel is not None and not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is not None and not isinstance(tools, list):
@@ -143,7 +144,10 @@ def plan_tools(model, tools, tool_choice, parallel) -> ToolPlan | None:
         schemas[name] = t["function"]["parameters"]
     choice, name = _choice(tool_choice, schemas)
     support: ModelTools = model.tools
-    if not support.takes_tools:
+    if isinstance(template, str):
+        if "tools" not in template:
+            raise APIError(400, "the request's chat_template takes no tools (they would not reach the prompt)", "tools")
+    elif not support.takes_tools:
         raise APIError(400, "this model's chat template takes no tools (they would not reach the prompt)", "tools")
     # "required" and a named function constrain the answer to a call (infer.serve.structured)
     return ToolPlan(checked, schemas, choice, support.format, name, parallel is not False)
