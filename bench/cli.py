@@ -184,8 +184,8 @@ def add_mode_flags(p):
                      help="v5e:1x1, v5p:2x2x1, ...; needs libtpu ('.[tpu]')")
     add_engine_flags(aot, ("mesh",), helps={"mesh": "the chips' split (default: all on model)"})
     aot.add_argument("--programs", default="prefill,ar,dflash", metavar="P,...",
-                     help="default prefill,ar,dflash (a DFlash2 shape: dflash is both cycles, dflash2 its "
-                          "own); constrained: the DFlash cycle of an engine holding constraints")
+                     help="default prefill,ar,dflash (DFlash2 shape: dflash is both cycles); also "
+                          "constrained")
     aot.add_argument("--hlo", default=None, metavar="DIR", help="write each program's scheduled TPU HLO here")
     aot.add_argument("--attention", choices=("kernel", "walk"), default="kernel", metavar="KIND",
                      help="kernel (Pallas, the TPU engine's; default) or walk")
