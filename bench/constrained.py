@@ -1,7 +1,8 @@
 """Structured output's cost on the demo pair: tau and tokens/s of the same prompts unconstrained,
 constrained with masked drafts (the engine), and constrained with the drafter's unmasked argmax
 (what a drafter that ignores the constraint would draft). `python bench/constrained.py [--batch 8]
-[--temperature 0]`; prints one line per run. Every answer of a constrained run is checked against
+[--temperature 0] [--tree-budget N]` (a draft tree of N nodes instead of the chain: unmasked, its
+candidates are the drafter's own, every one a child); prints one line per run. Every answer of a constrained run is checked against
 its schema (a failure is an error, not a figure)."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--tree-budget", type=int, default=0, help="verify a draft tree of N nodes (default 0: the chain)")
     args = p.parse_args(argv)
 
     import jax
@@ -39,8 +41,11 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dflash_jax.constrain import Constraint, ConstraintCache, vocabulary_of
+    import jax.numpy as jnp
+
     from dflash_jax.engine import BatchEngine, Sampling
-    from dflash_jax.engine.cycles import chain
+    from dflash_jax.engine import constraints
+    from dflash_jax.engine.cycles import chain, tree
     from dflash_jax.pair import open_pair
 
     pair = open_pair().open_tokenizer().load_weights()
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
         gen = BatchEngine(pair.target, pair.tparams, pair.drafter, pair.dparams, block_size=pair.drafter.block_size,
                           batch_size=n, max_new_tokens=args.max_new_tokens, max_prompt_len=32,
                           sampling=Sampling(per_row=True), stop_token_ids=pair.stop_tokens, speculation="fixed",
-                          constraint_states=512)
+                          constraint_states=512, tree_budget=args.tree_budget)
         rows = [Sampling(args.temperature, per_row=True, constraint=a if constrained else None) for a in automata]
         gen.warmup([len(x) for x in ids], exact=True)
         start = time.perf_counter()
@@ -74,6 +79,8 @@ def main(argv=None) -> int:
     run("unconstrained", False)
     run("constrained, masked drafts", True)
     chain.masked_argmax = lambda pool, fsm, logits, vocab: chain.greedy_pick(logits)  # the drafter's plain argmax
+    tree.masked_logits = lambda pool, fsm, logits, vocab: logits  # a tree's: the drafter's own candidates,
+    constraints.permits = lambda pool, states, tokens: jnp.ones(tokens.shape, bool)  # each one a child
     jax.clear_caches()
     run("constrained, unmasked drafts", True)
     return 0
