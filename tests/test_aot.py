@@ -59,6 +59,7 @@ def test_tiny_engine_compiles_for_one_v5e_chip_with_no_weight_relaid_out(tmp_pat
     assert "AR step" in p.stdout and "HBM per chip" in p.stdout
 
 
+@pytest.mark.heavy  # a third TPU compile; the everyday suite compiles the chain's cycle through the kernel
 def test_a_tree_cycle_compiles_for_one_v5e_chip_through_the_kernel(tmp_path):
     """--tree-budgets 8: the DFlash cycle verifying a draft tree of 8 nodes compiles beside the chain,
     its verify of 9 tokens attends through the Pallas kernel (the "tree" mask kind), and the report
