@@ -67,8 +67,10 @@ def device_masks(masks: np.ndarray, vocab_size: int) -> np.ndarray:
     bits = np.unpackbits(np.ascontiguousarray(masks, "<u4").view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
     groups = mask_words(vocab_size) // LANES
     bits = np.pad(bits, ((0, 0), (0, groups * GROUP - vocab_size))).reshape(n, groups, 32, LANES)
-    words = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)[:, None]).sum(axis=2, dtype=np.uint32)
-    return words.reshape(n, groups * LANES)
+    # each lane's 32 bits (k) packed into its word: a transpose then packbits (13x a shift-and-sum here,
+    # 0.14 s for 400 states of a 152k vocabulary, run at a region's load on the engine's thread)
+    packed = np.packbits(bits.transpose(0, 1, 3, 2), axis=-1, bitorder="little")  # [n, groups, LANES, 4] bytes
+    return np.ascontiguousarray(packed).view("<u4").reshape(n, groups * LANES).astype(np.uint32)
 
 
 @flax.struct.dataclass
