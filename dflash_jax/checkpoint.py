@@ -329,9 +329,10 @@ def _hf_tensors(hf_dir: Path, config, dequantize: bool):
 def _stored_suffixes(config) -> tuple[str, ...]:
     """What the config's weight format stores beside each weight (`dflash_jax.model.weights`), as
     suffixes of its name: the loader reads each from the HF tensor named the weight's plus it."""
-    from dflash_jax.model.weights import weight_format
+    from dflash_jax.model.weights import formats_in, weight_format
 
-    return weight_format(config.weight_format).suffixes
+    suffixes = {s for name in formats_in(config.weight_format) for s in weight_format(name).suffixes}
+    return tuple(sorted(suffixes, key=lambda s: (-len(s), s)))  # the longest first: `_scale` after `_scale_inv`
 
 
 def _split_suffix(name: str, suffixes: tuple[str, ...]) -> tuple[str, str]:

@@ -231,8 +231,9 @@ class ModelConfig:
     mla: MlaConfig | None = None
     dtype: str = "float32"
     # How the linear layers' weights are stored on the device (`dflash_jax.model.weights`: a
-    # registered format; "dense": the weights themselves, in `dtype`).
-    weight_format: str = "dense"
+    # registered format's name for all of them, or `FormatRules`, a format per weight by its path;
+    # "dense": the weights themselves, in `dtype`).
+    weight_format: str | tuple[tuple[str, str], ...] = "dense"
 
     @property
     def num_groups(self) -> int:

@@ -101,3 +101,33 @@ def test_a_registered_format_stores_its_own_parameters_and_runs_through_the_seam
 
     stored = Holder().init(jax.random.PRNGKey(0))["params"]
     assert {k: v.shape for k, v in stored.items()} == {"w": (3, 8, 4), "w_scale": (4,)}
+
+
+def test_format_rules_pick_a_format_per_weight_by_its_path_the_first_match_winning(monkeypatch):
+    """`FormatRules`: exact paths and globs, in order; a path no rule names is dense; a model's
+    projections each take the format of their own path (the scale appears only where the rule says)."""
+    from dflash_jax.model.weights import format_for, formats_in
+
+    rules = (("layers_0/mlp/down_proj/kernel", "dense"), ("layers_*/mlp/*", "scaled"), ("lm_head/kernel", "int3"))
+    assert format_for(rules, "layers_0/mlp/down_proj/kernel") == "dense"
+    assert format_for(rules, "layers_0/mlp/up_proj/kernel") == "scaled"
+    assert format_for(rules, "layers_12/mlp/experts/gate_proj") == "scaled"
+    assert format_for(rules, "layers_1/self_attn/q_proj/kernel") == "dense"
+    assert format_for(rules, "lm_head/kernel") == "int3"
+    assert format_for("scaled", "anything") == "scaled"
+    assert formats_in(rules) == ("dense", "scaled", "int3") and formats_in("dense") == ("dense",)
+    later = (("layers_*/mlp/*", "scaled"), ("layers_0/mlp/down_proj/kernel", "dense"))  # the glob comes first
+    assert format_for(later, "layers_0/mlp/down_proj/kernel") == "scaled"
+
+    scaled = WeightFormat(
+        "scaled",
+        stored=lambda shape, dtype, init: {"": (shape, dtype, init),
+                                           "_scale": (shape[-1:], jnp.float32, nn.initializers.ones)},
+        materialize=lambda a, dtype: (a[""].astype(jnp.float32) * a["_scale"]).astype(dtype))
+    monkeypatch.setitem(FORMATS, "scaled", scaled)
+    config = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                         weight_format=(("model/layers_1/mlp/*", "scaled"),))
+    flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(lambda: init_params(config)))[0]
+    scales = sorted("/".join(k.key for k in path) for path, _ in flat if "_scale" in path[-1].key)
+    assert scales == [f"model/layers_1/mlp/{p}/kernel_scale" for p in ("down_proj", "gate_proj", "up_proj")], scales

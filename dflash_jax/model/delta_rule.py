@@ -247,7 +247,7 @@ class GatedDeltaNet(nn.Module):
     conv_kernel: int
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
-    weight_format: str = "dense"  # the projections' (`dflash_jax.model.weights`)
+    weight_format: str | tuple = "dense"  # the projections' (`dflash_jax.model.weights`: a name or FormatRules)
 
     @property
     def conv_dim(self) -> int:

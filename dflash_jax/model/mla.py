@@ -48,7 +48,7 @@ class Kernel(nn.Module):
 
     shape: tuple[int, ...]
     dtype: jnp.dtype
-    format: str = "dense"
+    format: str | tuple = "dense"  # a format's name or `FormatRules`
 
     @nn.compact
     def __call__(self):

@@ -17,9 +17,12 @@ shape, dtype and initializer), how a contraction runs on them (`product`: by def
 array from the checkpoint tensor of the weight's HF name plus the same suffix (`X.weight_scale_inv`
 for `X/kernel_scale_inv`), laid out as the weight is (transposed, stacked), cast to its declared
 dtype (`dflash_jax.checkpoint.load_hf_params`). A quantized format (FP8 with block scales, say) is one
-`register(WeightFormat(...))` here; a model picks it with `ModelConfig.weight_format`, which the
-projections of its linear layers take (`Projection(format=...)`); routers, embeddings and the LM
-head stay "dense", as quantized checkpoints keep them.
+`register(WeightFormat(...))` in a module of its own under `dflash_jax.model.formats`; a model picks
+formats with `ModelConfig.weight_format`, which the projections of its linear layers take
+(`Projection(format=...)`): one format's name for every such weight, or `FormatRules`, a format per
+weight by its parameter path (a quantized checkpoint keeps some modules unquantized: its
+`quantization_config`'s ignore list). Routers and embeddings stay "dense", as quantized
+checkpoints keep them.
 
 The one format today, "dense", stores the weight itself (`kernel` [in, out] for a projection,
 under the same names and shapes as `nn.Dense`) in the parameter dtype, and its products are the
@@ -29,6 +32,9 @@ plain contractions, bit for bit what the models computed before the seam.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import functools
+import re
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -132,6 +138,8 @@ def register(fmt: WeightFormat) -> WeightFormat:
 
 def weight_format(name: str) -> WeightFormat:
     """The registered format called `name`; an unknown name is a one-line ConfigError."""
+    import dflash_jax.model.formats  # noqa: F401  (registers the quantized formats)
+
     try:
         return FORMATS[name]
     except KeyError:
@@ -144,6 +152,44 @@ DENSE = register(WeightFormat(
     materialize=lambda arrays, dtype: arrays[""],
     product=lambda spec, x, arrays, dtype: spec(x, arrays[""]),
 ))
+
+
+# --------------------------------------------------------------------------- rules
+
+
+# A format per weight: (pattern, format name) pairs tried in order against a weight's parameter path
+# (its path in the parameter tree, as the loader and the sharding rules name it:
+# "model/layers_3/mlp/experts/gate_proj", "lm_head/kernel"; `fnmatch` patterns, `*` matching across
+# "/"); a weight no pattern matches is "dense".
+FormatRules = tuple[tuple[str, str], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(rules: FormatRules):
+    exact = {p: f for p, f in reversed(rules) if not any(ch in p for ch in "*?[")}
+    return exact, [(re.compile(fnmatch.translate(p)), f, i) for i, (p, f) in enumerate(rules)
+                   if any(ch in p for ch in "*?[")], {p: i for i, (p, _) in reversed(list(enumerate(rules)))}
+
+
+def format_for(rules: "str | FormatRules", path: str) -> str:
+    """The format name a weight at `path` takes under `rules` (a name: that one for every weight)."""
+    if isinstance(rules, str):
+        return rules
+    exact, patterns, first = _compiled(tuple(rules))
+    best = (first[path], exact[path]) if path in exact else None
+    for regex, name, i in patterns:
+        if best is not None and i > best[0]:
+            break
+        if regex.fullmatch(path):
+            return name
+    return best[1] if best else "dense"
+
+
+def formats_in(rules: "str | FormatRules") -> tuple[str, ...]:
+    """Every format name `rules` may give (with "dense")."""
+    if isinstance(rules, str):
+        return (rules,)
+    return tuple(dict.fromkeys(("dense",) + tuple(f for _, f in rules)))
 
 
 # --------------------------------------------------------------------------- weights
@@ -164,10 +210,11 @@ class Weight:
         return self.format.materialize(self.arrays, self.dtype)
 
 
-def declare(module: nn.Module, name: str, shape, dtype, init, format: str = "dense") -> Weight:
+def declare(module: nn.Module, name: str, shape, dtype, init, format: "str | FormatRules" = "dense") -> Weight:
     """The weight `name` of logical shape `shape` as parameters of `module` (inside its compact
-    method or setup), in `format`: for "dense", one parameter `name` of that shape and dtype."""
-    fmt = weight_format(format)
+    method or setup), in `format` (a name, or `FormatRules` matched against the weight's path):
+    for "dense", one parameter `name` of that shape and dtype."""
+    fmt = weight_format(format_for(format, "/".join((*module.scope.path, name))))
     return Weight({suffix: module.param(name + suffix, i, s, d) for suffix, (s, d, i) in
                    fmt.stored(tuple(shape), dtype, init).items()}, fmt, dtype)
 
@@ -195,7 +242,7 @@ class Projection(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.lecun_normal()
-    format: str = "dense"
+    format: "str | FormatRules" = "dense"
 
     @nn.compact
     def __call__(self, x):
