@@ -9,7 +9,9 @@
 - `mla`: multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5) over a latent cache, and
   sparse attention's indexer.
 - `weights`: every weight matmul (`project`, `Projection`) through a registry of weight
-  formats (how a weight is stored and multiplied: `dense` today).
+  formats (how a weight is stored and multiplied), a format per weight by its path (`FormatRules`).
+- `formats`: the quantized weight formats, one module each, and the rules a checkpoint's
+  `quantization_config` gives.
 - `decoder`: the decoder layer and model, and `forward`, the one jit-compiled
   entry point for prefill, decoding and verification.
 
