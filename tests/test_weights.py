@@ -12,7 +12,7 @@ import pytest
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import ConfigError
 from dflash_jax.model import init_params
-from dflash_jax.model.weights import (DENSE, FORMATS, Dot, Einsum, Grouped, Projection, Transposed, WeightFormat,
+from dflash_jax.model.weights import (DENSE, FORMATS, Batched, Dot, Einsum, Grouped, Projection, Transposed, WeightFormat,
                                       as_weight, declare, project, weight_format)
 
 
@@ -131,3 +131,14 @@ def test_format_rules_pick_a_format_per_weight_by_its_path_the_first_match_winni
     flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(lambda: init_params(config)))[0]
     scales = sorted("/".join(k.key for k in path) for path, _ in flat if "_scale" in path[-1].key)
     assert scales == [f"model/layers_1/mlp/{p}/kernel_scale" for p in ("down_proj", "gate_proj", "up_proj")], scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_taken_weights_in_a_batched_product_are_each_experts_own_product(dtype):
+    """`Weight.take` picks experts of a stack (still in its format); `Batched` multiplies each by its rows."""
+    stack, x = rand(1, (5, 16, 6), dtype), rand(2, (3, 4, 16), dtype)
+    picked = as_weight(stack).take(jnp.asarray([4, 0, 4]))
+    assert picked.dense.shape == (3, 16, 6) and picked.format is DENSE
+    got = project(x, picked, Batched(dtype))
+    for k, e in enumerate([4, 0, 4]):
+        same(got[k], jnp.dot(x[k], stack[e], preferred_element_type=jnp.float32).astype(dtype))

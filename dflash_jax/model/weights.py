@@ -8,6 +8,7 @@ contraction, written for the weight's logical (dense) value:
   `Dot`        x [..., in] . W [in, out], as `nn.Dense` (both promoted to its dtype)
   `Transposed` x [..., in] . W [out, in]^T, as `nn.Embed.attend` (a tied LM head)
   `Grouped`    `jax.lax.ragged_dot` of rows grouped by expert with W [experts, in, out]
+  `Batched`    x [K, M, in] . W [K, in, out], one product per leading index (touched experts)
   `Einsum`     `jnp.einsum(subscripts, x, view(W))` in float32 (MLA's per-head folds of kv_b_proj)
 
 A weight format (`WeightFormat`, registered by name in `FORMATS`) says what a weight of a given
@@ -83,6 +84,18 @@ class Grouped:
     def __call__(self, x, w):
         y = jax.lax.ragged_dot(x, w, self.group_sizes, preferred_element_type=jnp.float32)
         return y.astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batched:
+    """x [K, M, in] . W [K, in, out] -> [K, M, out], one product per leading index (the experts a
+    step touches, each over the step's rows: `Weight.take` picks them from a stack), accumulated in
+    float32 and cast to `dtype`."""
+
+    dtype: Any
+
+    def __call__(self, x, w):
+        return jnp.einsum("kmi,kio->kmo", x, w, preferred_element_type=jnp.float32).astype(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -208,6 +221,11 @@ class Weight:
     def dense(self) -> jax.Array:
         """The logical (dequantized) weight."""
         return self.format.materialize(self.arrays, self.dtype)
+
+    def take(self, index) -> "Weight":
+        """Some of a stack's weights (index [K] into its leading axis: the experts a step touches),
+        still in the stored format: every stored array of a stack leads with that axis."""
+        return self.replace(arrays={s: jnp.take(a, index, axis=0, mode="clip") for s, a in self.arrays.items()})
 
 
 def declare(module: nn.Module, name: str, shape, dtype, init, format: "str | FormatRules" = "dense") -> Weight:
