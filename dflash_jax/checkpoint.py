@@ -482,9 +482,10 @@ def model_kind(config_dict: dict) -> str:
     return "target"
 
 
-def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
+def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None, dequantize: bool = False):
     """The config of a `kind` ("target" | "drafter") model directory, HF or converted, checked
-    without reading a weight: a ModelConfig, or a DrafterConfig."""
+    without reading a weight: a ModelConfig, or a DrafterConfig. dequantize: a quantized target's
+    weights dequantized into dtype at load (`dflash_jax.families.hf.model_config`), not kept in its format."""
     path = check_model_dir(path, kind)
     if is_converted(path):
         meta = read_metadata(path)
@@ -499,16 +500,16 @@ def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None):
         from dflash_jax.drafter import DrafterConfig
 
         return DrafterConfig.from_json(path / "config.json", dtype=dtype)
-    return model_config_from_json(path / "config.json", dtype=dtype)
+    return model_config_from_json(path / "config.json", dtype=dtype, dequantize=dequantize)
 
 
 def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None,
-               over_data: bool = False):
+               over_data: bool = False, dequantize: bool = False):
     """(config, params) of a `kind` ("target" | "drafter") from an HF or converted directory."""
     from dflash_jax.drafter import abstract_drafter_params
     from dflash_jax.model import abstract_params
 
-    config = read_model_config(path, kind, dtype=dtype)
+    config = read_model_config(path, kind, dtype=dtype, dequantize=dequantize)
     path = Path(path)
     abstract = abstract_drafter_params(config) if kind == "drafter" else abstract_params(config)
     if is_converted(path):
@@ -525,14 +526,16 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
 
 
 def load_target(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None,
-                over_data: bool = False):
+                over_data: bool = False, dequantize: bool = False):
     """Load a target model from an HF directory or one written by `dflash_jax.convert`.
 
     Returns (ModelConfig, params). dtype: "float32" | "bfloat16" (default: the checkpoint's).
     mesh: load each parameter straight into its sharding on that mesh (over_data: split over
-    the mesh's `data` axis as well, as FSDP training keeps a frozen target).
+    the mesh's `data` axis as well, as FSDP training keeps a frozen target). A quantized checkpoint's
+    weights stay in its format (`dflash_jax.model.formats`); dequantize: into dtype as they load.
     """
-    return load_model(path, "target", dtype=dtype, progress=progress, mesh=mesh, over_data=over_data)
+    return load_model(path, "target", dtype=dtype, progress=progress, mesh=mesh, over_data=over_data,
+                      dequantize=dequantize)
 
 
 def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool = False, mesh=None):

@@ -17,9 +17,13 @@ from dflash_jax.fp8 import fp8_format
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
-def model_config(cfg: dict[str, Any], *, dtype: str | None = None) -> ModelConfig:
+def model_config(cfg: dict[str, Any], *, dtype: str | None = None, dequantize: bool = False) -> ModelConfig:
     """The ModelConfig of an HF config.json dict: the generic fields, the switches its family
-    fixes and the fields its family's parser reads. dtype overrides the checkpoint's."""
+    fixes and the fields its family's parser reads. dtype overrides the checkpoint's (it sets the
+    activations, and the weights a checkpoint keeps unquantized). A quantized checkpoint's weights
+    stay in its format on the device (`weight_format`: the rules its `quant_method` gives,
+    `dflash_jax.model.formats.METHODS`); with `dequantize`, or for a method without rules, they
+    are dequantized into `dtype` as they load."""
     model_type = cfg.get("model_type")
     family = find_family(model_type)
     if family.text_config:  # a multimodal checkpoint: the decoder is its text model
@@ -81,11 +85,17 @@ def model_config(cfg: dict[str, Any], *, dtype: str | None = None) -> ModelConfi
         sliding_windows=sliding_windows(cfg, layers, switch("all_sliding")),
         dtype=dtype,
     )
-    return ModelConfig(**{**fields, **extra})  # a family's parse may override a generic field (Gemma 4: rope)
+    config = ModelConfig(**{**fields, **extra})  # a family's parse may override a generic field (Gemma 4: rope)
+    if quant is not None and not dequantize:
+        from dflash_jax.model.formats import METHODS
+
+        if quant in METHODS:
+            config = config.replace(weight_format=METHODS[quant](cfg, config))
+    return config
 
 
-def model_config_from_json(path: str | Path, *, dtype: str | None = None) -> ModelConfig:
-    return model_config(read_config_json(path), dtype=dtype)
+def model_config_from_json(path: str | Path, *, dtype: str | None = None, dequantize: bool = False) -> ModelConfig:
+    return model_config(read_config_json(path), dtype=dtype, dequantize=dequantize)
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
