@@ -96,6 +96,44 @@ PUBLISHED_MLA["glm-5.1"] = dict(
     index_n_heads=32, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=202752,
     rope_parameters=dict(rope_type="default", rope_theta=1e6))
 PUBLISHED_TARGETS.update(PUBLISHED_MLA)
+# The biggest targets as their checkpoints ship: the `quantization_config` of each config.json (MiniMax-M2.5
+# has MiniMax-M2's shape; Kimi-K2.5 ships as `kimi_k25` with this text model in its `text_config`).
+_FP8_BLOCKS = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+SHIPPED_QUANTIZATION = {
+    "deepseek-v3": _FP8_BLOCKS,
+    "glm-5.1": _FP8_BLOCKS,
+    "minimax-m2.5": dict(_FP8_BLOCKS, fmt="float8_e4m3fn", modules_to_not_convert=["gate", "e_score_correction_bias",
+                                                                                   "lm_head"]),
+    "kimi-k2.5": dict(
+        quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
+        config_groups=dict(group_0=dict(targets=["Linear"], input_activations=None, output_activations=None, weights=dict(
+            num_bits=4, type="int", symmetric=True, strategy="group", group_size=32, dynamic=False, observer="minmax"))),
+        ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+        kv_cache_scheme=None),
+    "gpt-oss-120b": dict(quant_method="mxfp4", modules_to_not_convert=[
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]),
+}
+SHIPPED_SHAPES = {"minimax-m2.5": "minimax-m2"}  # a shipped name whose shape is another's
+
+
+def shipped_config(shape: str, layers: int | None = None, dense: int | None = None) -> dict:
+    """The config.json dict of a published target as its checkpoint ships (`SHIPPED_QUANTIZATION`);
+    with `layers`, cut to its first `layers` layers (its first dense layers kept, or `dense` of them)."""
+    if shape not in SHIPPED_QUANTIZATION:
+        raise ValueError(f"no shipped quantization for {shape!r}; choose one of {', '.join(SHIPPED_QUANTIZATION)}")
+    text = dict(PUBLISHED_TARGETS[SHIPPED_SHAPES.get(shape, shape)])
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+        if "first_k_dense_replace" in text:
+            text["first_k_dense_replace"] = min(text["first_k_dense_replace"] if dense is None else dense, layers)
+        if text.get("layer_types"):
+            text["layer_types"] = text["layer_types"][:layers]
+    quant = SHIPPED_QUANTIZATION[shape]
+    if shape == "kimi-k2.5":
+        text.pop("model_type")
+        return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"], text_config=text,
+                    quantization_config=quant, dtype="bfloat16")
+    return dict(text, quantization_config=quant, dtype="bfloat16")
 # Published DFlash2 drafters (`dflash_jax.dflash2`) and the target shape each is compiled against.
 # Qwen3.8-27B-DFlash2: hidden 5120, block 8, taps [5, 19, 33, 47, 61] of a 64-layer target, and its
 # dflash_config's DFlash2 keys. Qwen3.8-27B's config.json is not available here; the qwen3.5-27b
