@@ -27,7 +27,7 @@ from dflash_jax.config import VERSION, ModelConfig, jnp_dtype
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
 from dflash_jax.families.table import Row, layer_rows
-from dflash_jax.fp8 import fp8_format, pair_scales
+from dflash_jax.fp8 import FLOAT8, fp8_format, pair_scales, scale_name
 
 # ---------------------------------------------------------------------------- tables
 
@@ -240,7 +240,12 @@ def load_hf_params(
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
     suffixes = _stored_suffixes(config)
-    tensors = _hf_tensors(hf_dir, config, dequantize=not suffixes)
+
+    def kept(name):  # a float8 tensor the model stores as it is (its scale beside it), not dequantized
+        hit = hf_to_flax(name, table)
+        return hit is not None and hit[0][:-1] + (hit[0][-1] + scale_name(""),) in expected
+
+    tensors = _hf_tensors(hf_dir, config, kept)
     if progress:
         from tqdm import tqdm
 
@@ -282,6 +287,7 @@ def load_hf_params(
         hf_shape = _swap_last_two(shape) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
+        _check_float8(name, tensor, want)
         if row.stacked:
             if not 0 <= expert < want.shape[0]:
                 raise CheckpointError(f"tensor {name!r}: expert {expert} of a model with {want.shape[0]} experts")
@@ -317,13 +323,21 @@ def load_hf_params(
     return _unflatten(filled)
 
 
-def _hf_tensors(hf_dir: Path, config, dequantize: bool):
-    """The HF tensors; with `dequantize`, an FP8 checkpoint's float8 tensors each paired with its
-    scale into one tensor, dequantized as it is read (a weight format that stores scales beside its
-    weights reads both as they are)."""
+def _hf_tensors(hf_dir: Path, config, kept):
+    """The HF tensors; an FP8 checkpoint's float8 tensors each paired with its scale into one
+    tensor, dequantized as it is read, but those of the weights `kept(name)` says the model stores in
+    FP8 (`dflash_jax.model.formats.fp8`): they and their scales are read as they are."""
     tensors = iter_hf_tensors(hf_dir)
     fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
-    return tensors if fmt is None or not dequantize else pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+    return tensors if fmt is None else pair_scales(tensors, fmt, jnp_dtype(config.dtype), keep=kept)
+
+
+def _check_float8(name: str, tensor, want):
+    """A parameter kept in float8 is read from a tensor of that very type (never cast into it)."""
+    if np.dtype(want.dtype) in FLOAT8 and np.dtype(tensor.dtype) != np.dtype(want.dtype):
+        raise CheckpointError(
+            f"tensor {name!r} is {np.dtype(tensor.dtype).name}, but the model keeps it in {np.dtype(want.dtype).name} "
+            f"(quantization_config); name its module in modules_to_not_convert, or load it dequantized")
 
 
 def _stored_suffixes(config) -> tuple[str, ...]:

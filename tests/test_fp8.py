@@ -69,7 +69,7 @@ def fp8_checkpoint(model, path: Path, block, dtype: str = "float32") -> tuple[Pa
     fp8, plain = {}, {}
     cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     for name, t in load_file(src / "model.safetensors").items():
-        if name.endswith("_proj.weight") and not name.startswith(NOT_CONVERTED):
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.startswith(NOT_CONVERTED):
             values, scale = quantize(t, block)
             fp8[name], fp8[f"{name}_scale_inv"] = values, scale
             plain[name] = (values.astype(np.float32) * expand(scale, block, t.shape)).astype(cast)
@@ -102,7 +102,7 @@ def check_fp8_family(family: str, block, tmp_path: Path, dtypes=("float32",)):
     model = make_model(family, seed=4)
     fp8, plain = fp8_checkpoint(model, tmp_path, block)
     for dtype in dtypes:
-        (_, ours), (_, want) = load_target(fp8, dtype=dtype), load_target(plain, dtype=dtype)
+        (_, ours), (_, want) = load_target(fp8, dtype=dtype, dequantize=True), load_target(plain, dtype=dtype)
         assert_same_params(ours, want)
     reference = FAMILIES[family][1].from_pretrained(plain, dtype=torch.float32).eval()
     assert_plain_greedy_equals_generate(reference, fp8)
