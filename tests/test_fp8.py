@@ -53,6 +53,7 @@ def write(tensors: dict, path: Path):
     from safetensors.torch import save_file
 
     views = {np.dtype(E4M3): (np.uint8, torch.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
+             np.dtype(ml_dtypes.float8_e8m0fnu): (np.uint8, torch.float8_e8m0fnu),
              np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16)}
     save_file({k: torch.from_numpy(np.ascontiguousarray(v).view(views[v.dtype][0])).view(views[v.dtype][1])
                if v.dtype in views else torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
@@ -136,7 +137,7 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(tmp_path):
     from dflash_jax.convert import main
 
     fp8, plain = fp8_checkpoint(make_model("qwen3", seed=2), tmp_path, BLOCK, dtype="bfloat16")
-    assert main(["--hf", str(fp8), "--out", str(tmp_path / "converted")]) == 0
+    assert main(["--hf", str(fp8), "--out", str(tmp_path / "converted"), "--dequantize"]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
     config, params = load_target(tmp_path / "converted")
     assert config.dtype == "bfloat16"
