@@ -240,12 +240,7 @@ def load_hf_params(
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
     suffixes = _stored_suffixes(config)
-
-    def kept(name):  # a float8 tensor the model stores as it is (its scale beside it), not dequantized
-        hit = hf_to_flax(name, table)
-        return hit is not None and hit[0][:-1] + (hit[0][-1] + scale_name(""),) in expected
-
-    tensors = _hf_tensors(hf_dir, config, kept)
+    tensors = _hf_tensors(hf_dir, config, lambda name: _kept_in_fp8(name, table, expected))
     if progress:
         from tqdm import tqdm
 
@@ -330,6 +325,12 @@ def _hf_tensors(hf_dir: Path, config, kept):
     tensors = iter_hf_tensors(hf_dir)
     fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
     return tensors if fmt is None else pair_scales(tensors, fmt, jnp_dtype(config.dtype), keep=kept)
+
+
+def _kept_in_fp8(name: str, table, expected) -> bool:
+    """Whether the model stores the HF float8 tensor `name` as it is (its scale beside it)."""
+    hit = hf_to_flax(name, table)
+    return hit is not None and hit[0][:-1] + (hit[0][-1] + scale_name(""),) in expected
 
 
 def _check_float8(name: str, tensor, want):

@@ -1,4 +1,5 @@
-"""FP8 checkpoints (block-scaled float8_e4m3fn, transformers' `quant_method: "fp8"`), dequantized at load.
+"""FP8 checkpoints (block-scaled float8_e4m3fn, transformers' `quant_method: "fp8"`), dequantized at load
+(`dequantize=True`; kept in FP8 on the device, the default: tests/test_quantized_fp8.py).
 
 Each checkpoint here is quantized in the test from a tiny random model's weights: per block, the
 scale is the block's largest magnitude / 448 and the values are cast to float8_e4m3fn. The
@@ -204,5 +205,5 @@ def test_bad_fp8_checkpoint_is_a_one_line_error(change, message, tmp_path):
     quant = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[4, 8])
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant}))
     with pytest.raises(CheckpointError, match=message) as err:
-        load_target(tmp_path)
+        load_target(tmp_path, dequantize=True)  # kept in FP8: tests/test_quantized_fp8.py
     assert "\n" not in str(err.value)

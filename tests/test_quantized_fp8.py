@@ -179,6 +179,27 @@ def test_an_unquantized_tensor_where_the_rules_keep_fp8_is_a_one_line_error(tmp_
     assert_same_params(load_target(fp8, dequantize=True)[1], load_target(plain)[1])
 
 
+@pytest.mark.parametrize("change,message", [
+    ("no scale", r"is missing tensor 'model.layers.1.mlp.up_proj.weight_scale_inv'"),
+    ("scale shape", r"tensor 'model.layers.1.mlp.up_proj.weight_scale_inv' has shape \(1, 1\), expected \(2, 2\)"),
+    ("e5m2", r"tensor 'model.layers.1.mlp.up_proj.weight' is float8_e5m2, but the model keeps it in float8_e4m3fn"),
+])
+def test_a_bad_kept_fp8_tensor_is_a_one_line_error(change, message, tmp_path):
+    fp8, _ = checkpoint(tmp_path, "qwen3", EDGES)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors = load_file(fp8 / "model.safetensors")
+    if change == "no scale":
+        del tensors[name + SCALE]
+    elif change == "scale shape":
+        tensors[name + SCALE] = np.ones((1, 1), np.float32)
+    else:
+        tensors[name] = tensors[name].astype(np.float32).astype(ml_dtypes.float8_e5m2)
+    write(tensors, fp8 / "model.safetensors")
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_target(fp8)
+    assert "\n" not in str(e.value)
+
+
 # --------------------------------------------------------------------------- the same model
 
 
@@ -228,6 +249,46 @@ def test_conversion_keeps_fp8_and_reloads_as_the_hf_checkpoint(tmp_path):
                                                 load_target(fp8, dequantize=True))
     assert config == hf_config and config.weight_format == "dense"
     assert_same_params(params, hf_params)
+
+
+# --------------------------------------------------------------------------- memory at a published shape
+
+
+def test_the_compiled_forward_holds_each_fp8_weight_at_the_checkpoints_bytes():
+    """DeepSeek-V3's published dims (hidden 7168, 256 experts of 2048, MLA) cut to 2 layers (one
+    dense, one MoE), FP8 in 128 x 128 blocks, compiled ahead of time for the CPU (nothing
+    allocated): the program's arguments are the checkpoint's bytes, a byte a float8 value plus 4
+    per block scale (the rest bfloat16, as shipped), plus the cache and the tokens; against twice
+    the quantized weights' bytes dequantized."""
+    import math
+
+    from dflash_jax.model import abstract_params
+    from dflash_jax.shapes import PUBLISHED_MLA
+
+    quant = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+    hf = dict(PUBLISHED_MLA["deepseek-v3"], num_hidden_layers=2, first_k_dense_replace=1, quantization_config=quant)
+    config, dense_config = model_config(hf, dtype="bfloat16"), model_config(hf, dtype="bfloat16", dequantize=True)
+    params = abstract_params(config)
+    cache = jax.eval_shape(lambda: init_cache(config, 1, 128))
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    compiled = jax.jit(lambda p, t, c: forward(p, config, t, c).logits).lower(params, tokens, cache).compile()
+
+    def nbytes(tree):
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+    checkpoint_bytes = quantized = 0  # from the dense model's weights: what the HF checkpoint stores for each
+    for path, leaf in _flatten(abstract_params(dense_config)).items():
+        n = math.prod(leaf.shape)
+        if format_for(config.weight_format, "/".join(path)) == "dense":
+            checkpoint_bytes += n * jnp.dtype(leaf.dtype).itemsize
+        else:
+            blocks = math.prod(leaf.shape[:-2]) * math.ceil(leaf.shape[-2] / 128) * math.ceil(leaf.shape[-1] / 128)
+            checkpoint_bytes += n + 4 * blocks
+            quantized += n
+    assert quantized > 0.8 * sum(math.prod(a.shape) for a in jax.tree.leaves(params))  # all but embedding and head
+    assert nbytes(params) == checkpoint_bytes
+    assert compiled.memory_analysis().argument_size_in_bytes == checkpoint_bytes + nbytes(cache) + nbytes(tokens)
+    assert nbytes(abstract_params(dense_config)) - nbytes(params) > 0.95 * quantized  # dequantized: 2 bytes a value
 
 
 # --------------------------------------------------------------------------- a mesh

@@ -26,7 +26,7 @@ Products (`dflash_jax.model.weights.project`):
   cost; decode and verify take the touched experts (`Batched`).
 
 Bytes on the device: 1 per value plus 4 per block (4 / 16384 a value at 128 x 128).
-`METHODS["fp8"]` (transformers' `quant_method: "fp8"`) gives the rules: every Linear weight a
+`rules` (`METHODS["fp8"]`: transformers' `quant_method: "fp8"`) are: every Linear weight a
 transformers FP8 checkpoint quantizes (attention and MLA projections, MLPs, experts, shared
 experts, the gated delta-net's projections) in its checkpoint's format; embeddings, norms,
 routers, the shared-expert gate, the sparse-attention indexer's `weights_proj`, the head and the
@@ -41,7 +41,6 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.model.formats import METHODS
 from dflash_jax.model.weights import FORMATS, Batched, Dot, WeightFormat, register
 
 SCALE = "_scale_inv"  # the stored suffix: `X.weight_scale_inv` beside `X.weight`, `kernel_scale_inv` beside `kernel`
@@ -155,7 +154,7 @@ def linear_rows(table):
 
 def rules(cfg: dict, config):
     """`quant_method: "fp8"`: a format per weight path (`dflash_jax.model.weights.FormatRules`)."""
-    from dflash_jax.families import family
+    from dflash_jax.families.registry import family  # (its families registered: the caller is their config parser)
     from dflash_jax.fp8 import fp8_format as checkpoint_format
 
     fmt = checkpoint_format(cfg)
@@ -178,5 +177,3 @@ def rules(cfg: dict, config):
         kept.append((row.flax.replace("{i}", "[0-9]*"), name))
     return tuple(dense) + tuple(kept)
 
-
-METHODS["fp8"] = rules
