@@ -27,7 +27,7 @@ from dflash_jax.config import VERSION, ModelConfig, jnp_dtype
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
 from dflash_jax.families.table import Row, layer_rows
-from dflash_jax.fp8 import fp8_format, pair_scales
+from dflash_jax.fp8 import FLOAT8, fp8_format, pair_scales, scale_name
 
 # ---------------------------------------------------------------------------- tables
 
@@ -240,7 +240,7 @@ def load_hf_params(
         filled[path] = jnp.asarray(array) if shardings is None else jax.device_put(array, shardings[path])
 
     suffixes = _stored_suffixes(config)
-    tensors = _hf_tensors(hf_dir, config, dequantize=not suffixes)
+    tensors = _hf_tensors(hf_dir, config, lambda name: _kept_in_fp8(name, table, expected))
     if progress:
         from tqdm import tqdm
 
@@ -282,6 +282,7 @@ def load_hf_params(
         hf_shape = _swap_last_two(shape) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {hf_shape}")
+        _check_float8(name, tensor, want)
         if row.stacked:
             if not 0 <= expert < want.shape[0]:
                 raise CheckpointError(f"tensor {name!r}: expert {expert} of a model with {want.shape[0]} experts")
@@ -317,13 +318,27 @@ def load_hf_params(
     return _unflatten(filled)
 
 
-def _hf_tensors(hf_dir: Path, config, dequantize: bool):
-    """The HF tensors; with `dequantize`, an FP8 checkpoint's float8 tensors each paired with its
-    scale into one tensor, dequantized as it is read (a weight format that stores scales beside its
-    weights reads both as they are)."""
+def _hf_tensors(hf_dir: Path, config, kept):
+    """The HF tensors; an FP8 checkpoint's float8 tensors each paired with its scale into one
+    tensor, dequantized as it is read, but those of the weights `kept(name)` says the model stores in
+    FP8 (`dflash_jax.model.formats.fp8`): they and their scales are read as they are."""
     tensors = iter_hf_tensors(hf_dir)
     fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
-    return tensors if fmt is None or not dequantize else pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+    return tensors if fmt is None else pair_scales(tensors, fmt, jnp_dtype(config.dtype), keep=kept)
+
+
+def _kept_in_fp8(name: str, table, expected) -> bool:
+    """Whether the model stores the HF float8 tensor `name` as it is (its scale beside it)."""
+    hit = hf_to_flax(name, table)
+    return hit is not None and hit[0][:-1] + (hit[0][-1] + scale_name(""),) in expected
+
+
+def _check_float8(name: str, tensor, want):
+    """A parameter kept in float8 is read from a tensor of that very type (never cast into it)."""
+    if np.dtype(want.dtype) in FLOAT8 and np.dtype(tensor.dtype) != np.dtype(want.dtype):
+        raise CheckpointError(
+            f"tensor {name!r} is {np.dtype(tensor.dtype).name}, but the model keeps it in {np.dtype(want.dtype).name} "
+            f"(quantization_config); name its module in modules_to_not_convert, or load it dequantized")
 
 
 def _stored_suffixes(config) -> tuple[str, ...]:
@@ -432,15 +447,18 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, config_dict: dict):
-    """Write params (orbax) + config.json + side files + metadata into `out` (must not exist)."""
+def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, config_dict: dict,
+                   quantized: bool = False):
+    """Write params (orbax) + config.json + side files + metadata into `out` (must not exist).
+    quantized: params hold weights in a quantized checkpoint's format (`ModelConfig.weight_format`),
+    and config.json keeps its `quantization_config`, so the directory reloads in that format."""
     out.mkdir(parents=True)
     ckptr = _checkpointer()
     ckptr.save((out / "params").absolute(), params)
     ckptr.wait_until_finished()
     ckptr.close()
-    # the weights written are dequantized (FP8, MXFP4): the copy of config.json says no quantization
-    config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+    if not quantized:  # the weights written are dequantized (FP8, MXFP4): the copy of config.json says no quantization
+        config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     for name in SIDE_FILES:
         if (hf_dir / name).is_file():
@@ -449,6 +467,34 @@ def save_converted(out: Path, params, *, hf_dir: Path, kind: str, dtype: str, co
     meta = dict(format="dflash-jax", format_version=FORMAT_VERSION, kind=kind, dtype=dtype,
                 source=str(hf_dir), dflash_jax_version=VERSION)
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def is_quantized(config) -> bool:
+    """Whether a model config keeps some weights in a quantized format (not all "dense")."""
+    from dflash_jax.model.weights import formats_in
+
+    return set(formats_in(config.weight_format)) != {"dense"}
+
+
+def dequantized_params(params, config):
+    """params of a model kept in its weights' formats -> the same model's params with every weight
+    dense (each materialized into the config's dtype, one at a time, where it lies)."""
+    from dflash_jax.model.weights import format_for, weight_format
+
+    dtype = jnp_dtype(config.dtype)
+    flat, out = _flatten(params), {}
+    suffixes = _stored_suffixes(config)
+    weights: dict[tuple[str, ...], dict] = {}
+    for path, leaf in flat.items():
+        base, suffix = _split_suffix(path[-1], suffixes)
+        weights.setdefault(path[:-1] + (base,), {})[suffix] = leaf
+    for path, arrays in weights.items():
+        fmt = weight_format(format_for(config.weight_format, "/".join(path)))
+        if fmt.name == "dense" or set(arrays) != {"", *fmt.suffixes}:
+            out.update({path[:-1] + (path[-1] + s,): a for s, a in arrays.items()})
+        else:
+            out[path] = fmt.materialize(arrays, dtype)
+    return _unflatten(out)
 
 
 def load_converted_params(path: Path, abstract, mesh=None, over_data: bool = False):
@@ -513,6 +559,11 @@ def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progres
     path = Path(path)
     abstract = abstract_drafter_params(config) if kind == "drafter" else abstract_params(config)
     if is_converted(path):
+        if kind == "target" and dequantize:  # written in its formats: restored so, then dequantized
+            kept = read_model_config(path, kind, dtype=dtype)
+            if is_quantized(kept):
+                params = load_converted_params(path, abstract_params(kept), mesh, over_data)
+                return config, dequantized_params(params, kept)
         return config, load_converted_params(path, abstract, mesh, over_data)
     model_config = config.model if kind == "drafter" else config
     try:
@@ -544,10 +595,11 @@ def load_drafter(path: str | Path, *, dtype: str | None = None, progress: bool =
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False,
-            progress: bool = False) -> Path:
+            progress: bool = False, dequantize: bool = False) -> Path:
     """HF directory (target or DFlash drafter) -> converted directory. Written under a
     temporary name and renamed at the end, so an interrupted conversion leaves nothing
-    that looks complete."""
+    that looks complete. A quantized checkpoint's weights stay in its format (as `load_target`
+    keeps them); dequantize: written dequantized into dtype, config.json without its quantization."""
     hf_dir, out = check_model_dir(hf_dir), Path(out)
     if is_converted(hf_dir):
         raise CheckpointError(f"{hf_dir} is already a converted checkpoint")
@@ -557,14 +609,15 @@ def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, fo
     kind = model_kind(config_dict)
     # Device arrays, not host numpy: orbax serialises numpy trees with more copies
     # (measured: peak 3.2x vs 2.1x the checkpoint for a 1 GB model).
-    config, params = load_model(hf_dir, kind, dtype=dtype, progress=progress)
+    config, params = load_model(hf_dir, kind, dtype=dtype, progress=progress, dequantize=dequantize)
     dtype = config.model.dtype if kind == "drafter" else config.dtype
+    quantized = kind == "target" and is_quantized(config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        save_converted(tmp, params, hf_dir=hf_dir, kind=kind, dtype=dtype, config_dict=config_dict)
+        save_converted(tmp, params, hf_dir=hf_dir, kind=kind, dtype=dtype, config_dict=config_dict, quantized=quantized)
         if out.exists():  # --force: replace only once the new one is complete
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="parameter dtype (default: the checkpoint's, bfloat16 for float16)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="write a quantized checkpoint's weights dequantized into --dtype (default: kept in its format)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     try:
-        out = convert(args.hf, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet)
+        out = convert(args.hf, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
+                      dequantize=args.dequantize)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,6 @@
-"""FP8 checkpoints (transformers' `quant_method: "fp8"`, block-scaled float8_e4m3fn), dequantized at load.
+"""FP8 checkpoints (transformers' `quant_method: "fp8"`, block-scaled float8_e4m3fn): their config, and
+dequantizing at load (`load_target(..., dequantize=True)`, and any FP8 tensor the model does not
+keep in FP8 on the device: `dflash_jax.model.formats.fp8` keeps them by default).
 
 DeepSeek-V3, Kimi-K2, GLM-*-FP8, Qwen3-*-FP8 and MiniMax-M2 ship their Linear weights this way:
 config.json's `quantization_config` is `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
@@ -19,7 +21,7 @@ the result the host holds one chunk in float32.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -140,15 +142,19 @@ class Fp8Tensor:
         return self.read_rows()
 
 
-def pair_scales(tensors: Iterator, fmt: Fp8Format, dtype) -> Iterator:
+def pair_scales(tensors: Iterator, fmt: Fp8Format, dtype, keep: Callable[[str], bool] | None = None) -> Iterator:
     """(name, tensor) of a checkpoint with each float8 tensor and its scale joined into one
     `Fp8Tensor` under the tensor's name (in whichever order, in whichever shard they come);
-    other tensors pass through. Nothing is read here: an unpaired one waits as a handle.
-    A float8 tensor without a scale, or a scale without its tensor, is a CheckpointError."""
+    other tensors pass through, and so do the float8 tensors `keep(name)` says are kept in FP8 on
+    the device (`dflash_jax.model.formats.fp8`) and their scales. Nothing is read here: an unpaired
+    one waits as a handle. A float8 tensor without a scale, or a scale without its tensor, is a
+    CheckpointError."""
     weights, scales = {}, {}
     for name, tensor in tensors:
         base = weight_of_scale(name)
-        if base is not None:
+        if keep is not None and keep(name if base is None else base):
+            yield name, tensor
+        elif base is not None:
             if base in weights:
                 yield base, Fp8Tensor(base, weights.pop(base), tensor, fmt, dtype)
             else:

@@ -134,11 +134,19 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
     return P(*out)
 
 
+# A weight format's scales (FP8's `kernel_scale_inv`: one per block of the weight, same dimensions)
+# lie out as their weight does: an expert's scales on the expert's device.
+SCALE_SUFFIXES = ("_scale_inv",)
+
+
 def param_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
     key = "/".join(path[-2:])
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, key) and len(axes) == ndim:
             return axes
+    for suffix in SCALE_SUFFIXES:
+        if path and path[-1].endswith(suffix):
+            return param_axes(path[:-1] + (path[-1].removesuffix(suffix),), ndim)
     return (None,) * ndim
 
 

@@ -1,4 +1,5 @@
-"""FP8 checkpoints (block-scaled float8_e4m3fn, transformers' `quant_method: "fp8"`), dequantized at load.
+"""FP8 checkpoints (block-scaled float8_e4m3fn, transformers' `quant_method: "fp8"`), dequantized at load
+(`dequantize=True`; kept in FP8 on the device, the default: tests/test_quantized_fp8.py).
 
 Each checkpoint here is quantized in the test from a tiny random model's weights: per block, the
 scale is the block's largest magnitude / 448 and the values are cast to float8_e4m3fn. The
@@ -53,6 +54,7 @@ def write(tensors: dict, path: Path):
     from safetensors.torch import save_file
 
     views = {np.dtype(E4M3): (np.uint8, torch.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
+             np.dtype(ml_dtypes.float8_e8m0fnu): (np.uint8, torch.float8_e8m0fnu),
              np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16)}
     save_file({k: torch.from_numpy(np.ascontiguousarray(v).view(views[v.dtype][0])).view(views[v.dtype][1])
                if v.dtype in views else torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
@@ -69,7 +71,7 @@ def fp8_checkpoint(model, path: Path, block, dtype: str = "float32") -> tuple[Pa
     fp8, plain = {}, {}
     cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     for name, t in load_file(src / "model.safetensors").items():
-        if name.endswith("_proj.weight") and not name.startswith(NOT_CONVERTED):
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.startswith(NOT_CONVERTED):
             values, scale = quantize(t, block)
             fp8[name], fp8[f"{name}_scale_inv"] = values, scale
             plain[name] = (values.astype(np.float32) * expand(scale, block, t.shape)).astype(cast)
@@ -102,7 +104,7 @@ def check_fp8_family(family: str, block, tmp_path: Path, dtypes=("float32",)):
     model = make_model(family, seed=4)
     fp8, plain = fp8_checkpoint(model, tmp_path, block)
     for dtype in dtypes:
-        (_, ours), (_, want) = load_target(fp8, dtype=dtype), load_target(plain, dtype=dtype)
+        (_, ours), (_, want) = load_target(fp8, dtype=dtype, dequantize=True), load_target(plain, dtype=dtype)
         assert_same_params(ours, want)
     reference = FAMILIES[family][1].from_pretrained(plain, dtype=torch.float32).eval()
     assert_plain_greedy_equals_generate(reference, fp8)
@@ -136,7 +138,7 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(tmp_path):
     from dflash_jax.convert import main
 
     fp8, plain = fp8_checkpoint(make_model("qwen3", seed=2), tmp_path, BLOCK, dtype="bfloat16")
-    assert main(["--hf", str(fp8), "--out", str(tmp_path / "converted")]) == 0
+    assert main(["--hf", str(fp8), "--out", str(tmp_path / "converted"), "--dequantize"]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
     config, params = load_target(tmp_path / "converted")
     assert config.dtype == "bfloat16"
@@ -203,5 +205,5 @@ def test_bad_fp8_checkpoint_is_a_one_line_error(change, message, tmp_path):
     quant = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[4, 8])
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant}))
     with pytest.raises(CheckpointError, match=message) as err:
-        load_target(tmp_path)
+        load_target(tmp_path, dequantize=True)  # kept in FP8: tests/test_quantized_fp8.py
     assert "\n" not in str(err.value)

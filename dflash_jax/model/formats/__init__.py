@@ -1,11 +1,15 @@
 """The quantized weight formats, one module each, and how a checkpoint's `quantization_config` picks them.
 
-Each module registers its `WeightFormat` (`dflash_jax.model.weights.register`) and, for the
-checkpoints that ship in it, a rule maker under their `quant_method` in `METHODS`:
+Each module registers its `WeightFormat` (`dflash_jax.model.weights.register`) and has, for the
+checkpoints that ship in it, a rule maker, entered here under their `quant_method` in `METHODS`
+(here, not by the module: a module importing this package would make an import circle):
 `METHODS[quant_method](cfg, config) -> FormatRules`, from the config.json dict `cfg` and the dense
 `ModelConfig` the family parsed, a format per weight path (`dflash_jax.model.weights.FormatRules`):
 the quantized modules in the checkpoint's format, the ones it keeps unquantized (its ignore list)
-dense. Importing this package registers them all.
+dense. Importing this package registers them all (`dflash_jax.model` does).
+
+- `fp8`: float8 (e4m3, e5m2) values with a float32 scale per block (transformers' `fp8`:
+  DeepSeek-V3, GLM-5, MiniMax-M2, Qwen3-FP8), multiplied block by block.
 """
 
 from __future__ import annotations
@@ -13,3 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 METHODS: dict[str, Callable] = {}
+
+from dflash_jax.model.formats import fp8  # noqa: E402
+
+METHODS["fp8"] = fp8.rules
