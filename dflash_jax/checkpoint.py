@@ -261,6 +261,8 @@ def load_hf_params(
             continue
         if path not in expected and _past_last_layer(config, path):
             continue  # a multi-token-prediction layer (its family's `extra_layers`)
+        if path not in expected and suffix and _checked_aside(name, tensor, config, path, suffix, row, expected):
+            continue  # a tensor its weight format checks and does not keep (`WeightFormat.aside`)
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:
@@ -319,11 +321,19 @@ def load_hf_params(
 
 def _hf_tensors(hf_dir: Path, config, dequantize: bool):
     """The HF tensors; with `dequantize`, an FP8 checkpoint's float8 tensors each paired with its
-    scale into one tensor, dequantized as it is read (a weight format that stores scales beside its
-    weights reads both as they are)."""
+    scale into one tensor, dequantized as it is read, and another quantized checkpoint's stored
+    tensors of a weight joined by its method (`dflash_jax.model.formats.DEQUANTIZE`) (a weight
+    format that stores scales beside its weights reads both as they are)."""
+    from dflash_jax.model.formats import DEQUANTIZE
+
     tensors = iter_hf_tensors(hf_dir)
-    fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
-    return tensors if fmt is None or not dequantize else pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+    cfg = read_config_json(hf_dir / "config.json") if (hf_dir / "config.json").is_file() else {}
+    fmt = fp8_format(cfg)
+    if dequantize and fmt is not None:
+        return pair_scales(tensors, fmt, jnp_dtype(config.dtype))
+    method = (cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+              or {}).get("quant_method")
+    return DEQUANTIZE[method](tensors, cfg, jnp_dtype(config.dtype)) if dequantize and method in DEQUANTIZE else tensors
 
 
 def _stored_suffixes(config) -> tuple[str, ...]:
@@ -331,8 +341,26 @@ def _stored_suffixes(config) -> tuple[str, ...]:
     suffixes of its name: the loader reads each from the HF tensor named the weight's plus it."""
     from dflash_jax.model.weights import formats_in, weight_format
 
-    suffixes = {s for name in formats_in(config.weight_format) for s in weight_format(name).suffixes}
+    suffixes = {s for name in formats_in(config.weight_format) for s in
+                weight_format(name).suffixes + weight_format(name).aside}
     return tuple(sorted(suffixes, key=lambda s: (-len(s), s)))  # the longest first: `_scale` after `_scale_inv`
+
+
+def _checked_aside(name, tensor, config, path, suffix, row, expected) -> bool:
+    """Whether `name` is a tensor the weight's format keeps aside (`WeightFormat.aside`), checked
+    against the arrays it stores for one matrix (a CheckpointError if they disagree)."""
+    from dflash_jax.model.weights import format_for, weight_format
+
+    base = path[:-1] + (path[-1][: -len(suffix)],)
+    fmt = weight_format(format_for(config.weight_format, "/".join(base)))
+    if suffix not in fmt.aside:
+        return False
+    stored = {s: tuple(expected[base[:-1] + (base[-1] + s,)].shape[1 if row.stacked else 0:])
+              for s in fmt.suffixes if base[:-1] + (base[-1] + s,) in expected}
+    problem = fmt.check(suffix, tensor.read(), stored) if fmt.check else None
+    if problem:
+        raise CheckpointError(f"tensor {name!r} {problem}")
+    return True
 
 
 def _split_suffix(name: str, suffixes: tuple[str, ...]) -> tuple[str, str]:

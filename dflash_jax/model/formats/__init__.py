@@ -5,7 +5,9 @@ checkpoints that ship in it, a rule maker under their `quant_method` in `METHODS
 `METHODS[quant_method](cfg, config) -> FormatRules`, from the config.json dict `cfg` and the dense
 `ModelConfig` the family parsed, a format per weight path (`dflash_jax.model.weights.FormatRules`):
 the quantized modules in the checkpoint's format, the ones it keeps unquantized (its ignore list)
-dense. Importing this package registers them all.
+dense. `DEQUANTIZE[quant_method](tensors, cfg, dtype)` joins a checkpoint's stored tensors of each
+quantized weight into one tensor read dequantized (`load_target(dequantize=True)`). Importing this
+package registers them all.
 """
 
 from __future__ import annotations
@@ -13,3 +15,9 @@ from __future__ import annotations
 from typing import Callable
 
 METHODS: dict[str, Callable] = {}
+DEQUANTIZE: dict[str, Callable] = {}
+
+from dflash_jax.model.formats import int4  # noqa: E402  (registers)
+
+METHODS[int4.METHOD] = int4.rules
+DEQUANTIZE[int4.METHOD] = int4.join
