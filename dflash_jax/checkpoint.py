@@ -259,10 +259,8 @@ def load_hf_params(
         if row.piece is not None:
             _place_pieces(name, tensor, config, table, expected, filled, place)
             continue
-        if path not in expected and _past_last_layer(config, path):
-            continue  # a multi-token-prediction layer (its family's `extra_layers`)
-        if path not in expected and suffix and _checked_aside(name, tensor, config, path, suffix, row, expected):
-            continue  # a tensor its weight format checks and does not keep (`WeightFormat.aside`)
+        if path not in expected and _not_kept(name, tensor, config, path, suffix, row, expected):
+            continue  # a multi-token-prediction layer, or a tensor a weight format checks and sets aside
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:
@@ -346,11 +344,17 @@ def _stored_suffixes(config) -> tuple[str, ...]:
     return tuple(sorted(suffixes, key=lambda s: (-len(s), s)))  # the longest first: `_scale` after `_scale_inv`
 
 
-def _checked_aside(name, tensor, config, path, suffix, row, expected) -> bool:
-    """Whether `name` is a tensor the weight's format keeps aside (`WeightFormat.aside`), checked
-    against the arrays it stores for one matrix (a CheckpointError if they disagree)."""
+def _not_kept(name, tensor, config, path, suffix, row, expected) -> bool:
+    """Whether `name`, a tensor of no parameter, is one the model does not keep: a layer past the
+    decoder's last (its family's `extra_layers`), or a tensor the weight's format sets aside
+    (`WeightFormat.aside`), checked against the arrays it stores for one matrix (a CheckpointError
+    if they disagree)."""
     from dflash_jax.model.weights import format_for, weight_format
 
+    if _past_last_layer(config, path):
+        return True
+    if not suffix:
+        return False
     base = path[:-1] + (path[-1][: -len(suffix)],)
     fmt = weight_format(format_for(config.weight_format, "/".join(base)))
     if suffix not in fmt.aside:

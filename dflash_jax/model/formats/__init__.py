@@ -8,6 +8,9 @@ the quantized modules in the checkpoint's format, the ones it keeps unquantized 
 dense. `DEQUANTIZE[quant_method](tensors, cfg, dtype)` joins a checkpoint's stored tensors of each
 quantized weight into one tensor read dequantized (`load_target(dequantize=True)`). Importing this
 package registers them all.
+
+- `int4`: compressed-tensors `pack-quantized` INT4 with a scale per group (Kimi-K2.5's experts), kept
+  packed; `quant_method: compressed-tensors`.
 """
 
 from __future__ import annotations

@@ -85,13 +85,22 @@ def _compute_dtype(scale_dtype, dtype):
     return jnp.bfloat16 if both else jnp.float32
 
 
+def _groups(packed, scale) -> int:
+    """The groups of a weight's inputs, which must split them evenly."""
+    n_in, groups = packed.shape[-2] * PACK, scale.shape[-2]
+    if n_in % groups or (n_in // groups) % PACK:
+        raise ConfigError(f"an INT4 weight of {n_in} inputs in {groups} groups: the inputs must be a multiple of "
+                          "group_size, itself a multiple of 8")
+    return groups
+
+
 def materialize(arrays, dtype):
     """The dense weight [..., in, out] in dtype: each unpacked value times its group's scale."""
     packed, scale = arrays["_packed"], arrays["_scale"]
     compute = _compute_dtype(scale.dtype, dtype)
     q = unpack(packed).astype(compute)
     *lead, n_in, out = q.shape
-    groups = scale.shape[-2]
+    groups = _groups(packed, scale)
     w = q.reshape(*lead, groups, n_in // groups, out) * scale.astype(compute)[..., :, None, :]
     return w.reshape(*lead, n_in, out).astype(dtype)
 
@@ -105,7 +114,7 @@ def group_dot(x, arrays, dtype, batched: bool = False):
     packed, scale = arrays["_packed"], arrays["_scale"]
     q = nibbles(packed)  # [(K,) n, out, 8]
     *lead, n, out, _ = q.shape
-    groups = scale.shape[-2]
+    groups = _groups(packed, scale)
     q = q.reshape(*lead, groups, n // groups, out, PACK).astype(dtype)
     xg = x.astype(dtype).reshape(*x.shape[:-1], groups, n // groups, PACK)
     scale = scale.astype(jnp.float32)
@@ -129,13 +138,10 @@ def product(spec, x, arrays, dtype):
 
 def _stored(group: int, scale_dtype):
     def stored(shape, dtype, init):
-        *lead, n_in, out = shape
-        if n_in % group:
-            raise ConfigError(f"INT4 weight of shape {tuple(shape)}: its {n_in} inputs are not a multiple of "
-                              f"group_size {group}")
+        *lead, n_in, out = shape  # inputs not a multiple of the group: refused where it is used (`_groups`)
         lead = tuple(lead)
-        return {"_packed": (lead + (n_in // PACK, out), jnp.int32, jax.nn.initializers.zeros),
-                "_scale": (lead + (n_in // group, out), scale_dtype, jax.nn.initializers.ones)}
+        return {"_packed": (lead + (-(-n_in // PACK), out), jnp.int32, jax.nn.initializers.zeros),
+                "_scale": (lead + (-(-n_in // group), out), scale_dtype, jax.nn.initializers.ones)}
     return stored
 
 
@@ -278,16 +284,18 @@ def rules(cfg: dict, config) -> tuple[tuple[str, str], ...]:
     """FormatRules of a compressed-tensors checkpoint: each Linear weight of the model (the table's
     kernels and expert stacks, layer by layer; routers and embeddings stay dense) whose module is
     quantized, in its group's format. The experts of one stack must share one format."""
-    from dflash_jax.checkpoint import target_table
+    from dflash_jax.families.registry import family
 
     scheme = parse_scheme(cfg)
-    table = target_table(config.model_type)
+    table = family(config.model_type).table
     prefix = _text_prefix(table)
     out = []
     for row in table:
         if not row.transpose or not row.hf.endswith(".weight") or "/router/" in row.flax or row.part or row.piece:
             continue
         for i in (range(config.num_hidden_layers) if "{i}" in row.hf else (None,)):
+            if row.stacked and i is not None and not (config.moe and config.sparse_layers[i]):
+                continue  # a dense layer has no experts
             path = row.flax.format(i=i) if i is not None else row.flax
             module = row.hf[: -len(".weight")]
             if i is not None:
