@@ -259,8 +259,8 @@ def load_hf_params(
         if row.piece is not None:
             _place_pieces(name, tensor, config, table, expected, filled, place)
             continue
-        if path not in expected and _past_last_layer(config, path):
-            continue  # a multi-token-prediction layer (its family's `extra_layers`)
+        if path not in expected and _not_kept(name, tensor, config, path, suffix, row, expected):
+            continue  # a multi-token-prediction layer, or a tensor a weight format checks and sets aside
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:
@@ -321,10 +321,21 @@ def load_hf_params(
 def _hf_tensors(hf_dir: Path, config, kept):
     """The HF tensors; an FP8 checkpoint's float8 tensors each paired with its scale into one
     tensor, dequantized as it is read, but those of the weights `kept(name)` says the model stores in
-    FP8 (`dflash_jax.model.formats.fp8`): they and their scales are read as they are."""
+    FP8 (`dflash_jax.model.formats.fp8`): they and their scales are read as they are. Another
+    quantized checkpoint loaded dense (`load_target(dequantize=True)`): each weight's stored tensors
+    joined by its method into one tensor read dequantized (`dflash_jax.model.formats.DEQUANTIZE`)."""
+    from dflash_jax.model.formats import DEQUANTIZE
+    from dflash_jax.model.weights import formats_in
+
     tensors = iter_hf_tensors(hf_dir)
-    fmt = fp8_format(read_config_json(hf_dir / "config.json")) if (hf_dir / "config.json").is_file() else None
-    return tensors if fmt is None else pair_scales(tensors, fmt, jnp_dtype(config.dtype), keep=kept)
+    cfg = read_config_json(hf_dir / "config.json") if (hf_dir / "config.json").is_file() else {}
+    fmt = fp8_format(cfg)
+    if fmt is not None:
+        return pair_scales(tensors, fmt, jnp_dtype(config.dtype), keep=kept)
+    method = (cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+              or {}).get("quant_method")
+    dense = formats_in(config.weight_format) == ("dense",)
+    return DEQUANTIZE[method](tensors, cfg, jnp_dtype(config.dtype)) if dense and method in DEQUANTIZE else tensors
 
 
 def _kept_in_fp8(name: str, table, expected) -> bool:
@@ -346,8 +357,32 @@ def _stored_suffixes(config) -> tuple[str, ...]:
     suffixes of its name: the loader reads each from the HF tensor named the weight's plus it."""
     from dflash_jax.model.weights import formats_in, weight_format
 
-    suffixes = {s for name in formats_in(config.weight_format) for s in weight_format(name).suffixes}
+    suffixes = {s for name in formats_in(config.weight_format) for s in
+                weight_format(name).suffixes + weight_format(name).aside}
     return tuple(sorted(suffixes, key=lambda s: (-len(s), s)))  # the longest first: `_scale` after `_scale_inv`
+
+
+def _not_kept(name, tensor, config, path, suffix, row, expected) -> bool:
+    """Whether `name`, a tensor of no parameter, is one the model does not keep: a layer past the
+    decoder's last (its family's `extra_layers`), or a tensor the weight's format sets aside
+    (`WeightFormat.aside`), checked against the arrays it stores for one matrix (a CheckpointError
+    if they disagree)."""
+    from dflash_jax.model.weights import format_for, weight_format
+
+    if _past_last_layer(config, path):
+        return True
+    if not suffix:
+        return False
+    base = path[:-1] + (path[-1][: -len(suffix)],)
+    fmt = weight_format(format_for(config.weight_format, "/".join(base)))
+    if suffix not in fmt.aside:
+        return False
+    stored = {s: tuple(expected[base[:-1] + (base[-1] + s,)].shape[1 if row.stacked else 0:])
+              for s in fmt.suffixes if base[:-1] + (base[-1] + s,) in expected}
+    problem = fmt.check(suffix, tensor.read(), stored) if fmt.check else None
+    if problem:
+        raise CheckpointError(f"tensor {name!r} {problem}")
+    return True
 
 
 def _split_suffix(name: str, suffixes: tuple[str, ...]) -> tuple[str, str]:

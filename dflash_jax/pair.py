@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,10 +132,35 @@ def load_tokenizer(target_dir: Path):
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
+    custom = _custom_tokenizer(target_dir)
+    trust = os.environ.get(TRUST_REMOTE_CODE) == "1"
+    if custom and not trust:
+        raise InputError(f"the tokenizer in {target_dir} is the checkpoint's own code ({custom}, transformers' "
+                         f"trust_remote_code); to run it set {TRUST_REMOTE_CODE}=1 (Kimi's also needs: pip install "
+                         "tiktoken), or give rows as input_ids from a directory without tokenizer files")
     try:
-        return AutoTokenizer.from_pretrained(str(target_dir))
+        return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=bool(custom))
     except Exception as e:  # transformers raises many types for broken tokenizer files
+        missing = re.search(r"packages that were not found in your environment: ([\w, .-]+?)\. Run", str(e))
+        if missing:
+            raise InputError(f"the tokenizer in {target_dir} ({custom}) needs {missing.group(1)}: "
+                             f"pip install {missing.group(1).replace(',', '')}") from None
         raise InputError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from None
+
+
+TRUST_REMOTE_CODE = "DFLASH_TRUST_REMOTE_CODE"  # "1": run a checkpoint's own tokenizer code (Kimi's tiktoken one)
+
+
+def _custom_tokenizer(target_dir: Path) -> str | None:
+    """The class of a tokenizer that is the checkpoint's own code (tokenizer_config.json's
+    `auto_map`: Kimi's tiktoken-based `TikTokenTokenizer`), None for a transformers tokenizer."""
+    path = target_dir / "tokenizer_config.json"
+    try:
+        auto = (json.loads(path.read_text()).get("auto_map") or {}).get("AutoTokenizer") if path.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    names = [n for n in (auto if isinstance(auto, list) else [auto]) if isinstance(n, str)]
+    return names[0] if names else None
 
 
 def stop_token_ids(target_dir: Path, tokenizer) -> list[int]:

@@ -126,12 +126,17 @@ class WeightFormat:
         weight's name plus `suffix` ("" for the weight's own parameter).
     materialize({suffix: array}, dtype) -> the dense weight [..., in, out] in dtype (dequantized).
     product(spec, x, {suffix: array}, dtype) -> spec's contraction; None: `spec(x, materialize(arrays, dtype))`.
-    (dtype: the model's, which the weight was declared with.)"""
+    (dtype: the model's, which the weight was declared with.)
+    aside: suffixes of tensors a checkpoint stores beside the weight that the device does not keep
+        (compressed-tensors' `weight_shape`): the loader passes each to
+    check(suffix, value, {suffix: shape of one matrix's stored array}) -> None, or what is wrong with it."""
 
     name: str
     stored: Callable[..., Stored]
     materialize: Callable[[dict], jax.Array]
     product: Callable | None = None
+    aside: tuple[str, ...] = ()
+    check: Callable | None = None
 
     @property
     def suffixes(self) -> tuple[str, ...]:
