@@ -28,7 +28,6 @@ Asserts nothing. The figures in docs/benchmarks.md ("The biggest targets as ship
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -38,15 +37,15 @@ SLICES = ("v5p:1x1x1", "v5p:2x1x1", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:
 
 def configs(shape: str, layers: int | None = None, dense: int | None = None):
     """(target, drafter) of a shipped target, cut to `layers` layers, its drafter tapping within them."""
-    from dflash_jax.drafter import default_target_layer_ids
+    from dflash_jax.drafter import DrafterConfig, default_target_layer_ids, dense_drafter_model
     from dflash_jax.families import model_config
-    from dflash_jax.shapes import SHIPPED_SHAPES, published_configs, shipped_config
+    from dflash_jax.shapes import shipped_config
 
     target = model_config(shipped_config(shape, layers, dense), dtype="bfloat16")
-    _, drafter = published_configs(1.0, "bfloat16", SHIPPED_SHAPES.get(shape, shape))
     n = target.num_hidden_layers
-    return target, dataclasses.replace(drafter, target_layer_ids=default_target_layer_ids(
-        n, len(drafter.target_layer_ids)), num_target_layers=n)
+    return target, DrafterConfig(model=dense_drafter_model(target, 5), block_size=16,
+                                 mask_token_id=target.vocab_size - 1, target_layer_ids=default_target_layer_ids(n, 5),
+                                 num_target_layers=n)
 
 
 def expert_fraction(config, tokens: int) -> float:
