@@ -126,15 +126,19 @@ def run_shape(shape: str, args) -> dict:
     full_target, full_drafter = configs(shape)
     for name, block in (("ar", None), ("dflash", full_drafter.block_size)):
         fa, fb = figs[a][name], figs[b][name]
-        if not (fa.get("compiled") and fb.get("compiled") and fa.get("seconds") and fb.get("seconds")):
+        if not (fa.get("compiled") and fb.get("compiled")):
             out[name] = dict(compiled=False, error=fa.get("error") or fb.get("error"))
+            print(f"  {shape} {name}: did not compile on one chip: {(out[name]['error'] or '')[:200]}", flush=True)
+            continue
+        out[name] = dict(hbm_one_chip=whole(fa, fb, a, b, full, lambda f: f["memory"]["total"]))
+        if not (fa.get("seconds") and fb.get("seconds")):
+            print(f"  {shape} {name}: the compiler gave no time estimate", flush=True)
             continue
         need = ideal(full_target, full_drafter, args.batch, args.context, block)
         rate = streaming_rate(one.devices[0], int(need["weights"] / full), args.batch)
         seconds = whole(fa, fb, a, b, full, lambda f: f["seconds"])
-        out[name] = dict(seconds=seconds, ideal=need, ideal_seconds=need["bytes"] / rate,
-                         ratio=seconds / (need["bytes"] / rate),
-                         hbm_one_chip=whole(fa, fb, a, b, full, lambda f: f["memory"]["total"]))
+        out[name].update(seconds=seconds, ideal=need, ideal_seconds=need["bytes"] / rate,
+                         ratio=seconds / (need["bytes"] / rate))
         print(f"  {shape} {name}: estimate {seconds * 1e3:.1f} ms on one chip; ideal {need['bytes'] / 1e9:.1f} GB = "
               f"{need['bytes'] / rate * 1e3:.1f} ms: {out[name]['ratio']:.2f}x", flush=True)
     # fit: the smallest slice whose chips each hold the whole model's share
@@ -143,9 +147,8 @@ def run_shape(shape: str, args) -> dict:
         hbm_one = max(out[n].get("hbm_one_chip", 0) for n in ("ar", "dflash"))
         if hbm_one / chips > topology(slice_name).chip.hbm:  # cannot fit even perfectly split: skip the compile
             continue
-        fit = {}
-        for n in (a, b):
-            _, _, fit[n] = programs_at(shape, slice_name, n, args.batch, args.context)
+        fit = figs if chips == 1 else {n: programs_at(shape, slice_name, n, args.batch, args.context)[2]
+                                        for n in (a, b)}
         hbm = {name: whole(fit[a][name], fit[b][name], a, b, full, lambda f: f["memory"]["total"])
                for name in ("ar", "dflash") if fit[a][name].get("compiled") and fit[b][name].get("compiled")}
         cap = topology(slice_name).chip.hbm

@@ -217,8 +217,12 @@ def greedy(config, params, prompts, steps: int):
     return np.stack(tokens, 1), np.concatenate(logits, 1)
 
 
-@pytest.mark.parametrize("family,block", [("qwen3", SPLIT), ("qwen3_moe", SPLIT), ("deepseek_v3", SPLIT),
-                                          ("deepseek_v3", EDGES)])
+HEAVY = pytest.mark.heavy  # the everyday suite keeps DeepSeek-V3 (MLA, routed and shared experts, split blocks)
+
+
+@pytest.mark.parametrize("family,block", [pytest.param("qwen3", SPLIT, marks=HEAVY),
+                                          pytest.param("qwen3_moe", SPLIT, marks=HEAVY), ("deepseek_v3", SPLIT),
+                                          pytest.param("deepseek_v3", EDGES, marks=HEAVY)])
 def test_kept_fp8_gives_the_dequantized_models_greedy_tokens_and_logits(family, block, tmp_path):
     fp8, _ = checkpoint(tmp_path, family, block)
     kept, dense = load_target(fp8), load_target(fp8, dequantize=True)
@@ -296,6 +300,7 @@ def test_the_compiled_forward_holds_each_fp8_weight_at_the_checkpoints_bytes():
 MESH = "data=2,model=2"
 
 
+@pytest.mark.heavy  # a 4-device subprocess, 15 s
 def test_a_kept_model_loads_onto_a_mesh_in_its_shardings_hf_or_converted(tmp_path):
     """On 4 CPU devices (a subprocess: the device count is fixed before jax is imported): loading
     straight onto the mesh, from the HF checkpoint and from its converted copy, gives the one-device
