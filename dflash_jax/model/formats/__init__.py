@@ -13,3 +13,5 @@ from __future__ import annotations
 from typing import Callable
 
 METHODS: dict[str, Callable] = {}
+
+from dflash_jax.model.formats import mxfp4  # noqa: E402,F401
