@@ -23,3 +23,4 @@ from dflash_jax.model.decoder import (  # noqa: F401
 )
 from dflash_jax.model.layers import MLP, Attention, RMSNorm, apply_rope, rope_angles, unfused  # noqa: F401
 from dflash_jax.model.moe import MoE  # noqa: F401
+import dflash_jax.model.formats  # noqa: F401,E402  (registers the quantized weight formats)

@@ -150,9 +150,8 @@ def register(fmt: WeightFormat) -> WeightFormat:
 
 
 def weight_format(name: str) -> WeightFormat:
-    """The registered format called `name`; an unknown name is a one-line ConfigError."""
-    import dflash_jax.model.formats  # noqa: F401  (registers the quantized formats)
-
+    """The registered format called `name`; an unknown name is a one-line ConfigError. (The quantized
+    formats register as `dflash_jax.model` is imported: its package imports `formats`.)"""
     try:
         return FORMATS[name]
     except KeyError:

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.model import weights as w
-from dflash_jax.model.formats import METHODS
 
 GROUP = 32  # inputs per E8M0 scale
 FP4 = jnp.float4_e2m1fn
@@ -123,5 +122,3 @@ def rules(cfg: dict, config) -> w.FormatRules:
     stay in the model's dtype (its `modules_to_not_convert`)."""
     return (("*/mlp/experts/gate_up_proj", "mxfp4"), ("*/mlp/experts/down_proj", "mxfp4"))
 
-
-METHODS["mxfp4"] = rules
