@@ -250,8 +250,12 @@ def load_hf_params(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head saved anyway; the embedding is the head
-        base, suffix = _split_suffix(name, suffixes)
-        hit = hf_to_flax(base, table)
+        hit = hf_to_flax(name, table)
+        if hit is None or hit[1].part is None:  # a part (MXFP4 blocks) is read as its row says, not by suffix
+            base, suffix = _split_suffix(name, suffixes)
+            hit = hf_to_flax(base, table)
+        else:
+            suffix = ""
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {config.model_type} model maps to it")
         path, row, expert = hit
@@ -261,23 +265,14 @@ def load_hf_params(
             continue
         if path not in expected and _not_kept(name, tensor, config, path, suffix, row, expected):
             continue  # a multi-token-prediction layer, or a tensor a weight format checks and sets aside
+        if row.part is not None:
+            _combine_part(name, path, row.part, tensor, combine, parts, expected, suffixes, place)
+            continue
         if path not in expected:
             raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
         if path in filled:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
         want = expected[path]
-        if row.part is not None:
-            parts.setdefault(path, {})[row.part] = tensor
-            try:
-                array = combine(path, parts[path], want.dtype)
-            except ValueError as e:
-                raise CheckpointError(f"tensor {name!r}: {e}") from None
-            if array is not None:
-                if tuple(array.shape) != tuple(want.shape):
-                    raise CheckpointError(f"tensor {name!r} gives shape {tuple(array.shape)}, expected {tuple(want.shape)}")
-                place(path, array)
-                del parts[path]
-            continue
         shape = tuple(want.shape[1:]) if row.stacked else tuple(want.shape)  # a stacked row: one expert
         hf_shape = _swap_last_two(shape) if row.transpose else shape
         if tuple(tensor.shape) != hf_shape:
@@ -309,13 +304,38 @@ def load_hf_params(
         name = flax_to_hf(p[:-1] + (base,), table) + suffix
         if p in stacks:
             name = name.replace("{e}", str(min(set(range(expected[p].shape[0])) - stacks[p][1])))
-        elif p in parts:
-            name = f"{name} ({', '.join(sorted(parts[p]))} read, another part missing)"
+        elif p[:-1] + (base,) in parts:
+            name = f"{name} ({', '.join(sorted(parts[p[:-1] + (base,)]))} read, another part missing)"
         missing.append(name)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint in {hf_dir} is missing tensor {missing[0]!r}{more}")
     return _unflatten(filled)
+
+
+def _combine_part(name, path, part, tensor, combine, parts, expected, suffixes, place):
+    """One of the tensors a weight is built from (a row with a `part`: MXFP4 blocks, scales), held
+    until its family's `combine` builds, from all of them, the parameter `path` (dequantized into
+    its dtype) or, for a weight kept in a format, the stored arrays `path` + suffix (combine is
+    given {suffix: dtype} and returns {suffix: array})."""
+    stored = {s: expected[p] for s in ("",) + suffixes if (p := path[:-1] + (path[-1] + s,)) in expected}
+    if not stored:
+        raise CheckpointError(f"unexpected tensor {name!r}: the config has no parameter {'/'.join(path)}")
+    parts.setdefault(path, {})[part] = tensor
+    try:
+        arrays = combine(path, parts[path], stored[""].dtype if "" in stored else
+                         {s: want.dtype for s, want in stored.items()})
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name!r}: {e}") from None
+    if arrays is None:
+        return
+    for suffix, array in (arrays.items() if isinstance(arrays, dict) else (("", arrays),)):
+        p, want = path[:-1] + (path[-1] + suffix,), stored.get(suffix)
+        if want is None or tuple(array.shape) != tuple(want.shape):
+            raise CheckpointError(f"tensor {name!r} gives {'/'.join(p)} of shape {tuple(array.shape)}, expected "
+                                  f"{tuple(want.shape) if want is not None else 'no such parameter'}")
+        place(p, array)
+    del parts[path]
 
 
 def _hf_tensors(hf_dir: Path, config, kept):

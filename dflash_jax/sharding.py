@@ -51,6 +51,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/(gate|up|gate_up)_proj", ("expert", "embed", "expert_mlp")),
     (r"experts/down_proj", ("expert", "expert_mlp", "embed")),
     (r"experts/\w+_bias", ("expert", None)),
+    (r"experts/\w+_proj_(blocks|scales)", ("expert", None, None)),  # MXFP4 kept: split by expert as the kernel
     (r"router/kernel", ("embed", None)),
     (r"router/bias", (None,)),
     (r"self_attn/sinks", ("heads",)),

@@ -208,7 +208,7 @@ def mxfp4_checkpoint(model, path: Path):
 def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path):
     model = make_model("gpt_oss", seed=3)
     path = mxfp4_checkpoint(model, tmp_path / "q")
-    config, params = load_target(path)
+    config, params = load_target(path, dequantize=True)  # kept in MXFP4: tests/test_mxfp4.py
     experts = params["model"]["layers_1"]["mlp"]["experts"]
     np.testing.assert_array_equal(np.asarray(experts["down_proj"]), model.model.layers[1].mlp.experts.down_proj.detach().numpy())
     out = forward(params, config, jnp.asarray(IDS, jnp.int32), init_cache(config, 2, 32))
@@ -221,7 +221,7 @@ def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path):
     del tensors["model.layers.2.mlp.experts.down_proj_scales"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model.layers.2.mlp.experts.down_proj.*blocks read"):
-        load_target(path)
+        load_target(path, dequantize=True)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -6,7 +6,8 @@ RoPE. Every layer's MLP is a MoE block: a router with bias, top-k logits then a 
 them; experts with a fused, interleaved gate/up projection and biases, and the clamped
 SwiGLU. RMSNorm multiplies its weight in float32.
 
-The official checkpoints store the expert projections in MXFP4 (`*_blocks` + `*_scales`);
+The official checkpoints store the expert projections in MXFP4 (`*_blocks` + `*_scales`); they stay
+MXFP4 on the device (`dflash_jax.model.formats.mxfp4`), or, loaded with `dequantize`,
 `dequantize_mxfp4` turns them into the bfloat16 (or float32) parameter, tensor by tensor.
 """
 
@@ -59,10 +60,16 @@ def moe_rows(hf_prefix: str, flax_prefix: str) -> list[Row]:
     return rows
 
 
-def combine(path: tuple[str, ...], parts: dict, dtype) -> np.ndarray | None:
-    """An expert projection from its MXFP4 parts (`blocks`, `scales`), once both are read."""
+def combine(path: tuple[str, ...], parts: dict, dtype):
+    """An expert projection from its MXFP4 parts (`blocks`, `scales`), once both are read: the
+    parameter dequantized into `dtype`, or, where the weight is kept in MXFP4 (dtype a dict of the
+    stored arrays' suffixes), its stored arrays by suffix (`dflash_jax.model.formats.mxfp4`)."""
     if set(parts) != {"blocks", "scales"}:
         return None
+    if isinstance(dtype, dict):
+        from dflash_jax.model.formats.mxfp4 import to_stored
+
+        return to_stored(parts["blocks"].read(), parts["scales"].read())
     return dequantize_mxfp4(parts["blocks"].read(), parts["scales"].read(), dtype)
 
 

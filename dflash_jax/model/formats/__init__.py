@@ -14,6 +14,8 @@ pairing, `dflash_jax.fp8`). Importing this package registers them all (`dflash_j
   DeepSeek-V3, GLM-5, MiniMax-M2, Qwen3-FP8), multiplied block by block.
 - `int4`: compressed-tensors `pack-quantized` INT4 with a scale per group (Kimi-K2.5's experts), kept
   packed; `quant_method: compressed-tensors`.
+- `mxfp4`: MXFP4, gpt-oss's experts (`quant_method` "mxfp4"): FP4 values two a byte, an E8M0 scale
+  per 32 inputs, 4.25 bits a weight.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Callable
 METHODS: dict[str, Callable] = {}
 DEQUANTIZE: dict[str, Callable] = {}
 
-from dflash_jax.model.formats import fp8, int4  # noqa: E402  (registers)
+from dflash_jax.model.formats import fp8, int4, mxfp4  # noqa: E402  (registers)
 
 METHODS["fp8"] = fp8.rules
 METHODS[int4.METHOD] = int4.rules
 DEQUANTIZE[int4.METHOD] = int4.join
+METHODS["mxfp4"] = mxfp4.rules

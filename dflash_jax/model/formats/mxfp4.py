@@ -1,0 +1,124 @@
+"""MXFP4 (gpt-oss's experts), kept on the device: FP4 (E2M1) values two a byte, an E8M0 scale per 32.
+
+A weight of logical shape [..., in, out] stores
+  `_blocks` [..., in, out] float4_e2m1fn: the FP4 values, in the weight's own layout (the device
+            packs them two a byte: a TPU holds a [128, 2880, 5760] stack in 1.06 GB);
+  `_scales` [..., in / 32, out] uint8: the E8M0 scale of each group of 32 consecutive inputs,
+            2^(s - 127), as the checkpoint stores it;
+4.25 bits a weight. Its value is `_blocks` x 2^(`_scales` - 127), the scale broadcast over its
+group: exactly gpt-oss's dequantization (`dflash_jax.families.gpt_oss.dequantize_mxfp4`).
+
+The checkpoint's `*_blocks` [experts, out, in / 32, 16] uint8 (two codes a byte, the even input in
+the low nibble) and `*_scales` [experts, out, in / 32] are rearranged into these arrays as they load
+(`to_stored`, from the family's `combine`): the FP4 codes transposed to [experts, in, out], the scales
+to [experts, in / 32, out].
+
+Products (`product`):
+- `Batched` (the touched experts at decode: `project(x, stack.take(ids), Batched(dtype))`) and `Dot`:
+  one partial dot per chunk of 64 inputs (32 where `in` is not a multiple of 64) with the FP4 ->
+  compute-dtype convert inside the dot's operand, each group's partial scaled after the dot and the
+  partials summed. A chunk of 64 is a whole tile of the TPU's FP4 layout (64 rows): the rows of the
+  chunk's two groups are contracted against two copies of x, each zero outside its own group, so
+  the kernel is read in place (no relayout) and each group's partial gets its own scale. The
+  compiler fuses the convert, the scale and the sum into the dot (docs/benchmarks.md, MXFP4).
+- `Grouped` (prefill's `ragged_dot`), `Transposed`, `Einsum`: the weight materialized in the model's
+  dtype, then the contraction (`ragged_dot` takes no FP4 operand).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.model import weights as w
+
+GROUP = 32  # inputs per E8M0 scale
+FP4 = jnp.float4_e2m1fn
+
+
+def stored(shape, dtype, init):
+    *lead, n_in, n_out = shape  # n_in a multiple of GROUP in any MXFP4 checkpoint (a group's blocks are whole)
+
+    def blocks_init(key, shape, dtype):  # values of the model's init, rounded to FP4 (scale 2^0)
+        return init(key, shape, jnp.float32).astype(dtype)
+
+    return {"_blocks": (tuple(shape), FP4, blocks_init),
+            "_scales": ((*lead, -(-n_in // GROUP), n_out), jnp.uint8, lambda key, shape, dtype: jnp.full(shape, 127, dtype))}
+
+
+def scale_values(scales, dtype):
+    """uint8 E8M0 -> 2^(s - 127) in dtype (exact: a power of two)."""
+    return jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(dtype)
+
+
+def materialize(arrays, dtype):
+    blocks, scales = arrays["_blocks"], arrays["_scales"]
+    *lead, n_in, n_out = blocks.shape
+    values = blocks.astype(jnp.float32).reshape(*lead, n_in // GROUP, GROUP, n_out)
+    return (values * scale_values(scales, jnp.float32)[..., None, :]).reshape(blocks.shape).astype(dtype)
+
+
+def batched(x, blocks, scales, compute):
+    """x [K, M, in] . W [K, in, out] -> [K, M, out] float32, W = blocks x scales, by partial dots
+    per chunk of whole groups with the convert inside the dot (the module's docstring)."""
+    k, m, n_in = x.shape
+    chunk = 2 * GROUP if n_in % (2 * GROUP) == 0 else GROUP
+    halves, chunks = chunk // GROUP, n_in // chunk
+    # x2[k, m, j, c, i]: x's inputs of chunk c where i falls in group j of the chunk, zero elsewhere
+    own = jnp.eye(halves, dtype=compute)[:, None, :, None]  # [j, 1, j', 1]
+    x2 = (x.astype(compute).reshape(k, m, 1, chunks, halves, GROUP) * own).reshape(k, m, halves, chunks, chunk)
+    part = jnp.einsum("kmjci,kcio->kmjco", x2, blocks.astype(compute).reshape(k, chunks, chunk, -1),
+                      preferred_element_type=jnp.float32)
+    s = scale_values(scales, jnp.float32).reshape(k, chunks, halves, -1)  # group g = c * halves + j
+    return (part * jnp.swapaxes(s, 1, 2)[:, None]).sum((2, 3))
+
+
+def product(spec, x, arrays, dtype):
+    blocks, scales = arrays["_blocks"], arrays["_scales"]
+    if isinstance(spec, w.Batched):
+        return batched(x, blocks, scales, spec.dtype).astype(spec.dtype)
+    if isinstance(spec, w.Dot) and blocks.ndim == 2:
+        compute = spec.dtype or jnp.result_type(x.dtype, dtype)
+        lead = x.shape[:-1]
+        y = batched(x.reshape(1, -1, x.shape[-1]), blocks[None], scales[None], compute)
+        return y.reshape(*lead, -1).astype(compute)
+    return spec(x, materialize(arrays, dtype))
+
+
+MXFP4 = w.register(w.WeightFormat("mxfp4", stored=stored, materialize=materialize, product=product))
+
+
+# --------------------------------------------------------------------------- the checkpoint's layout
+
+
+def to_stored(blocks: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
+    """The checkpoint's MXFP4 (blocks [..., out, in / 32, 16] uint8, two FP4 codes a byte, the even
+    input in the low nibble; scales [..., out, in / 32] uint8) -> the stored arrays
+    {"_blocks": [..., in, out] float4_e2m1fn, "_scales": [..., in / 32, out] uint8}. On the host
+    the FP4 array takes a byte a value; one expert at a time beside the result."""
+    import ml_dtypes
+
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.ndim < 3 or blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
+    *lead, n_out, groups, width = blocks.shape
+    flat = blocks.reshape(-1, n_out, groups, width)
+    out = np.empty((flat.shape[0], groups * GROUP, n_out), ml_dtypes.float4_e2m1fn)
+    codes = out.view(np.uint8)  # ml_dtypes keeps an FP4 value's code in the low nibble of its byte
+    for e in range(flat.shape[0]):
+        pair = np.empty((n_out, groups, width, 2), np.uint8)
+        pair[..., 0], pair[..., 1] = flat[e] & 0x0F, flat[e] >> 4
+        codes[e] = pair.reshape(n_out, groups * GROUP).T
+    return {"_blocks": out.reshape(*lead, groups * GROUP, n_out),
+            "_scales": np.ascontiguousarray(np.swapaxes(scales, -1, -2))}
+
+
+# --------------------------------------------------------------------------- gpt-oss's checkpoints
+
+
+def rules(cfg: dict, config) -> w.FormatRules:
+    """gpt-oss: every layer's expert projections are MXFP4; attention, router, embeddings and head
+    stay in the model's dtype (its `modules_to_not_convert`)."""
+    return (("*/mlp/experts/gate_up_proj", "mxfp4"), ("*/mlp/experts/down_proj", "mxfp4"))
+
