@@ -545,7 +545,7 @@ def dequantized_params(params, config):
         weights.setdefault(path[:-1] + (base,), {})[suffix] = leaf
     for path, arrays in weights.items():
         fmt = weight_format(format_for(config.weight_format, "/".join(path)))
-        if fmt.name == "dense" or set(arrays) != {"", *fmt.suffixes}:
+        if fmt.name == "dense" or set(arrays) != set(fmt.names):
             out.update({path[:-1] + (path[-1] + s,): a for s, a in arrays.items()})
         else:
             out[path] = fmt.materialize(arrays, dtype)

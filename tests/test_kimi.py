@@ -290,3 +290,19 @@ def test_kimis_tokenizer_is_custom_code_and_the_error_says_what_to_do(tmp_path, 
             load_tokenizer(tmp_path)
         assert str(e.value) == f"the tokenizer in {tmp_path} (tokenization_kimi.TikTokenTokenizer) needs tiktoken: " \
                                "pip install tiktoken"
+
+
+def test_conversion_keeps_the_experts_packed_and_reloads_as_the_hf_checkpoint(kimi, tmp_path):
+    """`python -m dflash_jax.convert` of an INT4 checkpoint writes the packed words and scales as they
+    are, and the converted directory loads as the HF one (kept) and as its dequantized self."""
+    from dflash_jax.convert import main
+
+    out = tmp_path / "converted"
+    assert main(["--hf", str(kimi), "--out", str(out), "--quiet"]) == 0
+    (config, params), (hf_config, hf_params) = load_target(out), load_target(kimi)
+    assert config == hf_config and config.weight_format != "dense"
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)) or
+                 (a.dtype == b.dtype) or pytest.fail(f"{a.dtype} != {b.dtype}"), params, hf_params)
+    (config, params), (hf_config, hf_params) = load_target(out, dequantize=True), load_target(kimi, dequantize=True)
+    assert config.weight_format == "dense"
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, hf_params)

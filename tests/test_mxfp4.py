@@ -143,3 +143,24 @@ def test_a_tpu_holds_gpt_oss_120b_experts_at_the_checkpoints_bytes():
     e, h, i = 128, 2880, 2880
     weights = e * (h * 2 * i + i * h)
     assert r["memory"]["arguments"] == weights * 4.25 / 8 + e * (2 * i + h) * 2
+
+
+def test_conversion_keeps_the_experts_in_mxfp4_and_reloads_as_the_hf_checkpoint(checkpoint, tmp_path):
+    """`python -m dflash_jax.convert` of an MXFP4 checkpoint writes the FP4 values and E8M0 scales as
+    they are, and the converted directory loads as the HF one (kept) and as its dequantized self."""
+    from dflash_jax.convert import main
+
+    _, path = checkpoint
+    out = tmp_path / "converted"
+    assert main(["--hf", str(path), "--out", str(out), "--quiet"]) == 0
+    (config, params), (hf_config, hf_params) = load_target(out), load_target(path)
+    assert config == hf_config and config.weight_format != "dense"
+
+    def same(a, b):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+    jax.tree.map(same, params, hf_params)
+    (config, params), (hf_config, hf_params) = load_target(out, dequantize=True), load_target(path, dequantize=True)
+    assert config.weight_format == "dense"
+    jax.tree.map(same, params, hf_params)

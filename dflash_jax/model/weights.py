@@ -139,6 +139,11 @@ class WeightFormat:
     check: Callable | None = None
 
     @property
+    def names(self) -> tuple[str, ...]:
+        """Every stored parameter's suffix ("" for the weight's own name, when the format stores one)."""
+        return tuple(self.stored((1, 1), jnp.float32, nn.initializers.zeros))
+
+    @property
     def suffixes(self) -> tuple[str, ...]:
         """The stored parameters' suffixes beyond the weight's own ("")."""
         return tuple(s for s in self.stored((1, 1), jnp.float32, nn.initializers.zeros) if s)
