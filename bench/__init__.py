@@ -68,7 +68,7 @@ plot), `hf` (the transformers reference), `cost` and `moe_cost` (--cost, --moe-c
 (--published-shapes), `workloads` (--cache-scaling, --mixed-workload, --page-pool), `vllm_peer`
 (--vllm), `serve_bench` (--serve), `prefix_bench` (--prefix-cache-ttft), `draft_window`
 (--draft-window), `aot` and `aot_sweep` (--aot, --batch-sweep); stand-alone measurements:
-`convert_memory`, `train_input`, `constrained` (structured output's tau and tokens/s), `delta_rule_tpu`, `fp8_moe_tpu`, `int4_tpu`, `mxfp4_moe_tpu`, `mla_tpu`, `shipped_tpu` (the biggest targets as shipped: fit and whole-model estimates), and `device_check`
+`convert_memory`, `train_input`, `constrained` (structured output's tau and tokens/s), `delta_rule_tpu`, `fp8_moe_tpu`, `int4_tpu`, `mxfp4_moe_tpu`, `moe_tpu` (the engine's MoE block by the TPU compiler), `mla_tpu`, `shipped_tpu` (the biggest targets as shipped: fit and whole-model estimates), and `device_check`
 (pieces of `device_check.sh`, the GPU check).
 """
 

@@ -9,7 +9,8 @@ width 2048, plus one shared expert of width 2048 every token takes. Weights are 
 ([experts, in / 128, out / 128]), as DeepSeek-V3's checkpoint stores them. Compiled ahead of time
 for one chip (nothing runs), in these forms:
 
-- `bf16 grouped`: the engine's MoE today (`dflash_jax.model.moe`): assignments sorted by expert,
+- `bf16 grouped`: the engine's MoE at prefill (`dflash_jax.model.moe`; its decode path is `touched`,
+  `bench/moe_tpu.py` compiles it): assignments sorted by expert,
   one `ragged_dot` (grouped matmul) per projection over the whole expert stack. On a TPU that is a
   kernel (a custom call), whose bytes are what it declares: the whole stack.
 - `fp8 dequant+grouped`: FP8 in HBM, the stack dequantized to bfloat16, then the same `ragged_dot`.

@@ -6,7 +6,11 @@ include both); DFlash greedy and sampling with MoE targets in test_spec_decode; 
 test_scale.
 """
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +25,8 @@ from dflash_jax.engine import BatchEngine
 from dflash_jax.errors import CheckpointError
 from dflash_jax.families.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from dflash_jax.model import MoE
+from dflash_jax.model import moe as moe_module
+from dflash_jax.model.moe import Experts
 from dflash_jax.families import model_config
 from tiny import (MOE_FAMILIES, assert_plain_greedy_equals_generate, make_model, save_model, train_cli_on_regenerated,
                   write_random_drafter)
@@ -103,6 +109,183 @@ def test_grouped_experts_equal_every_expert_on_every_token(family):
     router = params["router"]
     logits = np.asarray(x).reshape(-1, 24) @ np.asarray(router["kernel"]) + np.asarray(router.get("bias", 0))
     assert len(set(np.argsort(-logits, -1)[:, :moe.top_k].ravel())) >= 6
+
+
+# --------------------------------------------------------------------------- the touched experts
+
+
+TOUCHED_BLOCKS = {  # 16 experts, so a few tokens touch only some of them
+    **{f: dataclasses.replace(m, num_experts=16) for f, m in MOE_BLOCKS.items()},
+    "gemma4": MoeConfig(num_experts=16, top_k=2, intermediate_size=16, norm_topk_prob=True, gate_up_halves=True,
+                        router_input_norm=True, per_expert_scale=True, activation="gelu_tanh"),
+    "deepseek_v3": MoeConfig(num_experts=16, top_k=3, intermediate_size=16, router="sigmoid_grouped", n_group=4,
+                             topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, shared_expert_size=16,
+                             shared_expert_gated=False, router_float32=True),
+}
+
+
+def block_config(moe: MoeConfig, dtype="float32") -> ModelConfig:
+    return ModelConfig(model_type="test", vocab_size=8, hidden_size=24, intermediate_size=8, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe=moe, sparse_layers=(True,),
+                       dtype=dtype)
+
+
+def experts_on(path, config, params, tokens, weights, experts):
+    with moe_module.override(path):
+        return np.asarray(jax.jit(lambda p, *a: Experts(config).apply({"params": p}, *a))(params, tokens, weights, experts))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", sorted(TOUCHED_BLOCKS))
+def test_touched_experts_equal_the_grouped_matmuls(family, dtype):
+    """The touched-experts path (each distinct expert routed to, picked from the stack, over every
+    token, weighted by the routing) equals the grouped one for random routing: tokens sharing
+    experts, a token naming one expert twice, 3 tokens touching some of the 16 experts (padding
+    slots) and 9 touching every one (the whole stack, nothing picked). Every activation and
+    gate/up layout, biases included."""
+    moe = TOUCHED_BLOCKS[family]
+    config = block_config(moe, dtype)
+    rs = np.random.RandomState(0)
+    params = Experts(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 24)), jnp.zeros((1, moe.top_k)),
+                                  jnp.zeros((1, moe.top_k), jnp.int32))["params"]
+    params = jax.tree.map(lambda p: (p + 0.3 * jax.random.normal(jax.random.PRNGKey(2), p.shape)).astype(p.dtype), params)
+    for n in (3, 9):
+        tokens = jnp.asarray(rs.standard_normal((n, 24)), config.dtype)
+        weights = jnp.asarray(rs.uniform(0.1, 1, (n, moe.top_k)), jnp.float32)
+        experts = rs.choice([1, 4, 5, 11, 15], (n, moe.top_k)) if n == 3 else rs.randint(0, 16, (n, moe.top_k))
+        experts[0, :2] = 4  # one token naming expert 4 twice
+        experts = jnp.asarray(experts, jnp.int32)
+        assert moe_module.touched_path(n, moe) == (n * moe.top_k < 16)
+        got = experts_on("touched", config, params, tokens, weights, experts)
+        want = experts_on("grouped", config, params, tokens, weights, experts)
+        assert got.dtype == want.dtype == np.float32 and got.shape == (n, 24)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=2e-2 * np.abs(want).max(), rtol=0)
+        np.testing.assert_allclose(got, want, **tol)
+        assert np.abs(want).max() > 0.1
+
+
+@pytest.mark.parametrize("family", sorted(TOUCHED_BLOCKS))
+def test_the_block_at_decode_equals_every_expert_on_every_token(family):
+    """The whole block (router, touched experts, shared expert) at 2 tokens, which take the touched
+    path, against the grouped path and, for the two routers numpy_moe knows, the definition."""
+    moe = TOUCHED_BLOCKS[family]
+    config = block_config(moe)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 24))
+    params = MoE(config).init(jax.random.PRNGKey(1), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.PRNGKey(2), p.shape), params)
+    assert moe_module.touched_path(2, moe)
+    got = np.asarray(MoE(config).apply({"params": params}, x))
+    with moe_module.override("grouped"):
+        np.testing.assert_allclose(got, np.asarray(MoE(config).apply({"params": params}, x)), atol=1e-5, rtol=1e-5)
+    if family in MOE_BLOCKS:
+        want = numpy_moe(np.asarray(x).reshape(-1, 24), jax.tree.map(np.asarray, params), moe).reshape(got.shape)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_switch_between_touched_and_grouped():
+    """The touched path while tokens x top_k < experts (decode, a small batch's verify), the grouped
+    one from there on (prefill), for the published shapes; `override` forces either."""
+    from dflash_jax.families import model_config as parse
+    from dflash_jax.shapes import PUBLISHED_TARGETS
+
+    deepseek, oss = (parse(PUBLISHED_TARGETS[s]).moe for s in ("deepseek-v3", "gpt-oss-120b"))
+    assert [moe_module.touched_path(n, deepseek) for n in (1, 8, 16, 31, 32, 128)] == [True] * 4 + [False] * 2
+    assert [moe_module.touched_path(n, oss) for n in (1, 8, 31, 32, 4096)] == [True] * 3 + [False] * 2
+    with moe_module.override("touched"):
+        assert moe_module.touched_path(4096, oss)
+    with moe_module.override("grouped"):
+        assert not moe_module.touched_path(1, oss)
+    assert moe_module.touched_path(4096, oss) is False
+    with pytest.raises(ValueError, match="unknown MoE path 'fast'"):
+        with moe_module.override("fast"):
+            pass
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-v8", pytest.param("gpt_oss-v8", marks=pytest.mark.heavy)])
+def test_decode_and_verify_take_the_touched_path_and_equal_a_full_recompute(name, monkeypatch):
+    """A MoE target of 32 experts (top 2) in the engine: its decode steps (2 rows) and verify passes
+    (2 rows x block 4) take the touched path, prefill the grouped one, and plain greedy decoding
+    equals a full recompute of every step (all grouped), and DFlash equals plain."""
+    from dflash_jax.model import init_params
+    from fixtures import SETUPS, perturbed, prompts, setup
+
+    target, _, drafter, dparams = setup(name)
+    target = target.replace(moe=dataclasses.replace(target.moe, num_experts=32))
+    tparams = perturbed(init_params(target, jax.random.PRNGKey(SETUPS[name][5])))
+    calls, real = [], moe_module.touched_path
+    monkeypatch.setattr(moe_module, "touched_path", lambda n, moe: calls.append((n, real(n, moe))) or real(n, moe))
+    prompt_list = [list(p) for p in prompts(name)[:6]]
+    new = 12
+    plain = BatchEngine(target, tparams, batch_size=2, max_new_tokens=new, max_prompt_len=32, page_size=16)
+    plain_out = [r.output_ids for r in sorted(plain.generate(prompt_list), key=lambda r: r.index)]
+    spec = BatchEngine(target, tparams, drafter, dparams, block_size=4, batch_size=2, max_new_tokens=new,
+                       max_prompt_len=32, page_size=16, speculation="fixed")
+    spec_res = sorted(spec.generate(prompt_list), key=lambda r: r.index)
+    assert (2, True) in calls and (2 * 4, True) in calls, sorted(set(calls))  # decode, verify
+    assert any(not touched for _, touched in calls)  # prefill
+    seqs = [list(p) for p in prompt_list]  # the reference: every step recomputed whole, grouped
+    width = max(map(len, seqs)) + new
+    for _ in range(new):
+        ids = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = s
+        logits = np.asarray(forward(tparams, target, jnp.asarray(ids), init_cache(target, len(seqs), width)).logits)
+        for i, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    assert not moe_module.touched_path(len(seqs) * width, target.moe)
+    assert plain_out == [s[len(p):] for s, p in zip(seqs, prompt_list)]
+    assert [r.output_ids for r in spec_res] == plain_out
+    assert max(a for r in spec_res for a in r.acceptance_lengths) > 1
+
+
+EXPERT_PARALLEL = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, "tests")
+from dflash_jax.config import ModelConfig
+from dflash_jax.model import MoE
+from dflash_jax.model import moe as moe_module
+from dflash_jax.model.moe import Experts
+from dflash_jax.model import moe as moe_module
+from dflash_jax.sharding import make_mesh, tracing_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+from test_moe import TOUCHED_BLOCKS, block_config
+
+out = {}
+calls, real = [], moe_module.touched_path
+moe_module.touched_path = lambda n, moe: calls.append(real(n, moe)) or real(n, moe)
+for family in sys.argv[1:]:
+    config = block_config(TOUCHED_BLOCKS[family])
+    for n in (2, 10):
+        x = jax.random.normal(jax.random.PRNGKey(n), (1, n, 24))
+        params = MoE(config).init(jax.random.PRNGKey(1), x)["params"]
+        params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.PRNGKey(2), p.shape), params)
+        want = np.asarray(jax.jit(lambda p, x: MoE(config).apply({"params": p}, x))(params, x))
+        for spec in ("model=2", "data=2,model=4"):
+            mesh = make_mesh(spec)
+            on = jax.device_put((params, x), NamedSharding(mesh, P()))
+            with tracing_on(mesh):
+                got = jax.jit(lambda p, x: MoE(config).apply({"params": p}, x))(*on)
+            out[f"{family} {n} {spec}"] = float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+print(json.dumps({"errors": out, "touched": calls}))
+"""
+
+
+@pytest.mark.parametrize("families", [("gpt_oss", "qwen3_moe"), pytest.param(("deepseek_v3", "gemma4"), marks=pytest.mark.heavy)])
+def test_expert_parallel_touched_and_grouped_equal_one_device(families):
+    """The block with its 16 experts split over `model` (2 or 4 devices; 8 CPU devices in a
+    subprocess): at 2 tokens (touched: with 8 experts a device, some of them picked, padding slots
+    included; with 4, all of them) and at 10 (grouped), the block equals one device's."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, *families], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["errors"]) == len(families) * 2 * 2
+    bad = {k: e for k, e in out["errors"].items() if not e < 1e-5}
+    assert not bad, bad
+    assert True in out["touched"] and False in out["touched"]
 
 
 # --------------------------------------------------------------------------- checkpoints

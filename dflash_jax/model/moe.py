@@ -1,11 +1,17 @@
 """The sparse mixture-of-experts MLP block (Qwen3-MoE, gpt-oss, Gemma 4, Qwen3.5, DeepSeek-V3).
 
-A router scores every token against every expert and keeps the top k (`route`). Tokens are
-then dispatched by sorting their k (token, expert) assignments by expert, so each expert's
-tokens are one contiguous group, and every projection is one grouped matmul
-(`jax.lax.ragged_dot`) over those groups: the work follows the tokens routed, k per token,
-not every expert on every token. The outputs go back to token order and are summed with the
-routing weights.
+A router scores every token against every expert and keeps the top k (`route`). The experts
+then run one of two ways, by the call's static number of tokens (`touched_path`):
+
+- touched (decode, the verify of small batches: tokens x k < experts): the distinct experts routed
+  to are picked from the stacks in their stored format, one product each over every token of the
+  call, weighted by the routing (`touched_mlp`): a step reads only the experts it touches;
+- grouped (prefill): the k (token, expert) assignments are sorted by expert, so each expert's
+  tokens are one contiguous group, and every projection is one grouped matmul
+  (`jax.lax.ragged_dot`) over those groups; the outputs go back to token order and are summed
+  with the routing weights.
+
+Both agree to float32 rounding; the switch is where the TPU compiler's estimates put it.
 
 On TPU and GPU, XLA runs `ragged_dot` as a grouped matmul. XLA's CPU backend expands it into a
 dense dot masked per group (every expert's weights against every routed row): correct, and
@@ -21,6 +27,10 @@ Parameters (Flax names; the family tables map the HF names onto them):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,7 +38,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, MoeConfig
 from dflash_jax.config import jnp_dtype
 from dflash_jax.model.layers import MLP, RMSNorm
-from dflash_jax.model.weights import Grouped, Projection, declare, project
+from dflash_jax.model.weights import Batched, Grouped, Projection, declare, project
 
 
 def route(logits, moe: MoeConfig, correction=None):
@@ -78,8 +88,10 @@ def dispatch(experts, num_experts: int):
     int32: how many assignments each expert got; inverse [N*k]: where each assignment went)."""
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    ends = jnp.searchsorted(jnp.take(flat, order), jnp.arange(num_experts, dtype=flat.dtype), side="right",
+                            method="sort")
+    group_sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
+    inverse = jnp.argsort(order)  # no scatter: the TPU compiler gives no estimate for a program with one
     return order, group_sizes, inverse
 
 
@@ -105,43 +117,135 @@ def _grouped_mlp(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype
             y = y + jnp.take(params[f"{name}_bias"], expert_of, axis=0, mode="clip")
         return y
 
+    return _mlp(xs, grouped, moe)
+
+
+def _mlp(x, projection, moe: MoeConfig):
+    """gate, up, activation, down: projection(x, name) one of the experts' projections."""
     i = moe.intermediate_size
     if moe.fused_gate_up:
-        gate_up = grouped(xs, "gate_up_proj")
-        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        gate_up = projection(x, "gate_up_proj")
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
     elif moe.gate_up_halves:
-        gate_up = grouped(xs, "gate_up_proj")
-        gate, up = gate_up[:, :i], gate_up[:, i:]
+        gate_up = projection(x, "gate_up_proj")
+        gate, up = gate_up[..., :i], gate_up[..., i:]
     else:
-        gate, up = grouped(xs, "gate_proj"), grouped(xs, "up_proj")
-    return grouped(activate(gate, up, moe), "down_proj")
+        gate, up = projection(x, "gate_proj"), projection(x, "up_proj")
+    return projection(activate(gate, up, moe), "down_proj")
 
 
-def expert_parallel(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype, mesh):
-    """`_grouped_mlp` with the experts split over the mesh's `model` axis (each device holds
-    experts/n of them, as the sharding rules store them), in a shard_map: each device runs the
-    rows routed to its own experts, a contiguous run of the grouped rows (rolled to the front,
-    the rest zero), and one psum adds the devices' rows. XLA's SPMD partitioner does not split
-    `ragged_dot` over its groups: left to it, every step all-gathered every layer's experts."""
+_forced = contextvars.ContextVar("moe_path", default=None)
+
+
+def touched_path(tokens: int, moe: MoeConfig) -> bool:
+    """Whether a call with `tokens` tokens (static) runs the touched-experts path (`touched_mlp`)
+    rather than the grouped one: when its tokens x top_k assignments cannot touch every expert
+    (inside `override`: as it says).
+
+    By the TPU compiler's estimates for one layer on v5p (docs/benchmarks.md, "Touched experts":
+    DeepSeek-V3 and gpt-oss-120b at 1 to 64 tokens), the touched path reads the experts it picks
+    and little else (1.03x its ideal at 8 tokens), while `ragged_dot` is charged the whole stack
+    at any token count; once tokens x top_k reaches the experts, the touched path reads the whole
+    stack too, with more flops (each expert over every token), and the grouped path is as fast or
+    faster. So decode steps and the verify of small batches take the touched path, prefill the
+    grouped one."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced == "touched"
+    return tokens * moe.top_k < moe.num_experts
+
+
+@contextlib.contextmanager
+def override(path: str):
+    """Inside the block, MoE blocks traced take `path` ("touched" or "grouped") at every token
+    count. For benchmarks and tests; the choice is made when a call is traced (a function traced
+    before keeps its path from jax's cache)."""
+    if path not in ("touched", "grouped"):
+        raise ValueError(f"unknown MoE path {path!r} (touched, grouped)")
+    token = _forced.set(path)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def touched(experts, first, local: int):
+    """The distinct experts among ids [N, k] in [first, first + local) (a device's own, expert
+    parallel; first may be traced), as local ids [U] ascending, U = min(local, N * k) static, the
+    slots past the distinct ones `local` (padding: no token routes there). Two sorts, no scatter
+    (the TPU compiler gives no estimate for a program with a scatter)."""
+    flat = jnp.sort(experts.reshape(-1) - first)
+    flat = jnp.where((flat >= 0) & (flat < local), flat, local)
+    new = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    return jnp.sort(jnp.where(new, flat, local))[:min(local, flat.shape[0])]
+
+
+def touched_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, first=0, local=None):
+    """The routed experts' outputs combined, reading only the experts the step touches: tokens
+    [N, hidden], weights [N, k] float32, experts [N, k]; params as `_grouped_mlp`'s, holding experts
+    first .. first + local - 1 (all of them by default; a device's own, expert parallel).
+
+    Each distinct expert routed to (`touched`: U slots) is picked from each stack in its stored
+    format (`Weight.take`) and runs over every token of the step (`Batched`), its output weighted
+    by each token's routing weight to it (zero where not routed, and for a padding slot). One
+    product per slot, each reading its own expert: the TPU compiler fuses a one-expert pick into
+    its dot, where a pick of all U at once is written out first (a copy of the touched experts:
+    4.5x the bytes; docs/benchmarks.md, "Touched experts"). Every expert touchable (N * k >=
+    local): one product over the whole stack, nothing picked. Returns [N, hidden] float32."""
+    local = moe.num_experts if local is None else local
+    n = tokens.shape[0]
+    if min(local, n * moe.top_k) == local:
+        slots = [(jnp.arange(local), params)]
+    else:
+        ids = touched(experts, first, local)  # [U]
+        slots = [(ids[u:u + 1], {name: p.take(ids[u:u + 1]) if name.endswith("_proj")
+                                 else jnp.take(p, ids[u:u + 1], axis=0, mode="clip") for name, p in params.items()})
+                 for u in range(ids.shape[0])]
+    out = jnp.zeros(tokens.shape, jnp.float32)
+    for ids, picked in slots:  # ids [K], picked: their kernels [K, in, out] (and biases [K, out])
+        def batched(x, name, picked=picked):
+            y = project(x, picked[name], Batched(dtype))
+            if moe.expert_bias:
+                y = y + picked[f"{name}_bias"][:, None, :]
+            return y
+
+        ys = _mlp(jnp.broadcast_to(tokens, (ids.shape[0], *tokens.shape)), batched, moe)  # [K, N, hidden]
+        mine = (experts[None] - first == ids[:, None, None]) & (ids < local)[:, None, None]  # padding: no one's
+        routed = jnp.where(mine, weights[None], 0.0).sum(-1)  # [K, N]
+        out = out + jnp.einsum("kn,knh->nh", routed, ys.astype(jnp.float32))
+    return out
+
+
+def _grouped_local(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype, first, local: int):
+    """`_grouped_mlp` on the rows routed to experts first .. first + local - 1 (a device's own):
+    a contiguous run of the grouped rows, rolled to the front, the rest zero."""
+    e = moe.num_experts
+    start = jnp.sum(jnp.where(jnp.arange(e) < first, group_sizes, 0))
+    mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, local)
+    valid = jnp.arange(xs.shape[0]) < mine.sum()
+    x = jnp.roll(xs, -start, axis=0)
+    y = _grouped_mlp(x, mine, jnp.roll(expert_of, -start) - first, params, moe, dtype)
+    y = jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+    return jnp.roll(y, start, axis=0)
+
+
+def expert_parallel(local_fn, args, params: dict, moe: MoeConfig, mesh):
+    """local_fn(*args, params, first, local) with the experts split over the mesh's `model` axis
+    (each device holds experts/n of them, as the sharding rules store them: first .. first +
+    local - 1), in a shard_map, args replicated; one psum adds the devices' results. XLA's SPMD
+    partitioner does not split `ragged_dot` over its groups: left to it, every step all-gathered
+    every layer's experts."""
     from jax.sharding import PartitionSpec as P
 
-    n, e = mesh.shape["model"], moe.num_experts
-    local = e // n
+    local = moe.num_experts // mesh.shape["model"]
 
-    def run(xs, group_sizes, expert_of, params):
+    def run(args, params):
         first = jax.lax.axis_index("model") * local
-        start = jnp.sum(jnp.where(jnp.arange(e) < first, group_sizes, 0))
-        mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, local)
-        rows = jnp.arange(xs.shape[0])
-        valid = rows < mine.sum()
-        x = jnp.roll(xs, -start, axis=0)
-        y = _grouped_mlp(x, mine, jnp.roll(expert_of, -start) - first, params, moe, dtype)
-        y = jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
-        return jax.lax.psum(jnp.roll(y, start, axis=0), "model")
+        return jax.lax.psum(local_fn(*args, params, first, local), "model")
 
     specs = jax.tree.map(lambda v: P("model", *(None,) * (v.ndim - 1)), params)  # a weight's arrays too
-    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), axis_names={"model"},
-                         check_vma=False)(xs, group_sizes, expert_of, params)
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), specs), out_specs=P(), axis_names={"model"},
+                         check_vma=False)(args, params)
 
 
 def _model_axis_mesh():
@@ -154,14 +258,16 @@ def _model_axis_mesh():
 
 
 class Experts(nn.Module):
-    """The experts' projections applied to assignments already grouped by expert."""
+    """The experts: their projections, and the routed tokens through them, combined."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, xs, group_sizes, expert_of):
-        """xs [M, hidden] grouped by expert (group_sizes [experts]); expert_of [M] the expert
-        of each row (for the biases). Returns [M, hidden]. Under a mesh that splits `model`
+    def __call__(self, tokens, weights, experts):
+        """tokens [N, hidden], routed (`route`) with weights [N, k] float32 to experts [N, k] ->
+        sum_k weights * expert(token), [N, hidden] float32. N static: with `touched_path`, the
+        touched experts alone (`touched_mlp`: decode and verify); else the grouped matmuls over
+        the whole stack (`dispatch`, `_grouped_mlp`: prefill). Under a mesh that splits `model`
         (and divides the experts), each device runs its own experts (`expert_parallel`)."""
         c, moe = self.config, self.config.moe
         dtype = jnp_dtype(c.dtype)
@@ -177,9 +283,24 @@ class Experts(nn.Module):
             if moe.expert_bias:
                 params[f"{name}_bias"] = self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype)
         mesh = _model_axis_mesh()
-        if mesh is not None and e % mesh.shape["model"] == 0:
-            return expert_parallel(xs, group_sizes, expert_of, params, moe, dtype, mesh)
-        return _grouped_mlp(xs, group_sizes, expert_of, params, moe, dtype)
+        split = mesh is not None and e % mesh.shape["model"] == 0
+        if touched_path(tokens.shape[0], moe):
+            fn = functools.partial(touched_mlp, moe=moe, dtype=dtype)
+            if split:
+                return expert_parallel(lambda *a: fn(*a[:3], a[3], first=a[4], local=a[5]),
+                                       (tokens, weights, experts), params, moe, mesh)
+            return fn(tokens, weights, experts, params)
+        order, group_sizes, inverse = dispatch(experts, e)
+        xs = jnp.take(tokens, order // moe.top_k, axis=0)
+        expert_of = jnp.take(experts.reshape(-1), order)
+        if split:
+            fn = functools.partial(_grouped_local, moe=moe, dtype=dtype)
+            ys = expert_parallel(lambda *a: fn(*a[:4], first=a[4], local=a[5]), (xs, group_sizes, expert_of),
+                                 params, moe, mesh)
+        else:
+            ys = _grouped_mlp(xs, group_sizes, expert_of, params, moe, dtype)
+        ys = jnp.take(ys, inverse, axis=0).reshape(*weights.shape, h)  # back to [N, k, hidden]
+        return (ys.astype(jnp.float32) * weights[..., None]).sum(1)
 
 
 class MoE(nn.Module):
@@ -210,11 +331,7 @@ class MoE(nn.Module):
         if moe.per_expert_scale:
             per_expert = self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), dtype)
             weights = weights * jnp.take(per_expert, experts).astype(jnp.float32)
-        order, group_sizes, inverse = dispatch(experts, moe.num_experts)
-        xs = jnp.take(tokens, order // moe.top_k, axis=0)
-        ys = Experts(c, name="experts")(xs, group_sizes, jnp.take(experts.reshape(-1), order))
-        ys = jnp.take(ys, inverse, axis=0).reshape(*weights.shape, shape[-1])  # back to [N, k, hidden]
-        out = (ys.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
+        out = Experts(c, name="experts")(tokens, weights, experts).astype(dtype)
         if moe.shared_expert_size:
             shared = MLP(c, moe.shared_expert_size, name="shared_expert")(tokens)
             if moe.shared_expert_gated:
