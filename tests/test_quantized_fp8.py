@@ -348,3 +348,23 @@ def worker(hf: str, converted: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(worker(sys.argv[1], sys.argv[2])))
+
+
+@pytest.mark.parametrize("rows", [256, 200])  # whole blocks (picked from the blocked view), and edge blocks
+def test_experts_taken_from_a_kept_stack_multiply_as_their_dequantized_selves(rows):
+    """`Weight.take` through the format's own pick (from the stack's view in row blocks), then the
+    touched path's `Batched` product: each picked expert's product with its dequantized weight."""
+    from dflash_jax.model.weights import Batched, Weight, project
+
+    fmt = weight_format("fp8_e4m3_128x128")
+    rs = np.random.RandomState(0)
+    values = jnp.asarray(rs.randn(5, rows, 192).astype(np.float32)).astype(jnp.float8_e4m3fn)
+    scale = jnp.asarray(rs.uniform(0.5, 2, (5, -(-rows // 128), 2)).astype(np.float32))
+    stack = Weight({"": values, SCALE: scale}, fmt, jnp.float32)
+    ids = jnp.asarray([4, 0, 4], jnp.int32)
+    picked = stack.take(ids)
+    assert picked.arrays[""].shape == (3, rows, 192) and picked.arrays[SCALE].shape == (3, scale.shape[1], 2)
+    x = jnp.asarray(rs.randn(3, 2, rows).astype(np.float32))
+    got = project(x, picked, Batched(jnp.float32))
+    want = jnp.einsum("kmi,kio->kmo", x, stack.dense[ids], precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))

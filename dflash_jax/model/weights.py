@@ -129,7 +129,9 @@ class WeightFormat:
     (dtype: the model's, which the weight was declared with.)
     aside: suffixes of tensors a checkpoint stores beside the weight that the device does not keep
         (compressed-tensors' `weight_shape`): the loader passes each to
-    check(suffix, value, {suffix: shape of one matrix's stored array}) -> None, or what is wrong with it."""
+    check(suffix, value, {suffix: shape of one matrix's stored array}) -> None, or what is wrong with it.
+    take(arrays, index) -> arrays: `Weight.take` (experts picked from a stack) the format's way, where
+        the compiler fuses a pick into the product only from a view of its own; None: `jnp.take`."""
 
     name: str
     stored: Callable[..., Stored]
@@ -137,6 +139,7 @@ class WeightFormat:
     product: Callable | None = None
     aside: tuple[str, ...] = ()
     check: Callable | None = None
+    take: Callable | None = None  # (arrays, index) -> arrays: `Weight.take` in the format's own way
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -234,6 +237,8 @@ class Weight:
     def take(self, index) -> "Weight":
         """Some of a stack's weights (index [K] into its leading axis: the experts a step touches),
         still in the stored format: every stored array of a stack leads with that axis."""
+        if self.format.take is not None:
+            return self.replace(arrays=self.format.take(self.arrays, index))
         return self.replace(arrays={s: jnp.take(a, index, axis=0, mode="clip") for s, a in self.arrays.items()})
 
 

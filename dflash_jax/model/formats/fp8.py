@@ -90,6 +90,22 @@ def _product(block):
     return product
 
 
+def _take(block):
+    def take(arrays, index):
+        """Experts of a stack, picked from its view in row blocks ([E, R / br, br, C]): a pick of the
+        plain [E, R, C] stack reshaped into blocks after it is written out in bfloat16 by the TPU
+        compiler before `block_dot` (docs/benchmarks.md, "FP8 experts on a TPU"); picked from the
+        view, the pick and the convert fuse into the dot."""
+        w, scale = arrays[""], arrays[SCALE]
+        rows, cols = w.shape[-2:]
+        pick = lambda a: jnp.take(a, index, axis=0, mode="clip")  # noqa: E731
+        if rows % block[0]:
+            return {"": pick(w), SCALE: pick(scale)}
+        view = w.reshape(w.shape[0], rows // block[0], block[0], cols)
+        return {"": pick(view).reshape(*index.shape, rows, cols), SCALE: pick(scale)}
+    return take
+
+
 def fp8_format(fp8: str, block: tuple[int, int]) -> WeightFormat:
     """The format of `fp8` ("e4m3" | "e5m2") values in [br, bc] blocks over the weight's layout,
     registered on first use."""
@@ -107,7 +123,7 @@ def fp8_format(fp8: str, block: tuple[int, int]) -> WeightFormat:
 
     return register(WeightFormat(name, stored=stored,
                                  materialize=lambda arrays, dt: materialize(arrays, dt, block),
-                                 product=_product(block)))
+                                 product=_product(block), take=_take(block)))
 
 
 for _fp8 in FLOAT8:

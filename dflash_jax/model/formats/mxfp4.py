@@ -86,7 +86,19 @@ def product(spec, x, arrays, dtype):
     return spec(x, materialize(arrays, dtype))
 
 
-MXFP4 = w.register(w.WeightFormat("mxfp4", stored=stored, materialize=materialize, product=product))
+def take(arrays, index):
+    """Experts picked from a stack (`Weight.take`) out of the blocks' chunked view [E, chunks, chunk,
+    out], the layout `batched` contracts: a pick of the plain stack reshaped after it is written out
+    by the TPU compiler before the dot; picked from the view, the pick rides in the dot's operand."""
+    blocks, scales = arrays["_blocks"], arrays["_scales"]
+    pick = lambda a: jnp.take(a, index, axis=0, mode="clip")  # noqa: E731
+    e, n_in, n_out = blocks.shape
+    chunk = 2 * GROUP if n_in % (2 * GROUP) == 0 else GROUP
+    view = blocks.reshape(e, n_in // chunk, chunk, n_out)
+    return {"_blocks": pick(view).reshape(*index.shape, n_in, n_out), "_scales": pick(scales)}
+
+
+MXFP4 = w.register(w.WeightFormat("mxfp4", stored=stored, materialize=materialize, product=product, take=take))
 
 
 # --------------------------------------------------------------------------- the checkpoint's layout
