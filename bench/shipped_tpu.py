@@ -2,14 +2,14 @@
 
     pip install -e '.[tpu]'                      # libtpu: compiles for a TPU topology here
     python -m bench.shipped_tpu [--shapes deepseek-v3,kimi-k2.5,glm-5.1,minimax-m2.5,gpt-oss-120b]
-                                [--batch 8] [--context 32768] [--layers 2,3] [--json PATH]
+                                [--batch 8] [--context 32768] [--layers A,B] [--json PATH]
 
 Each target is the published config with the `quantization_config` its checkpoint ships
 (`dflash_jax.shapes.SHIPPED_QUANTIZATION`: FP8 blocks, compressed-tensors INT4, MXFP4), so its
 weights take the formats the loader would keep them in (`dflash_jax.model.formats`), with the
 z-lab recipe's 5-layer block-16 drafter (bfloat16), batch 8 and a page pool of batch x context
 tokens. A whole model is too big to compile here, so, as `bench/mla_tpu.py` does, each is cut to two
-depths (`--layers`, their first dense layers kept) and scaled: whole = cut + (layers - cut) x the
+depths (`CUTS`: its dense layers and one or two sparse ones) and scaled: whole = cut + (layers - cut) x the
 per-layer increment. Figures:
 
 - fit: HBM per chip of the whole model over each v5p slice of `--slices` (every chip on `model`:
@@ -32,6 +32,9 @@ import json
 from pathlib import Path
 
 SHAPES = ("deepseek-v3", "kimi-k2.5", "glm-5.1", "minimax-m2.5", "gpt-oss-120b")
+# The two depths each is cut to: its dense layers whole and one or two sparse layers past them, so the
+# increment is a sparse layer (gpt-oss: a sliding and a full attention layer, halved).
+CUTS = {"deepseek-v3": (4, 5), "glm-5.1": (4, 5), "kimi-k2.5": (2, 3), "minimax-m2.5": (2, 3), "gpt-oss-120b": (2, 4)}
 SLICES = ("v5p:1x1x1", "v5p:2x1x1", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4", "v5p:4x4x4")
 
 
@@ -117,7 +120,7 @@ def run_shape(shape: str, args) -> dict:
     from dflash_jax.aot import topology
     from dflash_jax.shapes import SHIPPED_SHAPES, PUBLISHED_TARGETS
 
-    a, b = args.layers
+    a, b = args.layers or CUTS[shape]
     full = PUBLISHED_TARGETS[SHIPPED_SHAPES.get(shape, shape)]["num_hidden_layers"]
     out = dict(shape=shape, layers=full, cuts=[a, b])
     # time: one chip
@@ -169,11 +172,11 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=32768, help="tokens a row holds (the page pool: batch x context)")
-    p.add_argument("--layers", default="2,3", help="the two cut depths compiled (their first dense layers kept)")
+    p.add_argument("--layers", help="the two cut depths compiled (their first dense layers kept; default: CUTS)")
     p.add_argument("--slices", default=",".join(SLICES), help="v5p slices tried for the fit, smallest first")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
-    args.layers = tuple(int(n) for n in args.layers.split(","))
+    args.layers = tuple(int(n) for n in args.layers.split(",")) if args.layers else None
     args.slices = args.slices.split(",")
     rows = [run_shape(s, args) for s in args.shapes.split(",")]
     print("\n| target (as shipped) | smallest v5p slice | HBM a chip (AR / DFlash) | AR step: estimate / ideal | "
