@@ -135,9 +135,11 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
     return P(*out)
 
 
-# A weight format's scales (FP8's `kernel_scale_inv`: one per block of the weight, same dimensions)
-# lie out as their weight does: an expert's scales on the expert's device.
-SCALE_SUFFIXES = ("_scale_inv",)
+# A weight format's stored arrays beside (or instead of) the weight (FP8's `kernel_scale_inv`, a scale
+# per block; INT4's `_packed` words and `_scale` per group; MXFP4's `_blocks` and `_scales`), each of
+# the weight's dimensions (fewer rows), lie out as their weight does: an expert's on the expert's
+# device, a dimension the mesh axis does not divide whole (`logical_spec`).
+SCALE_SUFFIXES = ("_scale_inv", "_packed", "_scale", "_blocks", "_scales")
 
 
 def param_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:

@@ -306,3 +306,18 @@ def test_conversion_keeps_the_experts_packed_and_reloads_as_the_hf_checkpoint(ki
     (config, params), (hf_config, hf_params) = load_target(out, dequantize=True), load_target(kimi, dequantize=True)
     assert config.weight_format == "dense"
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, hf_params)
+
+
+def test_packed_experts_and_their_scales_lie_out_on_a_mesh_as_the_experts_do(kimi):
+    """Each stored array of a kept weight takes its weight's axes (`sharding.param_axes`): a routed
+    expert's packed words and scales on the expert's device, not copied to every chip."""
+    from dflash_jax.model import abstract_params
+    from dflash_jax.sharding import param_axes
+
+    config = model_config(json.loads((kimi / "config.json").read_text()))
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
+    stored = {tuple(k.key for k in path): leaf for path, leaf in flat if path[-1].key.endswith(("_packed", "_scale"))}
+    assert stored and all(p[-2] == "experts" for p in stored)
+    for path, leaf in stored.items():
+        weight = path[:-1] + (path[-1].rsplit("_", 1)[0],)
+        assert param_axes(path, leaf.ndim) == param_axes(weight, leaf.ndim) and param_axes(path, leaf.ndim)[0] == "expert"
