@@ -196,6 +196,8 @@ def test_the_switch_between_touched_and_grouped():
     with moe_module.override("grouped"):
         assert not moe_module.touched_path(1, oss)
     assert moe_module.touched_path(4096, oss) is False
+    # stacks kept quantized: touched (every expert) up to QUANTIZED_TOUCHED_TOKENS, then grouped
+    assert [moe_module.touched_path(n, deepseek, True) for n in (8, 128, 256, 257, 4096)] == [True] * 3 + [False] * 2
     with pytest.raises(ValueError, match="unknown MoE path 'fast'"):
         with moe_module.override("fast"):
             pass
@@ -213,7 +215,7 @@ def test_decode_and_verify_take_the_touched_path_and_equal_a_full_recompute(name
     target = target.replace(moe=dataclasses.replace(target.moe, num_experts=32))
     tparams = perturbed(init_params(target, jax.random.PRNGKey(SETUPS[name][5])))
     calls, real = [], moe_module.touched_path
-    monkeypatch.setattr(moe_module, "touched_path", lambda n, moe: calls.append((n, real(n, moe))) or real(n, moe))
+    monkeypatch.setattr(moe_module, "touched_path", lambda n, moe, *a: calls.append((n, real(n, moe, *a))) or real(n, moe, *a))
     prompt_list = [list(p) for p in prompts(name)[:6]]
     new = 12
     plain = BatchEngine(target, tparams, batch_size=2, max_new_tokens=new, max_prompt_len=32, page_size=16)
@@ -253,7 +255,7 @@ from test_moe import TOUCHED_BLOCKS, block_config
 
 out = {}
 calls, real = [], moe_module.touched_path
-moe_module.touched_path = lambda n, moe: calls.append(real(n, moe)) or real(n, moe)
+moe_module.touched_path = lambda n, moe, *a: calls.append(real(n, moe, *a)) or real(n, moe, *a)
 for family in sys.argv[1:]:
     config = block_config(TOUCHED_BLOCKS[family])
     for n in (2, 10):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, MoeConfig
 from dflash_jax.config import jnp_dtype
 from dflash_jax.model.layers import MLP, RMSNorm
-from dflash_jax.model.weights import Batched, Grouped, Projection, declare, project
+from dflash_jax.model.weights import Batched, Grouped, Projection, Weight, declare, project
 
 
 def route(logits, moe: MoeConfig, correction=None):
@@ -137,7 +137,11 @@ def _mlp(x, projection, moe: MoeConfig):
 _forced = contextvars.ContextVar("moe_path", default=None)
 
 
-def touched_path(tokens: int, moe: MoeConfig) -> bool:
+# Stacks kept quantized: the touched path (every expert, nothing picked) up to this many tokens a call.
+QUANTIZED_TOUCHED_TOKENS = 256
+
+
+def touched_path(tokens: int, moe: MoeConfig, quantized: bool = False) -> bool:
     """Whether a call with `tokens` tokens (static) runs the touched-experts path (`touched_mlp`)
     rather than the grouped one: when its tokens x top_k assignments cannot touch every expert
     (inside `override`: as it says).
@@ -148,11 +152,19 @@ def touched_path(tokens: int, moe: MoeConfig) -> bool:
     at any token count; once tokens x top_k reaches the experts, the touched path reads the whole
     stack too, with more flops (each expert over every token), and the grouped path is as fast or
     faster. So decode steps and the verify of small batches take the touched path, prefill the
-    grouped one."""
+    grouped one.
+
+    `quantized`: the stacks are kept in a quantized format (`dflash_jax.model.formats`), whose
+    `ragged_dot` must take a dequantized copy of the whole stack each call (nothing fuses into its
+    kernel): DeepSeek-V3's FP8 layer, grouped, 103 ms at 128 tokens and 42 GiB of temporaries,
+    against 8.2 ms for every expert over every token in its stored format (`Batched`), and 31 ms
+    against 104 at 512 (docs/benchmarks.md, "Touched experts"). Such stacks take the touched path up
+    to `QUANTIZED_TOUCHED_TOKENS` tokens a call too (a DFlash verify of batch 16 x block 16), where
+    its [experts, tokens, hidden] broadcast of the rows stays small."""
     forced = _forced.get()
     if forced is not None:
         return forced == "touched"
-    return tokens * moe.top_k < moe.num_experts
+    return tokens * moe.top_k < moe.num_experts or (quantized and tokens <= QUANTIZED_TOUCHED_TOKENS)
 
 
 @contextlib.contextmanager
@@ -284,7 +296,8 @@ class Experts(nn.Module):
                 params[f"{name}_bias"] = self.param(f"{name}_bias", nn.initializers.zeros, (e, shape[-1]), dtype)
         mesh = _model_axis_mesh()
         split = mesh is not None and e % mesh.shape["model"] == 0
-        if touched_path(tokens.shape[0], moe):
+        quantized = any(isinstance(p, Weight) and p.format.name != "dense" for p in params.values())
+        if touched_path(tokens.shape[0], moe, quantized):
             fn = functools.partial(touched_mlp, moe=moe, dtype=dtype)
             if split:
                 return expert_parallel(lambda *a: fn(*a[:3], a[3], first=a[4], local=a[5]),
