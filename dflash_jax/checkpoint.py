@@ -25,7 +25,8 @@ import numpy as np
 from dflash_jax import safetensors_io
 from dflash_jax.config import VERSION, ModelConfig, jnp_dtype
 from dflash_jax.errors import CheckpointError
-from dflash_jax.families import FAMILIES, model_config_from_json, read_config_json
+from dflash_jax.families import FAMILIES, read_config_json
+from dflash_jax.families import model_config as parse_model_config
 from dflash_jax.families.table import Row, layer_rows
 from dflash_jax.fp8 import FLOAT8, fp8_format, pair_scales, scale_name
 
@@ -601,7 +602,28 @@ def read_model_config(path: str | Path, kind: str, *, dtype: str | None = None, 
         from dflash_jax.drafter import DrafterConfig
 
         return DrafterConfig.from_json(path / "config.json", dtype=dtype)
-    return model_config_from_json(path / "config.json", dtype=dtype, dequantize=dequantize)
+    return parse_model_config(target_config_dict(path), dtype=dtype, dequantize=dequantize)
+
+
+def target_config_dict(path: Path) -> dict:
+    """A target directory's config.json dict, as its weights are: an FP8 checkpoint's Linear weights
+    that it stores unquantized without naming them in `modules_to_not_convert` (the rules would keep
+    them in FP8: `dflash_jax.model.formats.fp8.unquantized_modules`) added to it, from the shards'
+    headers (no tensor read). A converted checkpoint's config.json keeps the list so added."""
+    from dflash_jax.model.formats.fp8 import unquantized_modules
+
+    cfg = read_config_json(path / "config.json")
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8" or is_converted(path) or not any(path.glob("*.safetensors")):
+        return cfg
+    files = (_shards(path / "model.safetensors.index.json") if (path / "model.safetensors.index.json").is_file()
+             else [path / "model.safetensors"])
+    dtypes = {name: t["dtype"] for f in files if f.is_file() for name, t in safetensors_io.read_header(f)[0].items()}
+    extra = unquantized_modules(cfg, parse_model_config(cfg, dequantize=True), dtypes)
+    if not extra:
+        return cfg
+    return {**cfg, "quantization_config": {**quant, "modules_to_not_convert": [
+        *(quant.get("modules_to_not_convert") or []), *extra]}}
 
 
 def load_model(path: str | Path, kind: str, *, dtype: str | None = None, progress: bool = False, mesh=None,
@@ -662,6 +684,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, dtype: str | None = None, fo
         raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
     config_dict = read_config_json(hf_dir / "config.json")
     kind = model_kind(config_dict)
+    if kind == "target":
+        config_dict = target_config_dict(hf_dir)  # as its weights are (FP8: the modules it left dense named)
     # Device arrays, not host numpy: orbax serialises numpy trees with more copies
     # (measured: peak 3.2x vs 2.1x the checkpoint for a 1 GB model).
     config, params = load_model(hf_dir, kind, dtype=dtype, progress=progress, dequantize=dequantize)

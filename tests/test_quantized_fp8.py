@@ -164,19 +164,27 @@ def test_e8m0_scales_and_e5m2_values_are_kept_too(fmt, tmp_path):
     assert_same_params(dequantized_params(params, config), load_target(path, dequantize=True)[1])
 
 
-def test_an_unquantized_tensor_where_the_rules_keep_fp8_is_a_one_line_error(tmp_path):
-    """A checkpoint that leaves a module unquantized without naming it in modules_to_not_convert:
-    never cast into float8; dequantize=True loads it."""
+def test_a_module_left_unquantized_without_being_named_stays_dense(tmp_path):
+    """A checkpoint that leaves a Linear weight unquantized without naming it in modules_to_not_convert
+    (as some do: Qwen3.5's small linear-attention projections): the shards' headers say so, the loader
+    adds it to the list (the config converted copies keep), and it stays dense, never cast into
+    float8; the others stay FP8, and the model is the checkpoint dequantized."""
+    from dflash_jax.checkpoint import target_config_dict
+
     fp8, plain = checkpoint(tmp_path, "qwen3", EDGES)
     name = "model.layers.1.mlp.up_proj.weight"
     tensors = load_file(fp8 / "model.safetensors")
     tensors[name] = load_file(plain / "model.safetensors")[name]
     del tensors[name + SCALE]
     write(tensors, fp8 / "model.safetensors")
-    with pytest.raises(CheckpointError, match=f"tensor '{name}' is float32, but the model keeps it in float8_e4m3fn") as e:
-        load_target(fp8)
-    assert "\n" not in str(e.value)
-    assert_same_params(load_target(fp8, dequantize=True)[1], load_target(plain)[1])
+    assert target_config_dict(fp8)["quantization_config"]["modules_to_not_convert"][-1] == "model.layers.1.mlp.up_proj"
+    config, params = load_target(fp8)
+    assert format_for(config.weight_format, "model/layers_1/mlp/up_proj/kernel") == "dense"
+    assert format_for(config.weight_format, "model/layers_1/mlp/gate_proj/kernel").startswith("fp8")
+    layer = params["model"]["layers_1"]["mlp"]
+    assert set(layer["up_proj"]) == {"kernel"} and layer["up_proj"]["kernel"].dtype == jnp.float32
+    assert layer["gate_proj"]["kernel"].dtype == jnp.float8_e4m3fn
+    assert_same_params(dequantized_params(params, config), load_target(plain)[1])
 
 
 @pytest.mark.parametrize("change,message", [

@@ -193,3 +193,22 @@ def rules(cfg: dict, config):
         kept.append((row.flax.replace("{i}", "[0-9]*"), name))
     return tuple(dense) + tuple(kept)
 
+
+
+def unquantized_modules(cfg: dict, config, dtypes: dict[str, str]) -> list[str]:
+    """The HF modules the rules (`rules`) would keep in FP8 whose checkpoint tensor is not float8
+    (`dtypes`: tensor name -> safetensors dtype, from the headers), which a checkpoint's
+    `modules_to_not_convert` did not name: the loader adds them to it, so such weights stay dense
+    (a stack of experts by its expert 0)."""
+    from dflash_jax.families.registry import family
+
+    skip = (cfg.get("quantization_config") or {}).get("modules_to_not_convert") or ()
+    out = []
+    for row in linear_rows(family(config.model_type).table):
+        layers = range(config.num_hidden_layers) if "{i}" in row.hf else (None,)
+        for i in layers:
+            module = row.hf.removesuffix(".weight").format(**({} if i is None else {"i": i}), e=0)
+            kind = dtypes.get(module + ".weight")
+            if kind is not None and not kind.startswith("F8_") and not skipped(module, skip):
+                out.append(module)
+    return out
