@@ -574,3 +574,29 @@ def test_the_prompts_label_says_what_the_prompts_are():
     first, second = text_label.splitlines()
     assert first.startswith("prompts: 2 held-out snippets from numpy ") and "tokenised as raw text" in first
     assert "random" not in text_label and second == "  first: numpy/x.py:3: 'def f(x):'"
+
+
+def test_the_shipped_targets_take_their_checkpoints_formats_and_the_ideal_counts_touched_experts():
+    """`bench/shipped_tpu.py`: each target cut as compiled keeps its weights in the format its
+    checkpoint ships (FP8 blocks, INT4 groups, MXFP4), and the ideal counts a routed expert stack at
+    the share of its experts the tokens touch (the rest of the weights whole)."""
+    import jax
+
+    from bench import shipped_tpu
+    from dflash_jax.model import abstract_params
+    from dflash_jax.model.weights import formats_in
+
+    want = {"deepseek-v3": "fp8_e4m3_128x128", "kimi-k2.5": "int4-g32-bfloat16", "gpt-oss-120b": "mxfp4"}
+    for shape, fmt in want.items():
+        target, drafter = shipped_tpu.configs(shape, shipped_tpu.CUTS[shape][0])
+        assert fmt in formats_in(target.weight_format), (shape, formats_in(target.weight_format))
+        assert drafter.model.hidden_size == target.hidden_size and max(drafter.target_layer_ids) < target.num_hidden_layers
+    target, _ = shipped_tpu.configs("deepseek-v3", 4)
+    params = abstract_params(target)
+    routed = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
+                 if "experts" in [getattr(k, "key", "") for k in path])
+    share = shipped_tpu.expert_fraction(target, 8)
+    assert share == pytest.approx(1 - (1 - 8 / 256) ** 8)
+    whole = shipped_tpu.stored_bytes(params, target)
+    assert shipped_tpu.stored_bytes(params, target, 8) == pytest.approx(whole - routed * (1 - share), rel=1e-9)
+    assert shipped_tpu.whole({"x": 10.0}, {"x": 13.0}, 4, 5, 61, lambda f: f["x"]) == 10.0 + 57 * 3.0
