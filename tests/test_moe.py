@@ -273,7 +273,10 @@ print(json.dumps({"errors": out, "touched": calls}))
 """
 
 
-@pytest.mark.parametrize("families", [("gpt_oss", "qwen3_moe"), pytest.param(("deepseek_v3", "gemma4"), marks=pytest.mark.heavy)])
+# -m heavy: an 8-device subprocess compiling afresh (15 s); the everyday suite has the touched path on one
+# device (test_touched_experts_equal_the_grouped_matmuls, the decode-and-verify engine test)
+@pytest.mark.parametrize("families", [pytest.param(("gpt_oss", "qwen3_moe"), marks=pytest.mark.heavy),
+                                      pytest.param(("deepseek_v3", "gemma4"), marks=pytest.mark.heavy)])
 def test_expert_parallel_touched_and_grouped_equal_one_device(families):
     """The block with its 16 experts split over `model` (2 or 4 devices; 8 CPU devices in a
     subprocess): at 2 tokens (touched: with 8 experts a device, some of them picked, padding slots
