@@ -203,7 +203,10 @@ def test_the_switch_between_touched_and_grouped():
             pass
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-v8", pytest.param("gpt_oss-v8", marks=pytest.mark.heavy)])
+# -m heavy (an engine compiled twice, 22 s afresh): the everyday suite takes the touched path through an engine
+# in tests/test_mxfp4.py (stacks kept quantized decode and verify touched) and per block in this file
+@pytest.mark.parametrize("name", [pytest.param("qwen3_moe-v8", marks=pytest.mark.heavy),
+                                  pytest.param("gpt_oss-v8", marks=pytest.mark.heavy)])
 def test_decode_and_verify_take_the_touched_path_and_equal_a_full_recompute(name, monkeypatch):
     """A MoE target of 32 experts (top 2) in the engine: its decode steps (2 rows) and verify passes
     (2 rows x block 4) take the touched path, prefill the grouped one, and plain greedy decoding

@@ -266,6 +266,7 @@ def test_conversion_keeps_fp8_and_reloads_as_the_hf_checkpoint(tmp_path):
 # --------------------------------------------------------------------------- memory at a published shape
 
 
+@pytest.mark.heavy  # an ahead-of-time compile of DeepSeek-V3's widths (9 s); tests/test_mxfp4.py checks MXFP4's everyday
 def test_the_compiled_forward_holds_each_fp8_weight_at_the_checkpoints_bytes():
     """DeepSeek-V3's published dims (hidden 7168, 256 experts of 2048, MLA) cut to 2 layers (one
     dense, one MoE), FP8 in 128 x 128 blocks, compiled ahead of time for the CPU (nothing
