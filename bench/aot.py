@@ -49,6 +49,18 @@ from dflash_jax.aot import (COLLECTIVES, GIB, AotError, abstract_replicated, abs
                             cost_of, mesh_for, topology)
 
 
+def one_chip(topology_name: str):
+    """(topology, its one-chip mesh) for a stand-alone TPU bench; a bad or multi-chip topology exits
+    with a one-line error (a one-chip estimate is what these benches print)."""
+    try:
+        target = topology(topology_name)
+    except AotError as e:
+        raise SystemExit(f"error: {e}") from None
+    if target.num_chips != 1:
+        raise SystemExit(f"error: {topology_name} has {target.num_chips} chips; give a one-chip topology")
+    return target, mesh_for(target, "data=1,model=1")
+
+
 @functools.cache
 def streaming_rate(device, nbytes: int, batch: int) -> float:
     """Bytes/s the compiler gives a pure weight-streaming program on one chip: an unrolled chain

@@ -84,13 +84,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from dflash_jax import aot
 
-    try:
-        target = aot.topology(args.topology)
-    except aot.AotError as e:
-        raise SystemExit(f"error: {e}") from None
-    if target.num_chips != 1:
-        raise SystemExit(f"error: {args.topology} has {target.num_chips} chips; give a one-chip topology")
-    mesh = aot.mesh_for(target, "data=1,model=1")
+    from bench.aot import one_chip
+
+    target, mesh = one_chip(args.topology)
     n_in, n_out = (int(v) for v in args.shape.split(","))
     rate = 2.35e12 if target.chip_name == "v5p" else target.chip.bandwidth  # the compiler's streaming rate (v5p)
     print(f"TPU {args.topology}: x [tokens, {n_in}] @ W [{n_in}, {n_out}]; compiler estimates, nothing ran")

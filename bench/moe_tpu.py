@@ -83,18 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default="v5p:1x1x1", help="a one-chip TPU topology (v5p:1x1x1, v6e:1x1, ...)")
     p.add_argument("--hlo", type=Path, default=None, help="write each compiled HLO here")
     args = p.parse_args(argv)
-    from dflash_jax import aot
     from dflash_jax.model import moe as moe_module
 
-    try:
-        target = aot.topology(args.topology)
-    except aot.AotError as e:
-        raise SystemExit(f"error: {e}") from None
-    if target.num_chips != 1:
-        raise SystemExit(f"error: {args.topology} has {target.num_chips} chips; give a one-chip topology")
+    from bench.aot import one_chip
+
+    target, mesh = one_chip(args.topology)
     if unknown := [x for x in args.paths.split(",") if x not in PATHS]:
         raise SystemExit(f"error: unknown path {unknown[0]!r} (known: {', '.join(PATHS)})")
-    mesh = aot.mesh_for(target, "data=1,model=1")
     config = layer_config(args.shape, args.format)
     moe = config.moe
     rate = 2.35e12 if target.chip_name == "v5p" else target.chip.bandwidth  # the compiler's streaming rate (v5p)

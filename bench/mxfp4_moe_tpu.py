@@ -59,13 +59,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from dflash_jax import aot
 
-    try:
-        target = aot.topology(args.topology)
-    except aot.AotError as e:
-        raise SystemExit(f"error: {e}") from None
-    if target.num_chips != 1:
-        raise SystemExit(f"error: {args.topology} has {target.num_chips} chips; give a one-chip topology")
-    mesh = aot.mesh_for(target, "data=1,model=1")
+    from bench.aot import one_chip
+
+    target, mesh = one_chip(args.topology)
     rate = 2.35e12 if target.chip_name == "v5p" else target.chip.bandwidth  # the compiler's streaming rate (v5p)
     A = functools.partial(aot.abstract_replicated, mesh)
     print(f"TPU {args.topology}: gpt-oss-120b expert projections ({EXPERTS} experts top-{TOP_K}); compiler estimates")
