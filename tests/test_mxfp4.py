@@ -36,7 +36,9 @@ def kept(blocks, scales, dtype=jnp.float32) -> Weight:
 def test_stored_arrays_materialize_to_gpt_oss_dequantization(dtype):
     blocks, scales = random_mxfp4(3, 24, 96)
     stored = mxfp4.to_stored(blocks, scales)
-    assert stored["_blocks"].dtype == ml_dtypes.float4_e2m1fn and stored["_blocks"].shape == (3, 96, 24)
+    # the FP4 columns padded to a whole 128 (zero), so a TPU's default layout is the one the dots read
+    assert stored["_blocks"].dtype == ml_dtypes.float4_e2m1fn and stored["_blocks"].shape == (3, 96, 128)
+    assert not np.asarray(stored["_blocks"][..., 24:], np.float32).any()
     assert stored["_scales"].dtype == np.uint8 and stored["_scales"].shape == (3, 3, 24)
     dense = np.asarray(mxfp4.materialize({k: jnp.asarray(v) for k, v in stored.items()}, jnp.dtype(dtype)))
     np.testing.assert_array_equal(dense.astype(np.float32), dequantize_mxfp4(blocks, scales, dtype).astype(np.float32))
@@ -126,7 +128,9 @@ def test_a_missing_scale_is_named_when_kept(checkpoint, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_a_tpu_holds_gpt_oss_120b_experts_at_the_checkpoints_bytes():
     """Compiled for one v5p chip, a program taking one gpt-oss-120b layer's experts in MXFP4 holds
-    them at 4.25 bits a weight (the checkpoint's blocks and scales), the biases in bfloat16."""
+    them at 4.25 bits a weight (the checkpoint's blocks and scales; down_proj's FP4 columns padded
+    from 2880 to 2944), the biases in bfloat16, and its default layouts are the ones the dots read:
+    no stack is copied into another layout."""
     from dflash_jax import aot
     from dflash_jax.families import model_config
     from dflash_jax.model import abstract_params
@@ -141,8 +145,11 @@ def test_a_tpu_holds_gpt_oss_120b_experts_at_the_checkpoints_bytes():
     r = aot.compile_for_tpu(jax.jit(lambda a: sum(v.reshape(-1)[0].astype(jnp.float32) for v in a.values())),
                             (args,), None, "experts")
     e, h, i = 128, 2880, 2880
-    weights = e * (h * 2 * i + i * h)
-    assert r["memory"]["arguments"] == weights * 4.25 / 8 + e * (2 * i + h) * 2
+    blocks, scales = e * (h * 2 * i + i * 2944) / 2, e * (h * 2 * i + i * h) / 32
+    assert r["memory"]["arguments"] == blocks + scales + e * (2 * i + h) * 2
+    layouts = jax.jit(lambda a: a).trace(args).lower().compile().input_formats[0][0]
+    for name in ("gate_up_proj_blocks", "down_proj_blocks"):
+        assert layouts[name].layout.major_to_minor == (0, 1, 2), (name, layouts[name].layout)
 
 
 def test_conversion_keeps_the_experts_in_mxfp4_and_reloads_as_the_hf_checkpoint(checkpoint, tmp_path):

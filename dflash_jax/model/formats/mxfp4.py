@@ -1,12 +1,20 @@
 """MXFP4 (gpt-oss's experts), kept on the device: FP4 (E2M1) values two a byte, an E8M0 scale per 32.
 
 A weight of logical shape [..., in, out] stores
-  `_blocks` [..., in, out] float4_e2m1fn: the FP4 values, in the weight's own layout (the device
-            packs them two a byte: a TPU holds a [128, 2880, 5760] stack in 1.06 GB);
+  `_blocks` [..., in, out'] float4_e2m1fn: the FP4 values, in the weight's own layout (the device
+            packs them two a byte: a TPU holds a [128, 2880, 5760] stack in 1.06 GB), out' = out
+            rounded up to a multiple of `LANES` (128), the columns past out zero;
   `_scales` [..., in / 32, out] uint8: the E8M0 scale of each group of 32 consecutive inputs,
-            2^(s - 127), as the checkpoint stores it;
-4.25 bits a weight. Its value is `_blocks` x 2^(`_scales` - 127), the scale broadcast over its
+            2^(s - 127), as the checkpoint stores it (its last axis says the weight's out);
+4.25 bits a weight (and the padding's half a byte a value: 2.2% of gpt-oss's [2880, 2880]
+down_proj). Its value is `_blocks[..., :out]` x 2^(`_scales` - 127), the scale broadcast over its
 group: exactly gpt-oss's dequantization (`dflash_jax.families.gpt_oss.dequantize_mxfp4`).
+
+Why the padding: a TPU's default layout for an array whose last dim is not a multiple of 128 puts
+another axis minor (gpt-oss's down_proj [128, 2880, 2880]: the expert axis), and the dots need
+[in, out] minor, so the compiler copied the whole stack into that layout at every call (0.49 GiB a
+layer of temporaries, 18 GiB over gpt-oss-120b's 36 layers; docs/benchmarks.md, "MXFP4 experts").
+Padded, the stack's default layout is the one its dots read.
 
 The checkpoint's `*_blocks` [experts, out, in / 32, 16] uint8 (two codes a byte, the even input in
 the low nibble) and `*_scales` [experts, out, in / 32] are rearranged into these arrays as they load
@@ -35,15 +43,21 @@ from dflash_jax.model import weights as w
 
 GROUP = 32  # inputs per E8M0 scale
 FP4 = jnp.float4_e2m1fn
+LANES = 128  # `_blocks`' last axis is padded to a multiple of this (the module's docstring)
+
+
+def padded(n_out: int) -> int:
+    return -(-n_out // LANES) * LANES
 
 
 def stored(shape, dtype, init):
     *lead, n_in, n_out = shape  # n_in a multiple of GROUP in any MXFP4 checkpoint (a group's blocks are whole)
 
-    def blocks_init(key, shape, dtype):  # values of the model's init, rounded to FP4 (scale 2^0)
-        return init(key, shape, jnp.float32).astype(dtype)
+    def padded_init(key, shape, dtype):  # the weight's own columns as init gives them, the padding zero
+        values = init(key, (*shape[:-1], n_out), jnp.float32)
+        return jnp.pad(values, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - n_out)]).astype(dtype)
 
-    return {"_blocks": (tuple(shape), FP4, blocks_init),
+    return {"_blocks": ((*lead, n_in, padded(n_out)), FP4, padded_init),
             "_scales": ((*lead, -(-n_in // GROUP), n_out), jnp.uint8, lambda key, shape, dtype: jnp.full(shape, 127, dtype))}
 
 
@@ -54,9 +68,10 @@ def scale_values(scales, dtype):
 
 def materialize(arrays, dtype):
     blocks, scales = arrays["_blocks"], arrays["_scales"]
-    *lead, n_in, n_out = blocks.shape
-    values = blocks.astype(jnp.float32).reshape(*lead, n_in // GROUP, GROUP, n_out)
-    return (values * scale_values(scales, jnp.float32)[..., None, :]).reshape(blocks.shape).astype(dtype)
+    *lead, n_in, _ = blocks.shape
+    n_out = scales.shape[-1]
+    values = blocks[..., :n_out].astype(jnp.float32).reshape(*lead, n_in // GROUP, GROUP, n_out)
+    return (values * scale_values(scales, jnp.float32)[..., None, :]).reshape(*lead, n_in, n_out).astype(dtype)
 
 
 def batched(x, blocks, scales, compute):
@@ -70,8 +85,10 @@ def batched(x, blocks, scales, compute):
     x2 = (x.astype(compute).reshape(k, m, 1, chunks, halves, GROUP) * own).reshape(k, m, halves, chunks, chunk)
     part = jnp.einsum("kmjci,kcio->kmjco", x2, blocks.astype(compute).reshape(k, chunks, chunk, -1),
                       preferred_element_type=jnp.float32)
+    n_out, pad = scales.shape[-1], blocks.shape[-1] - scales.shape[-1]
     s = scale_values(scales, jnp.float32).reshape(k, chunks, halves, -1)  # group g = c * halves + j
-    return (part * jnp.swapaxes(s, 1, 2)[:, None]).sum((2, 3))
+    s = jnp.pad(s, [(0, 0)] * 3 + [(0, pad)])  # over the padding's (zero) columns too: the sum fuses into the dot
+    return (part * jnp.swapaxes(s, 1, 2)[:, None]).sum((2, 3))[..., :n_out]
 
 
 def product(spec, x, arrays, dtype):
@@ -107,8 +124,9 @@ MXFP4 = w.register(w.WeightFormat("mxfp4", stored=stored, materialize=materializ
 def to_stored(blocks: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
     """The checkpoint's MXFP4 (blocks [..., out, in / 32, 16] uint8, two FP4 codes a byte, the even
     input in the low nibble; scales [..., out, in / 32] uint8) -> the stored arrays
-    {"_blocks": [..., in, out] float4_e2m1fn, "_scales": [..., in / 32, out] uint8}. On the host
-    the FP4 array takes a byte a value; one expert at a time beside the result."""
+    {"_blocks": [..., in, out'] float4_e2m1fn (out' = `padded(out)`, the padding zero), "_scales":
+    [..., in / 32, out] uint8}. On the host the FP4 array takes a byte a value; one expert at a time
+    beside the result."""
     import ml_dtypes
 
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
@@ -116,13 +134,13 @@ def to_stored(blocks: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
     *lead, n_out, groups, width = blocks.shape
     flat = blocks.reshape(-1, n_out, groups, width)
-    out = np.empty((flat.shape[0], groups * GROUP, n_out), ml_dtypes.float4_e2m1fn)
+    out = np.zeros((flat.shape[0], groups * GROUP, padded(n_out)), ml_dtypes.float4_e2m1fn)
     codes = out.view(np.uint8)  # ml_dtypes keeps an FP4 value's code in the low nibble of its byte
     for e in range(flat.shape[0]):
         pair = np.empty((n_out, groups, width, 2), np.uint8)
         pair[..., 0], pair[..., 1] = flat[e] & 0x0F, flat[e] >> 4
-        codes[e] = pair.reshape(n_out, groups * GROUP).T
-    return {"_blocks": out.reshape(*lead, groups * GROUP, n_out),
+        codes[e, :, :n_out] = pair.reshape(n_out, groups * GROUP).T
+    return {"_blocks": out.reshape(*lead, groups * GROUP, padded(n_out)),
             "_scales": np.ascontiguousarray(np.swapaxes(scales, -1, -2))}
 
 
