@@ -110,7 +110,8 @@ def hybrid_config(sliding: bool) -> ModelConfig:
         linear_layers=(True, False, True), sliding_windows=(None, 4 if sliding else None, None))
 
 
-@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+# full heavy for the everyday suite's 10 minutes: the sliding case holds the same linear and full layers and one sliding
+@pytest.mark.parametrize("sliding", [pytest.param(False, marks=pytest.mark.heavy), True], ids=["full", "sliding"])
 def test_a_verify_rolled_back_to_its_accepted_prefix_equals_running_only_those_tokens(sliding):
     """Prefill 11 and 6 tokens; verify a block of 6 per row, keep 3 and 0 of it (settle, and
     lengths cut); then 4 more tokens. Caches and logits equal a run that only ever saw the

@@ -607,23 +607,21 @@ SAMPLED = Sampling(temperature=0.8)
 ENGINE_CASES = [
     ("qwen3-v8", 12, SLOTS, Sampling(), None, None),
     # heavy for the everyday suite's budget (their families decode as transformers everyday, and the tree
-    # runs everyday on qwen3): MoE, sliding windows (6) and sinks, sampled; two K/V groups, a ring, a pool
+    # runs everyday on qwen3): MoE, sliding windows (6) and sinks, sampled; two K/V groups, a ring, a pool.
+    # Each family, budget kind (1 node, B - 1, a block's worth, deeper than a block), sampler, batch and
+    # cache kind appears once; cases that only crossed two of them again went for .ci/run's 50 minutes
+    # (the tree's attention over every GQA ratio is test_tree_attention_over_gqa_ratios, everyday).
     heavy("gpt_oss-v8", 16, SLOTS, SAMPLED, None, None),
     heavy("gemma4-v8", 10, SLOTS, Sampling(), 12, None),
     heavy("qwen3_moe-v8", 7, 1, Sampling(), None, None),  # B - 1 nodes, one row at a time
     heavy("qwen3-v8", 1, SLOTS, Sampling(), None, None),
-    heavy("qwen3-v8", 4, SLOTS, Sampling(), None, None),
-    heavy("qwen3-v8", 7, 8, Sampling(), None, None),
     heavy("qwen3-v8", 16, 1, Sampling(), None, None),
     heavy("qwen3-v8", 40, SLOTS, Sampling(), None, None),  # deeper than a block can use: more siblings
     heavy("qwen3-v8", 16, 8, SAMPLED, None, None),
     heavy("qwen3-v8", 4, SLOTS, Sampling(temperature=1.0, top_k=5), 14, None),
     heavy("qwen3-v8", 12, SLOTS, Sampling(), None, 1),  # one K/V head: 4 queries each
-    heavy("qwen3-v8", 12, SLOTS, Sampling(), None, 4),  # as many K/V heads as queries
     heavy("llama-v8", 16, 8, Sampling(), None, None),
     heavy("gpt_oss-v8", 7, 8, Sampling(), 24, None),
-    heavy("gpt_oss-v8", 40, SLOTS, SAMPLED, None, None),
-    heavy("gemma4-v8", 16, 8, SAMPLED, None, None),
     heavy("gemma4-v8", 4, 1, Sampling(), None, None),
     heavy("qwen3_moe-v8", 16, 8, SAMPLED, 20, None),
     heavy("qwen3-v128", 16, SLOTS, Sampling(), None, None),
