@@ -97,7 +97,7 @@ def main(argv=None) -> int:
           f"top-{moe.top_k} of width {moe.intermediate_size}, shared expert {moe.shared_expert_size}), weights "
           f"{args.format}; compiler estimates, nothing ran")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        auto = "touched" if moe_module.touched_path(tokens, moe) else "grouped"
+        auto = "touched" if moe_module.touched_path(tokens, moe, quantized=args.format != "dense") else "grouped"
         for path in args.paths.split(","):
             r, shapes = compile_layer(config, tokens, path, mesh, args.hlo, f"{args.shape}-{path}-{tokens}")
             ideal = ideal_bytes(shapes, config, tokens)
