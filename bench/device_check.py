@@ -34,8 +34,8 @@ def exactness(tiny: bool) -> int:
             n = 4
             offsets = rs.randint(0, length - t, n)
             q_pos = jnp.asarray(offsets[:, None] + np.arange(t)[None, :])
-            k = jnp.asarray(rs.randn(1, n, length, kv, d), jnp.bfloat16)
-            v = jnp.asarray(rs.randn(1, n, length, kv, d), jnp.bfloat16)
+            k = jnp.asarray(rs.randn(1, n, length, kv * d), jnp.bfloat16)  # a position's heads one row, as cached
+            v = jnp.asarray(rs.randn(1, n, length, kv * d), jnp.bfloat16)
             q = jnp.asarray(rs.randn(n, t, kv, groups, d), jnp.bfloat16)
             name, reason = select(AttentionMetadata.causal(q_pos, window=window), q, LayerKV(k, v, 0),
                                   jax.default_backend())

@@ -26,7 +26,7 @@ from dflash_jax.families import model_config, read_config_json
 from dflash_jax.errors import ConfigError
 from dflash_jax.attention import AttentionMetadata, LayerKV, attend, block_attention
 from dflash_jax.config import jnp_dtype
-from dflash_jax.kv import KVCache, row_lengths, write_kv
+from dflash_jax.kv import KVCache, merge_heads, row_lengths, write_kv
 from dflash_jax.model import MLP, RMSNorm, apply_rope, rope_angles, unfused
 from dflash_jax.model.weights import Projection
 
@@ -405,7 +405,8 @@ class DFlashDrafter(nn.Module):
         b, t = features.shape[:2]
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
         k, v = self.context_kv(features, pos)
-        hidden = self(block_embeds, pos, KVCache(k=k, v=v, lengths=jnp.full((b,), t, jnp.int32)))
+        hidden = self(block_embeds, pos, KVCache(k=merge_heads(k), v=merge_heads(v), lengths=jnp.full((b,), t, jnp.int32),
+                                                 heads=k.shape[-2]))
         if self.config.dflash2 is not None:
             ids = jnp.zeros(hidden.shape[:2] + (self.config.dflash2.selector_top_k,), jnp.int32)
             self.edge_scores(hidden, ids, ids.astype(jnp.float32), ids)

@@ -123,13 +123,20 @@ def make_mesh(text: str | None = None) -> Mesh:
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
+def logical_spec(axes: Sequence[str | tuple[str, int] | None], shape: Sequence[int] | None = None,
+                 mesh: Mesh | None = None) -> P:
     """PartitionSpec of logical axes. A dimension that the mesh axis does not divide is
-    replicated (e.g. 2 KV heads on a model axis of 4)."""
+    replicated (e.g. 2 KV heads on a model axis of 4). An axis given as (name, units) holds that
+    many whole units (a cache row's K/V heads, each head_dim wide) and splits only where the mesh
+    axis divides the units."""
     out = []
     for i, name in enumerate(axes):
+        units = None
+        if isinstance(name, tuple):
+            name, units = name
         axis = LOGICAL_RULES.get(name) if name else None
-        if axis is not None and mesh is not None and shape is not None and shape[i] % mesh.shape[axis]:
+        size = units if units is not None else (shape[i] if shape is not None else None)
+        if axis is not None and mesh is not None and size is not None and size % mesh.shape[axis]:
             axis = None
         out.append(axis)
     return P(*out)

@@ -24,7 +24,7 @@ import pytest
 
 from dflash_jax import attention
 from dflash_jax.attention import AttentionMetadata, LayerKV, attend, cudnn, override, select, walk
-from dflash_jax.kv import cache_length, write_kv
+from dflash_jax.kv import cache_length, merge_heads, write_kv
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.engine import BatchEngine, run_cycles
 from dflash_jax.model import init_params
@@ -43,9 +43,15 @@ def metadata(q_pos, kv_limit, chunk=None, **layout):
                              **layout)
 
 
+def stored(buf):
+    """A test's [layers, batch, len, kv, d] buffer as the cache stores it: a position's heads one
+    row (`merge_heads`); a latent's [layers, batch, len, dim] as it is."""
+    return merge_heads(buf) if buf.ndim == 5 else buf
+
+
 def call(implementation, q, q_pos, k, v, layer, kv_limit, *, options=None, chunk=None, **layout):
     """One implementation (a module of dflash_jax.attention, say `walk`) on a layer of buffers k, v."""
-    return implementation.attend(q, LayerKV(k, v, layer), metadata(q_pos, kv_limit, chunk, **layout),
+    return implementation.attend(q, LayerKV(stored(k), stored(v), layer), metadata(q_pos, kv_limit, chunk, **layout),
                                  **(options or {}))
 
 
@@ -93,7 +99,7 @@ def test_causal_page_walk_equals_dense_attention_and_skips_dead_pages(window):
         k[:, :, :first] = np.nan
         v[:, :, :first] = np.nan
     q = np.random.RandomState(1).randn(BATCH, t, KV, GROUPS, D).astype(np.float32)
-    out, _ = attend(jnp.asarray(q), None, None, LayerKV(jnp.asarray(k), jnp.asarray(v), 1),
+    out, _ = attend(jnp.asarray(q), None, None, LayerKV(merge_heads(jnp.asarray(k)), merge_heads(jnp.asarray(v)), 1),
                     AttentionMetadata.causal(jnp.asarray(q_pos), window=window, page_size=PAGE))
     key_pos = np.arange(length)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
@@ -115,7 +121,8 @@ def test_context_pages_plus_block_chunk_equal_dense_attention():
     bk, bv = rs.randn(BATCH, b, KV, D).astype(np.float32), rs.randn(BATCH, b, KV, D).astype(np.float32)
     positions = lengths[:, None] + np.arange(b)[None, :]
     limit = np.broadcast_to(lengths[:, None], (BATCH, b))
-    out, _ = attend(jnp.asarray(q), jnp.asarray(bk), jnp.asarray(bv), LayerKV(jnp.asarray(k), jnp.asarray(v), 0),
+    out, _ = attend(jnp.asarray(q), jnp.asarray(bk), jnp.asarray(bv),
+                    LayerKV(merge_heads(jnp.asarray(k)), merge_heads(jnp.asarray(v)), 0),
                     AttentionMetadata.block(jnp.asarray(positions), jnp.asarray(lengths), jnp.ones((BATCH, b, b), bool),
                                             page_size=PAGE))
     keys = np.concatenate([np.nan_to_num(k[0]), bk], 1)
@@ -126,20 +133,22 @@ def test_context_pages_plus_block_chunk_equal_dense_attention():
 
 
 def test_writes_go_to_each_rows_offset_and_padding_rows_write_nothing():
-    buf = jnp.zeros((LAYERS, BATCH, 4 * PAGE, KV, D))
+    buf = jnp.zeros((LAYERS, BATCH, 4 * PAGE, KV * D))  # a position's heads one row
     new = jnp.asarray(np.random.RandomState(4).randn(2, 3, KV, D), jnp.float32) + 10
     # Two rows written (cache rows 2 and 0) and one padding row (row index BATCH).
     rows, offsets = jnp.asarray([2, 0]), jnp.asarray([5, 20])
     out = np.asarray(write_kv(buf, 1, new, offsets, rows))
     expected = np.zeros(buf.shape, np.float32)
-    expected[1, 2, 5:8] = new[0]
-    expected[1, 0, 20:23] = new[1]
+    expected[1, 2, 5:8] = merge_heads(new[0])
+    expected[1, 0, 20:23] = merge_heads(new[1])
     np.testing.assert_array_equal(out, expected)
     padded = write_kv(buf, 1, jnp.concatenate([new, new[:1]]), jnp.asarray([5, 20, 0]), jnp.asarray([2, 0, BATCH]))
     np.testing.assert_array_equal(np.asarray(padded), expected)
     # Every layer at once (the drafter's context): new is [layers, n, T, kv, d].
     both = np.asarray(write_kv(buf, None, jnp.stack([new, 2 * new]), offsets, rows))
-    assert (both[0, 2, 5:8] == new[0]).all() and (both[1, 0, 20:23] == 2 * new[1]).all()
+    assert (both[0, 2, 5:8] == merge_heads(new[0])).all() and (both[1, 0, 20:23] == merge_heads(2 * new[1])).all()
+    # As stored (the rows merged already) is the same write.
+    np.testing.assert_array_equal(np.asarray(write_kv(buf, 1, merge_heads(new), offsets, rows)), expected)
     assert np.count_nonzero(both) == 2 * np.count_nonzero(expected)
 
 
@@ -194,7 +203,7 @@ def test_run_cycles_updates_the_caches_in_place():
     def restack(k, new):
         return jnp.stack([jax.lax.dynamic_update_slice_in_dim(k[i], new, 3, axis=1) for i in range(k.shape[0])])
 
-    bad = jax.jit(restack).lower(state.target_cache.k, jnp.ones((2, 1, 2, 8))).compile().as_text()
+    bad = jax.jit(restack).lower(state.target_cache.k, jnp.ones((2, 1, state.target_cache.k.shape[-1]))).compile().as_text()
     assert cache_sized_copies(bad, smallest)
 
 
@@ -230,7 +239,7 @@ def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
     def selected(platform, dtype=jnp.bfloat16, **extra):
         q = jnp.zeros((BATCH, 2, KV, GROUPS, D), dtype)
         return select(metadata(jnp.zeros((BATCH, 2), jnp.int32), jnp.ones((BATCH, 2), jnp.int32), **extra), q,
-                      LayerKV(jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV, D)), jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV, D)), 0),
+                      LayerKV(jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV * D)), jnp.zeros((LAYERS, BATCH, 2 * PAGE, KV * D)), 0),
                       platform)[0]
 
     assert selected("gpu") == "cudnn" and attention.IMPLEMENTATIONS["cudnn"] == cudnn.__name__
@@ -243,7 +252,7 @@ def test_fused_path_is_the_gpus_and_falls_back_to_the_walk():
     chunk = (jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32), jnp.asarray(rs.randn(BATCH, 2, KV, D), jnp.float32),
              jnp.ones((BATCH, 2, 2), bool))
     def selected_call(**extra):  # through `attend`, as the engine calls it, with the GPU path chosen
-        return attention.selection.run(q, LayerKV(k, v, 0), metadata(q_pos, q_pos + 1, page_size=PAGE, **extra),
+        return attention.selection.run(q, LayerKV(merge_heads(k), merge_heads(v), 0), metadata(q_pos, q_pos + 1, page_size=PAGE, **extra),
                                        "gpu")
 
     for extra in (dict(sinks=sinks), dict(chunk=chunk), dict(rows=jnp.asarray([2, 0, 1]))):

@@ -28,7 +28,7 @@ import pytest
 
 from dflash_jax import attention
 from dflash_jax.attention import AttentionMetadata, LayerKV, override, pallas_tpu, walk
-from test_attention import call, dense_reference, metadata, small_engine_tokens
+from test_attention import call, dense_reference, metadata, small_engine_tokens, stored
 
 LAYERS, PAGE = 2, 8
 # everyday: verify, a tree's mask over the drafter's block, sinks, admission rows (windows: the
@@ -48,7 +48,7 @@ def both(q, q_pos, k, v, layer, kv_limit, **kw):
 
 def entry(q, pos, k, v, lim, **layout):
     """`attention.attend` on layer 1 of k, v (nothing written), as the engine calls it."""
-    return attention.attend(q, None, None, LayerKV(k, v, 1), AttentionMetadata(q_pos=pos, kv_limit=lim, **layout))[0]
+    return attention.attend(q, None, None, LayerKV(stored(k), stored(v), 1), AttentionMetadata(q_pos=pos, kv_limit=lim, **layout))[0]
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_the_kernel_is_the_tpus():
     from dflash_jax.platform import target_platform
 
     q = jnp.zeros((2, 1, 2, 2, 8))
-    cache = LayerKV(jnp.zeros((1, 2, 16, 2, 8)), jnp.zeros((1, 2, 16, 2, 8)))
+    cache = LayerKV(jnp.zeros((1, 2, 16, 2 * 8)), jnp.zeros((1, 2, 16, 2 * 8)))
     meta = metadata(jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.int32))
     assert attention.IMPLEMENTATIONS["pallas"] == pallas_tpu.__name__
     with compiling_for("tpu"):
@@ -198,7 +198,7 @@ def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
         args = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32),
-                sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
+                sds((2, n, cache_len, kv * d), jnp.bfloat16), sds((2, n, cache_len, kv * d), jnp.bfloat16),
                 sds((n, t), jnp.int32))
         with compiling_for("tpu"), override("pallas", expected_live=live):
             hlo = jax.jit(lambda *a: entry(*a)).trace(*args).lower().compile().as_text()
@@ -218,7 +218,7 @@ def test_compiled_for_a_tpu_its_cost_is_the_blocks_a_row_holds(no_compile_cache)
 def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
     """Gemma 4's global layers (4 K/V heads of 512, 8 queries each) verifying 16 tokens over an
     8192-position cache compile for a v5e chip: blocks and query tiles are sized to the 16 MiB of
-    scoped VMEM, with the K/V heads padded to whole sublane tiles (unpadded sizing asked 18.6 MiB)."""
+    scoped VMEM (a block's positions are the cache's rows of 4 x 512 values)."""
     from dflash_jax.aot import topology
     from dflash_jax.platform import compiling_for
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -230,7 +230,7 @@ def test_wide_heads_fit_the_scoped_vmem(no_compile_cache):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
     args = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32),
-            sds((2, n, cache_len, kv, d), jnp.bfloat16), sds((2, n, cache_len, kv, d), jnp.bfloat16),
+            sds((2, n, cache_len, kv * d), jnp.bfloat16), sds((2, n, cache_len, kv * d), jnp.bfloat16),
             sds((n, t), jnp.int32))
     with compiling_for("tpu"):
         hlo = jax.jit(lambda *a: entry(*a)).trace(*args).lower().compile().as_text()
@@ -257,11 +257,11 @@ def test_a_pool_and_a_ring_compile_for_a_tpu(no_compile_cache, layout):
 
     q = (sds((n, t, kv, groups, d), jnp.bfloat16), sds((n, t), jnp.int32))
     if layout == "pool":
-        cache = (sds((2, 40, page, kv, d), jnp.bfloat16),) * 2
+        cache = (sds((2, 40, page, kv * d), jnp.bfloat16),) * 2
         run = lambda q, pos, k, v, lim, pages: entry(q, pos, k, v, lim, pages=pages)  # noqa: E731
         extra = (sds((n, 16), jnp.int32),)
     else:
-        cache = (sds((2, n, 1024, kv, d), jnp.bfloat16),) * 2
+        cache = (sds((2, n, 1024, kv * d), jnp.bfloat16),) * 2
         run = lambda q, pos, k, v, lim: entry(q, pos, k, v, lim, window=512, ring=True)  # noqa: E731
         extra = ()
     with compiling_for("tpu"), override("pallas", expected_live=8192):
@@ -281,7 +281,7 @@ mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 rs = np.random.RandomState(0)
 n, t, kv, g, d, length = 4, 3, 4, 2, 64, 64
 q_pos = np.array([0, 17, 40, 9])[:, None] + np.arange(t)[None, :]
-k, v = (rs.randn(2, n, length, kv, d).astype(np.float32) for _ in range(2))
+k, v = (rs.randn(2, n, length, kv * d).astype(np.float32) for _ in range(2))  # a position's heads one row
 q = rs.randn(n, t, kv, g, d).astype(np.float32)
 chunk = (rs.randn(n, t, kv, d).astype(np.float32), rs.randn(n, t, kv, d).astype(np.float32), rs.rand(n, t, t) < 0.6)
 sinks = rs.randn(kv, g).astype(np.float32)

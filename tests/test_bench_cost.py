@@ -161,7 +161,7 @@ def test_xla_counts_a_row_write_once_per_loop():
     from dflash_jax.kv import write_kv
 
     row = 16 * 2 * 128 * 4
-    buf = jax.ShapeDtypeStruct((2, 4, 256, 2, 128), jnp.float32)
+    buf = jax.ShapeDtypeStruct((2, 4, 256, 2 * 128), jnp.float32)  # a position's heads one row
 
     def xla_bytes(n):
         new = jax.ShapeDtypeStruct((n, 16, 2, 128), jnp.float32)

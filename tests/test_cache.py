@@ -156,9 +156,14 @@ def test_a_cache_names_the_axes_of_each_of_its_arrays(name):
             assert x.shape[axes.index("batch")] == BATCH, (x.shape, axes)
     axes = cache.logical_axes()
     for field in cache.kv_names():
-        buf, args = getattr(cache, field), cache.kv_args(field)
-        assert args["kind"] == ("latent" if field == "index_k" else "dense" if field.endswith("global") else kind)
-        assert ("kv_heads" in axes[field]) == (args["kind"] == "dense") == (buf.ndim == 5)
+        buf, args, kind_of = getattr(cache, field), cache.kv_args(field), cache.kind_of(field)
+        assert kind_of == ("latent" if field == "index_k" else "dense" if field.endswith("global") else kind)
+        assert buf.ndim == 4  # a position's K/V heads (or its latent) one row
+        if kind_of == "dense":  # split over `model` by whole heads only
+            heads = cache.heads_of(field)
+            assert axes[field][-1] == ("kv_heads", heads) and buf.shape[-1] % heads == 0
+        else:
+            assert axes[field][-1] is None
         if args["pages"] is None:  # per row (a ring too): rows on axis 1
             assert axes[field][1] == "batch" and (buf.shape[2] < 48 if args["ring"] else buf.shape[2] >= 48)
         else:  # a pool's pages and their positions belong to no row
@@ -171,29 +176,43 @@ def test_a_cache_names_the_axes_of_each_of_its_arrays(name):
 @pytest.mark.parametrize("kind", ["dense", "latent"])
 def test_a_ring_write_lands_at_p_mod_ring_and_read_kv_finds_it(kind, layer):
     """Two chunks of 5 into a ring of 8 positions per row (the second wrapping round), into rows 2 and
-    0 (a third, padding row dropped): each value lands at position % 8 of its row and nowhere else,
-    and read_kv gives it back (a latent: with a unit head axis, as written)."""
+    0 (a third, padding row dropped): each value lands at position % 8 of its row, its heads one row,
+    and nowhere else, and read_kv gives it back (with `heads`, as written; without, as stored)."""
     rs = np.random.RandomState(7)
     layers, ring, t = 3, 8, 5
-    tail = (2, 4) if kind == "dense" else (6,)  # [kv_heads, head_dim], or a latent's [dim]
-    written = (2, 4) if kind == "dense" else (1, 6)  # what a write takes: a latent with a unit head axis
-    buf = jnp.asarray(rs.randn(layers, BATCH, ring, *tail), jnp.float32)
+    written = (2, 4) if kind == "dense" else (1, 6)  # [kv_heads, head_dim], or a latent's one head
+    buf = jnp.asarray(rs.randn(layers, BATCH, ring, written[0] * written[1]), jnp.float32)
     expected = np.asarray(buf).copy()
     rows = jnp.asarray([2, 0, BATCH])
     at = slice(None) if layer is None else layer
     for offsets in ([3, 6, 0], [8, 11, 5]):
         new = rs.randn(*((layers,) if layer is None else ()), 3, t, *written).astype(np.float32)
-        buf = write_kv(buf, layer, jnp.asarray(new), jnp.asarray(offsets), rows, ring=True, kind=kind)
+        buf = write_kv(buf, layer, jnp.asarray(new), jnp.asarray(offsets), rows, ring=True)
         for i, (row, offset) in enumerate(zip([2, 0], offsets)):
             for j in range(t):
-                value = new[..., i, j, :, :]
-                expected[at, row, (offset + j) % ring] = value if kind == "dense" else value[..., 0, :]
+                expected[at, row, (offset + j) % ring] = new[..., i, j, :, :].reshape(*new.shape[:-4], -1)
         np.testing.assert_array_equal(np.asarray(buf), expected)
         positions = jnp.asarray(offsets[:2])[:, None] + jnp.arange(t)[None, :]
-        got = read_kv(buf, layer, positions, rows[:2], ring=True, kind=kind)
+        got = read_kv(buf, layer, positions, rows[:2], ring=True, heads=written[0])
         np.testing.assert_array_equal(np.asarray(got), new[..., :2, :, :, :])
+        as_stored = read_kv(buf, layer, positions, rows[:2], ring=True)
+        np.testing.assert_array_equal(np.asarray(as_stored), new[..., :2, :, :, :].reshape(*got.shape[:-2], -1))
 
 
-def test_an_unknown_cache_kind_is_refused():
-    with pytest.raises(ValueError, match="unknown cache kind 'Latent'; kinds: dense, latent"):
-        write_kv(jnp.zeros((1, 1, 8, 4)), 0, jnp.zeros((1, 2, 1, 4)), jnp.zeros((1,), jnp.int32), kind="Latent")
+def test_a_cache_row_splits_over_model_by_whole_heads_only():
+    """A dense row of 2 heads x 64 is 128 values, which 4 devices divide, but not its heads: it stays
+    whole (as a head axis of 2 did); 8 heads split 4 ways; a latent row never splits."""
+    from types import SimpleNamespace
+
+    from dflash_jax.sharding import logical_spec
+
+    mesh = SimpleNamespace(shape={"data": 1, "model": 4})  # all logical_spec reads of a mesh
+    for heads, want in ((2, None), (8, "model")):
+        cache = init_cache(CONFIG.replace(num_key_value_heads=heads, num_attention_heads=8, head_dim=64), BATCH, 48)
+        axes = cache.logical_axes()["k"]
+        assert axes[-1] == ("kv_heads", heads) and cache.k.shape[-1] == heads * 64
+        assert logical_spec(axes, cache.k.shape, mesh)[-1] == want
+    latent = init_cache(LATENT, BATCH, 48)
+    assert latent.k.shape[-1] % 4 == 0 and logical_spec(latent.logical_axes()["k"], latent.k.shape, mesh)[-1] is None
+
+

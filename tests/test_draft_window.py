@@ -80,7 +80,7 @@ def test_the_context_cache_stays_flat_and_bad_windows_are_refused():
     """With a window the context cache is a ring whose bytes are the same for 64- and 4096-token
     prompts (with a page pool too); without one it grows (per slot) or is the pool's."""
     (short, short_bytes), (long, long_bytes) = _context_bytes(draft_window=4)
-    assert short == long == (2, 3, 32, 2, 8) and short_bytes == long_bytes  # 4 + a 16-token chunk: 2 pages
+    assert short == long == (2, 3, 32, 2 * 8) and short_bytes == long_bytes  # 4 + a 16-token chunk: 2 pages
     (_, pooled_bytes), (pooled_long, pooled_long_bytes) = _context_bytes(draft_window=4, kv_pages=300)
     assert pooled_bytes == pooled_long_bytes == short_bytes and pooled_long == long
     (_, full_short), (_, full_long) = _context_bytes()

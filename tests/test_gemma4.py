@@ -50,8 +50,8 @@ def test_config_and_cache_layout(hf_gemma):
     assert [config.is_global(i) for i in range(6)] == [t == "full_attention" for t in model.config.layer_types]
     assert config.attention_shape(2) == (32, 1) and config.attention_shape(0) == (16, 2)
     cache = init_cache(config, 2, 40)
-    assert cache.k.shape == (3, 2, 40, 2, 16)  # sliding layers 0, 1, 3 (4 shares 3)
-    assert cache.k_global.shape == (1, 2, 40, 1, 32)  # global layer 2 (5 shares it)
+    assert cache.k.shape == (3, 2, 40, 2 * 16)  # sliding layers 0, 1, 3 (4 shares 3); 2 heads of 16 a row
+    assert cache.k_global.shape == (1, 2, 40, 1 * 32) and cache.global_heads == 1  # global layer 2 (5 shares it)
     assert config.global_rope.type == "proportional" and config.rope.type == "default"
     assert config.final_logit_softcap == 30.0 and config.per_layer_input_size == 8
 

@@ -94,7 +94,7 @@ def test_a_paged_write_lands_in_the_rows_pages_only(layer):
     table = np.full((3, PER_ROW), POOL, np.int32)
     table[0, :3] = [7, 2, 19]  # row 0 holds 3 pages (24 positions); row 1 none; row 2 two
     table[2, :2] = [0, 29]
-    pool = jnp.full((LAYERS, POOL, P, kv, d), STALE)
+    pool = jnp.full((LAYERS, POOL, P, kv * d), STALE)  # a position's heads one row
     rows, offsets = jnp.asarray([0, 2, 3]), jnp.asarray([5, 9, 0])  # row 3: padding (== batch)
     new = rs.randn(*((LAYERS,) if layer is None else ()), 3, t, kv, d).astype(np.float32)
     out = np.asarray(write_kv(pool, layer, jnp.asarray(new), offsets, rows, jnp.asarray(table)))
@@ -104,7 +104,7 @@ def test_a_paged_write_lands_in_the_rows_pages_only(layer):
         for j in range(t):
             page = (off + j) // P
             if table[row, page] < POOL:  # row 2's position 16 onwards is past its two pages: dropped
-                expected[layers, table[row, page], (off + j) % P] = new[..., i, j, :, :]
+                expected[layers, table[row, page], (off + j) % P] = new[..., i, j, :, :].reshape(*new.shape[:-4], -1)
     np.testing.assert_array_equal(out, expected)
 
 
@@ -115,8 +115,8 @@ def test_a_ring_holds_what_a_window_sees(rows):
     attention over per-slot caches that keep every position, up to 51 positions (twice round)."""
     rs = np.random.RandomState(9)
     batch, kv, groups, d, window, t = 3, 2, 2, 128, 10, 8
-    full = jnp.zeros((LAYERS, batch, 96, kv, d))
-    ring = jnp.zeros((LAYERS, batch, 24, kv, d))
+    full = jnp.zeros((LAYERS, batch, 96, kv * d))
+    ring = jnp.zeros((LAYERS, batch, 24, kv * d))
     caches = {"full": (full, full), "ring": (ring, ring)}
     kw = {} if rows is None else dict(rows=jnp.asarray(rows))
     for offset in range(0, 48, t):

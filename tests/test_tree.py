@@ -41,7 +41,7 @@ from dflash_jax.engine import BatchEngine, Sampling
 from dflash_jax.engine.options import EngineOptions
 from dflash_jax.engine.tree import Tree, build_tree, follow, top_candidates
 from dflash_jax.errors import DFlashError, InputError
-from dflash_jax.kv import init_cache, read_kv, write_kv
+from dflash_jax.kv import init_cache, merge_heads, read_kv, write_kv
 from dflash_jax.model import init_params
 from bench.timing import compile_counts
 from fixtures import (
@@ -313,7 +313,7 @@ def test_read_kv_reads_what_write_kv_wrote(layout):
     written = write_kv(cache.k, 0, new, offsets, None, pages, ring)
     positions = offsets[:, None] + jnp.asarray([[5, 0, 2, 2], [1, 4, 3, 0], [0, 1, 2, 3]])
     got = read_kv(written, 0, positions, None, pages, ring)
-    want = jnp.take_along_axis(new, (positions - offsets[:, None])[:, :, None, None], axis=1)
+    want = jnp.take_along_axis(new, (positions - offsets[:, None])[:, :, None], axis=1)  # rows as stored
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # every layer at once, and chosen rows
     rows = jnp.asarray([2, 0])
@@ -475,7 +475,7 @@ def tree_call(case, chosen=None, **options):
     meta = AttentionMetadata.tree(jnp.asarray(case["q_pos"]), jnp.asarray(case["mask"]), page_size=APAGE,
                                   **case["layout"])
     args = (jnp.asarray(case["q"]), jnp.asarray(case["k_new"]), jnp.asarray(case["v_new"]),
-            LayerKV(jnp.asarray(case["k"]), jnp.asarray(case["v"]), 1), meta)
+            LayerKV(merge_heads(jnp.asarray(case["k"])), merge_heads(jnp.asarray(case["v"])), 1), meta)
     if chosen is None:
         out, cache = attention.attend(*args)
     else:
@@ -525,7 +525,7 @@ def test_tree_attention_walk_equals_dense_attention(variant):
     expected = case["k"].copy()
     for b, start in enumerate(case["starts"]):
         expected[1, b, start:start + case["k_new"].shape[1]] = case["k_new"][b]
-    np.testing.assert_array_equal(k_after, expected)
+    np.testing.assert_array_equal(k_after, merge_heads(expected))  # a position's heads one row
     # the mask matters: all-visible block keys give another answer
     if variant == "plain":
         full = dict(case, mask=np.ones_like(case["mask"]))

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.attention.metadata import AttentionMetadata, LayerKV
+from dflash_jax.kv import split_heads
 
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata, implementation: str = "cudnn"):
@@ -19,7 +20,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, implementation: str = "cu
     groups * head_dim] float32. `implementation="xla"` runs the same call through jax's reference
     implementation (the CPU tests)."""
     n, t, kv_heads, groups, d = q.shape
-    k, v = cache.k[cache.layer], cache.v[cache.layer]  # [batch, max_len, kv_heads, head_dim]
+    k, v = (split_heads(buf[cache.layer], kv_heads) for buf in (cache.k, cache.v))  # [batch, max_len, kv_heads, head_dim]
     key_pos = jnp.arange(k.shape[1])
     mask = key_pos[None, None, :] < meta.kv_limit[:, :, None]
     if meta.mask == "tree":  # the nodes are in the cache from the root's position: their keys by the tree's mask

@@ -25,19 +25,18 @@ def attend(q, k_new, v_new, cache: LayerKV, meta: AttentionMetadata) -> tuple:
     [k_new ; v_new], the values k_new, and the output has k_new's width per head.
     out: [n, T, kv_heads * groups * head_dim] float32; cache: with the new K/V written.
     """
-    kind = "latent" if meta.latent else "dense"
     if meta.mask in ("causal", "tree"):
         if k_new is not None:
             offsets = meta.q_pos[:, 0] if meta.mask == "causal" else meta.block_start
 
             def write(buf, new):
-                return write_kv(buf, cache.layer, new, offsets, meta.rows, meta.pages, meta.ring, kind)
+                return write_kv(buf, cache.layer, new, offsets, meta.rows, meta.pages, meta.ring)
 
             cache = cache.replace(k=write(cache.k, k_new), v=write(cache.v, v_new))
         if meta.mask == "tree":
             if k_new is None:
                 positions = meta.block_start[:, None] + jnp.arange(q.shape[1])[None, :]
-                k_new, v_new = (read_kv(buf, cache.layer, positions, meta.rows, meta.pages, meta.ring, kind)
+                k_new, v_new = (read_kv(buf, cache.layer, positions, meta.rows, meta.pages, meta.ring, heads=q.shape[2])
                                 for buf in (cache.k, cache.v))
             meta = meta.replace(block_k=k_new, block_v=v_new)
     else:

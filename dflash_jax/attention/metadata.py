@@ -45,7 +45,7 @@ class AttentionMetadata:
     rows:       optional [n], the cache rows the queries belong to (default 0..n-1; a row out of
                 range is padding).
     pages:      optional [batch, pages per row] page table: the cache is then a page pool
-                [layers, num_pages, page_size, kv_heads, head_dim] (`dflash_jax.kv.layout`).
+                [layers, num_pages, page_size, kv_heads * head_dim] (`dflash_jax.kv.layout`).
     sinks:      optional [kv_heads, groups] attention-sink logits (gpt-oss): one more term in each
                 softmax's denominator, with no value.
     block_mask: "block" and "tree" kinds: [n, T, C] bool, which of the block's keys each query sees.
@@ -123,9 +123,10 @@ class AttentionMetadata:
 
 @struct.dataclass
 class LayerKV:
-    """One layer of a cache's K/V: k, v [layers, batch or pages, positions, kv_heads, head_dim]
-    (the whole buffers, so a write updates them in place) and the layer to read and write. A latent
-    cache's are [layers, batch or pages, positions, dim] (`AttentionMetadata.latent`)."""
+    """One layer of a cache's K/V: k, v [layers, batch or pages, positions, kv_heads * head_dim], a
+    position's heads one row (`dflash_jax.kv.layout`; the whole buffers, so a write updates them in
+    place) and the layer to read and write. A latent cache's are [layers, batch or pages, positions,
+    dim] (`AttentionMetadata.latent`)."""
 
     k: jax.Array
     v: jax.Array

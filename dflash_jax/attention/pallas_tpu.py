@@ -2,7 +2,8 @@
 (`dflash_jax.attention.walk`), the one `dflash_jax.attention.select` picks on a TPU.
 
 Grid: (query row, query tile, key block). Each step copies one block of `block` cache
-positions of the row's own batch row (all K/V heads, as the cache stores them) into VMEM and
+positions of the row's own batch row (all K/V heads, one row a position as the cache stores them,
+each head a static lane slice of it) into VMEM and
 folds it into an online softmax held in VMEM scratch (float32 running max, sum and values per
 K/V head). The key-block axis is ragged: its index map starts at the first block a query of
 the tile can see (sliding windows) and stops at the last block holding a key below the tile's
@@ -61,10 +62,15 @@ def _block_len(max_len: int, page: int, position_bytes: int) -> int:
     return page
 
 
-def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float, latent: bool = False):
-    """One online-softmax step per K/V head over a [keys, kv_heads, d] block: the walk's
-    `softmax.online_update`, with masked scores at -inf and the running max from the finite NEG.
-    latent (one head; k_ref [keys, dk], v_ref [keys, dr]): the keys are [k ; v], the values k."""
+def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale: float, latent: bool = False,
+          rows: bool = True):
+    """One online-softmax step per K/V head over a block of keys: the walk's `softmax.online_update`,
+    with masked scores at -inf and the running max from the finite NEG. rows: a cache block,
+    [keys, kv_heads * d] (head h: lanes h*d .. h*d + d, a static slice); else the block's keys,
+    [keys, kv_heads, d]. latent (one head; k_ref [keys, dk], v_ref [keys, dr]): the keys are [k ; v],
+    the values k."""
+    d = q_ref.shape[-1]
+    head = lambda ref, h: ref[:, h * d:(h + 1) * d] if rows else ref[:, h, :]  # noqa: E731
     dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # noqa: E731
     for h in range(kv_heads):
         q = q_ref[h]  # [rows, d]
@@ -72,13 +78,13 @@ def _fold(q_ref, k_ref, v_ref, mask, m_scr, l_scr, acc_scr, kv_heads: int, scale
             dk = k_ref.shape[-1]
             s = (dot(q[:, :dk], k_ref[...].astype(q.dtype)) + dot(q[:, dk:], v_ref[...].astype(q.dtype))) * scale
         else:
-            s = dot(q, k_ref[:, h, :].astype(q.dtype)) * scale
+            s = dot(q, head(k_ref, h).astype(q.dtype)) * scale
         s = jnp.where(mask, s, -jnp.inf)
         m_prev = m_scr[h]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        v = k_ref[...] if latent else v_ref[:, h, :]
+        v = k_ref[...] if latent else head(v_ref, h)
         m_scr[h] = m_new
         l_scr[h] = l_scr[h] * alpha + p.sum(axis=-1, keepdims=True)
         acc_scr[h] = acc_scr[h] * alpha + jax.lax.dot_general(
@@ -107,7 +113,8 @@ def _kernel(rows_ref, lo_ref, hi_ref, *refs, n_tiles: int, block: int, kv_heads:
             l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
         if has_chunk:
-            _fold(q_ref, ck_ref, cv_ref, cmask_ref[...] != 0, m_scr, l_scr, acc_scr, kv_heads, scale)  # block values given
+            _fold(q_ref, ck_ref, cv_ref, cmask_ref[...] != 0, m_scr, l_scr, acc_scr, kv_heads, scale,
+                  rows=False)  # block values given
 
     @pl.when(blk < hi_ref[tile])
     def _cache():
@@ -154,7 +161,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
     row_heads = P(data, None, heads, None)
     extra_specs = {k: spec for k, spec in dict(chunk=(row_heads, row_heads, P(data, None, None)),
                                                sinks=P(heads, query_heads), rows=P(), pages=P()).items() if k in extra}
-    cache_spec = P(None, data, None, None) if meta.latent else P(None, data, None, heads, None)  # a latent: no heads
+    cache_spec = P(None, data, None, None if meta.latent else heads)  # a row's K/V heads (a latent: none)
 
     def local(q, q_pos, k_buf, v_buf, kv_limit, extra):
         return _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, **extra, **kw)
@@ -167,15 +174,10 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
 
 def _geometry(q, k_buf, page_size, pages):
     """(batch, max_len, block, the row table flattened or None) of one device's cache."""
-    kv_heads, d = q.shape[2], q.shape[4]
-    itemsize = jnp.dtype(k_buf.dtype).itemsize
     if pages is None:
         batch, max_len = k_buf.shape[1:3]
         page = page_size_of(max_len, page_size)
-        # In VMEM a block's [positions, kv_heads, d] tiles pad kv_heads to whole sublane tiles (16
-        # rows of bfloat16, 8 of float32).
-        sublanes = 8 * max(1, 4 // itemsize)
-        return batch, max_len, _block_len(max_len, page, -(-kv_heads // sublanes) * sublanes * d * itemsize), None
+        return batch, max_len, _block_len(max_len, page, k_buf.shape[-1] * jnp.dtype(k_buf.dtype).itemsize), None
     # a pool: a block is a page, found through the row's page table
     num_pages, block = k_buf.shape[1], k_buf.shape[2]
     batch, per_row = pages.shape
@@ -252,10 +254,9 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         tile = b * n_tiles + t_
         last = jnp.maximum(hi_ref[tile] - 1, lo_ref[tile])
         blk = jnp.minimum(lo_ref[tile] + j, last)
-        tail = (0,) * (1 if latent else 2)  # (head, dim) blocks, or a latent part's (dim)
         if table_ref:
-            return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, *tail)
-        return (layer, rows_ref[b], blk % ring_blocks if ring else blk, *tail)
+            return (layer, table_ref[0][rows_ref[b] * per_row + blk], 0, 0)
+        return (layer, rows_ref[b], blk % ring_blocks if ring else blk, 0)
 
     q_spec = pl.BlockSpec((None, kv_heads, rows_per_tile, d), lambda b, t_, j, *_: (b, 0, t_, 0))
     col_spec = pl.BlockSpec((None, rows_per_tile, 1), lambda b, t_, j, *_: (b, t_, 0))
@@ -273,13 +274,10 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
         in_specs.append(pl.BlockSpec((None, rows_per_tile, n_chunk), lambda b, t_, j, *_: (b, t_, 0)))
         in_specs[-2] = pl.BlockSpec((None, n_chunk, kv_heads, dv), lambda b, t_, j, *_: (b, 0, 0, 0))
         inputs += [ck.astype(q.dtype), cv.astype(k_buf.dtype), jnp.repeat(cmask, groups, axis=1)]
-    if latent:  # a latent cache (one K/V head, no head axis): blocks of each part as [positions, width]
-        assert kv_heads == 1, kv_heads
-        in_specs += [pl.BlockSpec((None, None, block, buf.shape[-1]), kv_index) for buf in (k_buf, v_buf)]
-        inputs += [k_buf, v_buf]
-    else:
-        in_specs += [pl.BlockSpec((None, None, block, kv_heads, d), kv_index)] * 2
-        inputs += [k_buf, v_buf]
+    # blocks of [positions, a position's row]: its K/V heads, or a latent's part (one K/V head)
+    assert not latent or kv_heads == 1, kv_heads
+    in_specs += [pl.BlockSpec((None, None, block, buf.shape[-1]), kv_index) for buf in (k_buf, v_buf)]
+    inputs += [k_buf, v_buf]
 
     # Each query tile reads the K/V blocks of `live` positions (a window: the blocks it spans).
     live = min(expected_live, max_len) if expected_live is not None else max_len

@@ -14,21 +14,15 @@ import jax.numpy as jnp
 
 from dflash_jax.attention.metadata import AttentionMetadata, LayerKV
 from dflash_jax.attention.softmax import NEG, online_update as _update, scores as _scores
-from dflash_jax.kv import page_size_of
+from dflash_jax.kv import page_size_of, split_heads
 
 
-def _page(buf, layer, start, size, rows, latent):
-    """Keys or values of one page: [batch or len(rows), size, kv_heads, head_dim] (a latent buffer,
-    [layers, batch, len, dim]: with a unit head axis)."""
-    _, batch, _, *tail = buf.shape
-    page = jax.lax.dynamic_slice(buf, (layer, 0, start) + (0,) * len(tail), (1, batch, size, *tail))[0]
+def _page(buf, layer, start, size, rows, heads):
+    """Keys or values of one page: [batch or len(rows), size, heads, head_dim] (a latent buffer: one head)."""
+    _, batch, _, width = buf.shape
+    page = jax.lax.dynamic_slice(buf, (layer, 0, start, 0), (1, batch, size, width))[0]
     page = page if rows is None else jnp.take(page, rows, axis=0, mode="clip")
-    return _heads(page, latent)
-
-
-def _heads(page, latent):
-    """A page of a latent buffer (no head axis) with a unit one."""
-    return page[..., None, :] if latent else page
+    return split_heads(page, heads)
 
 
 def attend(q, cache: LayerKV, meta: AttentionMetadata):
@@ -43,12 +37,12 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata):
         max_len = k_buf.shape[2]
         page = page_size_of(max_len, meta.page_size)
         slots = max_len // page  # a ring's pages: logical page j is page j % slots
-        load = lambda buf, j: _page(buf, layer, (j % slots if ring else j) * page, page, rows, meta.latent)  # noqa: E731
+        load = lambda buf, j: _page(buf, layer, (j % slots if ring else j) * page, page, rows, kv_heads)  # noqa: E731
     else:  # a pool: page j of each query row is its table's entry j (past the pool: clamped, masked)
         page = k_buf.shape[2]
         max_len = pages.shape[1] * page
         table = jnp.clip(pages if rows is None else jnp.take(pages, rows, axis=0, mode="clip"), 0, k_buf.shape[1] - 1)
-        load = lambda buf, j: _heads(buf[layer, jnp.take(table, j, axis=1)], meta.latent)  # noqa: E731
+        load = lambda buf, j: split_heads(buf[layer, jnp.take(table, j, axis=1)], kv_heads)  # noqa: E731
     assert max_len % page == 0, (max_len, page)
     dv = k_buf.shape[-1] if meta.latent else d
     if meta.latent:  # a latent cache: a page's keys are its two parts, its values the first

@@ -23,9 +23,10 @@ from dflash_jax.kv.writes import read_kv, write_kv
 if TYPE_CHECKING:
     from dflash_jax.drafter import DrafterConfig
 
-# Logical axes (`dflash_jax.sharding`'s names) of a dense K/V buffer; a latent one has no head axis.
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # each row its own positions (or ring)
-POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # a page pool: rows share pages, so neither splits
+# Logical axes (`dflash_jax.sharding`'s names) of a K/V buffer but its last, a position's row: a dense
+# one's K/V heads (split by whole heads: `KVCache.logical_axes`), a latent's one latent (not split).
+CACHE_AXES = ("layers", "batch", "length")  # each row its own positions (or ring)
+POOL_AXES = ("layers", None, None)  # a page pool: rows share pages, so neither splits
 
 
 def _kv(group: str, kind: Kind | None = None, **kw):
@@ -43,11 +44,11 @@ def _per_row(*axes: str | None, **kw):
 class KVCache:
     """Static-shape paged KV cache with a length per row.
 
-    k, v:    [attention layers, batch, max_len, kv_heads, head_dim], max_len a whole number of pages.
+    k, v:    [attention layers, batch, max_len, heads * head_dim], max_len a whole number of pages,
+             a position's K/V heads one row (`dflash_jax.kv.layout`: why no head axis).
              A latent cache (multi-head latent attention, `ModelConfig.mla`): each position's latent in
              two parts, k [layers, batch, max_len, kv_lora_rank] (the values too) and v [..,
-             qk_rope_head_dim] (the rotated keys), `AttentionMetadata.latent`. No head axis, which on a
-             TPU would sit inside a tile and pad it eightfold (writes and reads take a unit one); two
+             qk_rope_head_dim] (the rotated keys), `AttentionMetadata.latent`, read as one K/V head; two
              parts, so the wide one is a whole number of 128 lanes and keeps one layout everywhere (576
              lanes would not: the compiler stores such a buffer positions-minor between programs and
              relays it out around every call)
@@ -64,11 +65,11 @@ class KVCache:
              laid out as a latent k [indexer layers, batch or pages, positions, indexer head_dim]; None without.
     pages:   None (each row owns max_len positions of the buffers), or a page pool's table
              [batch, pages per row] int32: k, v (and k_global, v_global) are then
-             [layers, num_pages, page_size, kv_heads, head_dim], one pool of pages shared by
+             [layers, num_pages, page_size, heads * head_dim], one pool of pages shared by
              every row, and row b's page j is page pages[b, j] (an entry past the pool, as
              NO_PAGE: none; see `dflash_jax.kv.layout`).
     ring:    (static) with a pool, k and v (the main group) are rings of the last k.shape[2]
-             positions of each row, [layers, batch, ring, kv_heads, head_dim], position p at p % ring:
+             positions of each row, [layers, batch, ring, heads * head_dim], position p at p % ring:
              the group's layers all slide (`ModelConfig.local_window`), so the pages behind the
              window are written over instead of held (see `dflash_jax.kv.layout`).
     page_size: positions per page (static), the unit attention walks in.
@@ -78,6 +79,8 @@ class KVCache:
              (`init_context_cache`). None: every committed position.
     kind:    (static) "dense" or "latent" (k, v a latent's two parts, `ModelConfig.mla`), as
              `init_cache` makes it. index_k is always latent, k_global and v_global always dense.
+    heads, global_heads: (static) K/V heads in a dense row of the main and the global group (so
+             that a row splits over devices by whole heads); 1 where unknown (never split).
 
     Each array field declares itself: a K/V buffer its group and kind (`_kv`), any other its
     logical axes (`_per_row`). From that alone the cache gives each field's logical axes
@@ -99,6 +102,8 @@ class KVCache:
     page_size: int = struct.field(pytree_node=False, default=PAGE_SIZE)
     window: int | None = struct.field(pytree_node=False, default=None)
     kind: Kind = struct.field(pytree_node=False, default="dense")
+    heads: int = struct.field(pytree_node=False, default=1)
+    global_heads: int = struct.field(pytree_node=False, default=1)
 
     @property
     def max_len(self) -> int:
@@ -120,14 +125,21 @@ class KVCache:
         return _FIELD[name].metadata["kind"] or self.kind
 
     def kv_args(self, name: str) -> dict[str, Any]:
-        """How `write_kv` / `read_kv` reach K/V buffer `name`: its group's page table and ring, its kind."""
+        """How `write_kv` / `read_kv` reach K/V buffer `name`: its group's page table and ring."""
         pages, ring = self.layout(_FIELD[name].metadata["group"] == "global")
-        return dict(pages=pages, ring=ring, kind=self.kind_of(name))
+        return dict(pages=pages, ring=ring)
+
+    def heads_of(self, name: str) -> int:
+        """K/V heads in a row of buffer `name` (a latent's: 1)."""
+        if self.kind_of(name) == "latent":
+            return 1
+        return self.global_heads if _FIELD[name].metadata["group"] == "global" else self.heads
 
     def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
         """Each array field present -> the logical axes of its dimensions (`dflash_jax.sharding`'s
         names; a tuple field: of each of its arrays). A K/V buffer's follow its group's layout: per
-        row (a ring too) `CACHE_AXES`, a pool's pages `POOL_AXES`; a latent one has no head axis."""
+        row (a ring too) `CACHE_AXES`, a pool's pages `POOL_AXES`, then its row: a dense one's
+        ("kv_heads", its heads), split by whole heads; a latent's not at all."""
         out = {}
         for f in _FIELDS:
             if getattr(self, f.name) is None:
@@ -135,7 +147,8 @@ class KVCache:
             if "group" in f.metadata:
                 pages, _ = self.layout(f.metadata["group"] == "global")
                 axes = CACHE_AXES if pages is None else POOL_AXES
-                out[f.name] = axes[:3] + axes[4:] if self.kind_of(f.name) == "latent" else axes
+                row = None if self.kind_of(f.name) == "latent" else ("kv_heads", self.heads_of(f.name))
+                out[f.name] = (*axes, row)
             else:
                 out[f.name] = f.metadata["axes"]
         return out
@@ -170,7 +183,7 @@ class KVCache:
         out = {}
         for name in self.kv_names():
             buf, args = getattr(self, name), self.kv_args(name)
-            out[name] = write_kv(buf, None, read_kv(buf, None, src, **args), starts, **args)
+            out[name] = write_kv(buf, None, read_kv(buf, None, src, **args), starts, **args)  # rows as stored
         return self.replace(**out)
 
     def reset_rows(self, rows) -> "KVCache":
@@ -210,10 +223,13 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
     dtype = dtype or jnp_dtype(config.dtype)
     dims, pages = cache_layout(batch, max_len, page_size, num_pages)
     ring = ring_length(config, max_len, page_size, ring_chunk) if num_pages is not None else None
-    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), *config.cache_shape())
+    heads, head_dim = config.cache_shape()
+    shape = (config.num_kv_slots(False), *((batch, ring) if ring else dims), heads * head_dim)
     k_global = v_global = None
+    global_heads = 1
     if config.num_kv_slots(True):
-        global_shape = (config.num_kv_slots(True), *dims, *config.cache_shape(True))
+        global_heads, global_dim = config.cache_shape(True)
+        global_shape = (config.num_kv_slots(True), *dims, global_heads * global_dim)
         k_global, v_global = jnp.zeros(global_shape, dtype), jnp.zeros(global_shape, dtype)
     state = tail = None
     if config.num_linear_layers:
@@ -230,7 +246,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, page_s
         index_k = jnp.zeros((ix.num_slots(config.num_hidden_layers), *shape[1:3], ix.head_dim), dtype)
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
                    k_global=k_global, v_global=v_global, state=state, tail=tail, index_k=index_k, pages=pages,
-                   ring=ring is not None, page_size=page_size, kind="dense" if config.mla is None else "latent")
+                   ring=ring is not None, page_size=page_size, kind="dense" if config.mla is None else "latent",
+                   heads=heads, global_heads=global_heads)
 
 
 def init_context_cache(config: "DrafterConfig", batch: int, max_len: int, dtype=None,
@@ -251,6 +268,7 @@ def init_context_cache(config: "DrafterConfig", batch: int, max_len: int, dtype=
     ring = window_ring_length(keep, max_len, page_size, ring_chunk)
     if ring is not None:
         dims, pages = (batch, ring), None
-    shape = (c.num_hidden_layers, *dims, c.num_key_value_heads, c.head_dim)
+    shape = (c.num_hidden_layers, *dims, c.num_key_value_heads * c.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   pages=pages, page_size=page_size, ring=ring is not None, window=window)
+                   pages=pages, page_size=page_size, ring=ring is not None, window=window,
+                   heads=c.num_key_value_heads)

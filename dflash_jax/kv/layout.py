@@ -1,12 +1,19 @@
 """The layout of a KV cache: pages, the page table's "no page", allocated lengths, rings.
 
-A cache buffer is `[layers, batch, max_len, kv_heads, head_dim]`, one buffer for every layer,
-with a length per row kept beside it. `max_len` is a whole number of pages of `PAGE_SIZE`
+A cache buffer is `[layers, batch, max_len, kv_heads * head_dim]`, one buffer for every layer,
+with a length per row kept beside it: a position's K/V heads are one row (`merge_heads`;
+`split_heads` gives the heads back). Not a head axis of its own: a TPU tiles an array's last two
+axes by (8 or 16, 128), so [kv_heads, head_dim] tiles pad fewer than 8 heads to 8 (16 in bfloat16)
+and a head_dim below 128 to 128, and where they would, the compiler stores the buffer
+positions-minor between programs and copies it into the attention kernel's layout around every
+call (gpt-oss's 8 heads of 64: each layer's pool copied in and out, twice its bytes). A row of
+whole heads is a multiple of 128 lanes for every published target, and the kernel slices its heads
+from it statically. `max_len` is a whole number of pages of `PAGE_SIZE`
 positions (a cache shorter than one page is one page). A row's positions are contiguous, so page
 j of row b is `buf[layer, b, j*P:(j+1)*P]`.
 
 Page pool. With a page table (`pages` [batch, pages per row] int32) the buffers are one pool of
-pages shared by every row, `[layers, num_pages, page_size, kv_heads, head_dim]`, and page j of
+pages shared by every row, `[layers, num_pages, page_size, kv_heads * head_dim]`, and page j of
 row b is `buf[layer, pages[b, j]]`: rows of different lengths hold only the pages they were given
 (`dflash_jax.kv.pool` hands them out and takes them back). An entry of `num_pages` or more
 (`NO_PAGE`) is no page: writes to it are dropped and reads of it are masked (they are past the
@@ -20,9 +27,10 @@ is overwritten before the query reads it. The drafter's context cache is such a 
 window (`--draft-window N`: a block sees only its row's last N committed positions), paged pool or
 not, since no page of it outlives the window.
 
-Kinds. A buffer is "dense" (the layout above) or "latent" (multi-head latent attention's: no head
-axis, `[layers, batch or pages, positions, dim]`; writes and reads take and give a unit one). A
-cache says which (`KVCache.kind`), and `write_kv` / `read_kv` are told, never guess from shapes.
+Kinds. A buffer is "dense" (the layout above: `KVCache.heads` K/V heads a row) or "latent"
+(multi-head latent attention's: one latent a position, `[layers, batch or pages, positions, dim]`,
+read as a single K/V head). A cache says which (`KVCache.kind`); its sharding follows (a dense row
+splits over `model` by whole heads, a latent one not at all).
 """
 
 from __future__ import annotations
@@ -36,8 +44,17 @@ from dflash_jax.config import ModelConfig
 PAGE_SIZE = 128
 NO_PAGE = 1 << 30  # a page table's entry for no page (any entry past the pool is none)
 
-Kind = Literal["dense", "latent"]  # a buffer with a head axis, or a latent without one
-KINDS: tuple[Kind, ...] = ("dense", "latent")
+Kind = Literal["dense", "latent"]  # a row of K/V heads, or a latent (one K/V head)
+
+
+def merge_heads(x):
+    """[..., kv_heads, head_dim] -> [..., kv_heads * head_dim]: positions as a cache buffer stores them."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def split_heads(x, kv_heads: int):
+    """[..., kv_heads * head_dim] -> [..., kv_heads, head_dim] (`merge_heads` undone)."""
+    return x.reshape(*x.shape[:-1], kv_heads, x.shape[-1] // kv_heads)
 
 
 def cache_length(max_len: int, page_size: int = PAGE_SIZE) -> int:

@@ -10,19 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.kv.layout import KINDS, Kind
+from dflash_jax.kv.layout import merge_heads, split_heads
 
 
-def _latent(kind: Kind) -> bool:
-    if kind not in KINDS:
-        raise ValueError(f"unknown cache kind {kind!r}; kinds: {', '.join(KINDS)}")
-    return kind == "latent"
-
-
-def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False, kind: Kind = "dense"):
-    """Write new [n, T, kv_heads, head_dim] into buf at positions offsets[i] + 0..T-1 of batch
-    row rows[i] (default row i), in layer `layer` of a [layers, batch, len, ...] buffer (or,
-    with layer None, into every layer: new is then [layers, n, T, ...]).
+def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: bool = False):
+    """Write new [n, T, kv_heads, head_dim] (or as stored, [n, T, kv_heads * head_dim]) into buf at
+    positions offsets[i] + 0..T-1 of batch row rows[i] (default row i), in layer `layer` of a
+    [layers, batch, len, width] buffer (or, with layer None, into every layer: new is then
+    [layers, n, T, ...]). A latent buffer takes new with a unit head axis, or without.
 
     A loop of one dynamic-update-slice per row, which XLA performs in place on a donated or
     loop-carried buffer (a scatter is in place too, but XLA's cost analysis counts it as the
@@ -31,14 +26,11 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: 
     row `batch`) and write back what is there. The caller keeps offsets + T <= len.
 
     With a page table (`pages` [batch, pages per row]; buf a pool [layers, num_pages, page,
-    ...]) it is one scatter of every (row, position) into its page, positions in no page of
+    width]) it is one scatter of every (row, position) into its page, positions in no page of
     the row (padding rows, pages past its reservation) dropped. A ring (`ring`) is one scatter
-    too, position p at p % the buffer's length.
-
-    A latent buffer (kind "latent": [layers, batch or pages, len, dim], no head axis, `KVCache.k`
-    under multi-head latent attention) takes new with a unit head axis, which is dropped."""
-    if _latent(kind):
-        new = new[..., 0, :]
+    too, position p at p % the buffer's length."""
+    if new.ndim == buf.ndim - (1 if layer is None else 2) + 2:  # heads apart: merged as the buffer holds them
+        new = merge_heads(new)
     if pages is not None:
         return _write_pool(buf, layer, new, offsets, rows, pages)
     if ring:
@@ -51,9 +43,9 @@ def write_kv(buf, layer: int | None, new, offsets, rows=None, pages=None, ring: 
     def one(i, buf):
         row = rows[i]
         start = (0 if layer is None else layer, jnp.minimum(row, batch - 1), offsets[i]) + (0,) * (buf.ndim - 3)
-        if layer is None:  # [layers, 1, T, kv, d]
+        if layer is None:  # [layers, 1, T, width]
             update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=1)
-        else:  # [1, 1, T, kv, d]
+        else:  # [1, 1, T, width]
             update = jax.lax.dynamic_slice_in_dim(new, i, 1, axis=0)[None]
         update = jnp.where(row < batch, update, jax.lax.dynamic_slice(buf, start, update.shape))
         return jax.lax.dynamic_update_slice(buf, update, start)
@@ -74,7 +66,7 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     flat = (jnp.where(ok, phys, num_pages) * page + pos % page).reshape(-1)  # no page: past the pool, dropped
     pool = buf.reshape(layers, num_pages * page, *tail)
     new = new.astype(buf.dtype)
-    if layer is None:  # [layers, n, T, kv, d]
+    if layer is None:  # [layers, n, T, width]
         pool = pool.at[:, flat].set(new.reshape(layers, n * t, *tail), mode="drop")
     else:
         pool = pool.at[layer, flat].set(new.reshape(n * t, *tail), mode="drop")
@@ -82,7 +74,7 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
 
 
 def _write_ring(buf, layer, new, offsets, rows):
-    lead = 1 if layer is None else 0  # new: [(layers,) n, T, ...], its tail a dense's two axes or a latent's one
+    lead = 1 if layer is None else 0  # new: [(layers,) n, T, width]
     n, t = new.shape[lead], new.shape[lead + 1]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
@@ -93,13 +85,13 @@ def _write_ring(buf, layer, new, offsets, rows):
     return buf.at[layer, where, pos].set(new, mode="drop")
 
 
-def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool = False, kind: Kind = "dense"):
-    """The keys or values at positions [n, T] of batch rows rows[i] (default row i) -> [n, T,
-    kv_heads, head_dim] from layer `layer` of buf (layer None: every layer, [layers, n, T, ...]),
-    through each row's page table (`pages`) or a ring's modulo, as `write_kv` wrote them.
-    Positions past a row's pages read page 0 (the caller never uses them). A latent buffer (kind
-    "latent": no head axis) reads with a unit head axis."""
-    latent = _latent(kind)
+def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool = False,
+            heads: int | None = None):
+    """The keys or values at positions [n, T] of batch rows rows[i] (default row i) from layer
+    `layer` of buf (layer None: every layer, [layers, n, T, ...]), through each row's page table
+    (`pages`) or a ring's modulo, as `write_kv` wrote them: [n, T, width] as stored, or with
+    `heads`, [n, T, heads, width / heads] (a latent buffer: heads=1). Positions past a row's pages
+    read page 0 (the caller never uses them)."""
     n = positions.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
@@ -114,6 +106,6 @@ def read_kv(buf, layer: int | None, positions, rows=None, pages=None, ring: bool
     else:
         where = positions % length if ring else jnp.clip(positions, 0, length - 1)
         out = view[:, jnp.clip(rows, 0, view.shape[1] - 1)[:, None], where]
-    if latent:  # the unit head axis
-        out = out[..., None, :]
+    if heads is not None:
+        out = split_heads(out, heads)
     return out if layer is None else out[0]

@@ -4,7 +4,7 @@ Parameter paths mirror the Hugging Face names (`model/layers_3/self_attn/q_proj/
 for `model.layers.3.self_attn.q_proj.weight`), so conversion is a table.
 
 The KV cache (`dflash_jax.kv.KVCache`) is preallocated with a length per row, in one of three
-layouts: per-row slots (`[layers, batch, max_len, kv_heads, head_dim]` for keys and for values),
+layouts: per-row slots (`[layers, batch, max_len, kv_heads * head_dim]` for keys and for values),
 a page pool shared by every row (`[layers, pages, page_size, ...]` and a page table per row), or,
 where every layer of a group slides, a ring of the last positions per row. `forward` writes a
 chunk of T tokens per row at that row's own offset (`cache.lengths`) straight into the cache (in

@@ -89,7 +89,7 @@ class Indexer(nn.Module):
         buf = write_kv(cache.index_k, slot, k, query_pos[:, 0], rows, **cache.kv_args("index_k"))
         cache = cache.replace(index_k=buf)
         positions = jnp.broadcast_to(jnp.arange(cache.max_len)[None, :], (b, cache.max_len))
-        keys = read_kv(buf, slot, positions, rows, **cache.kv_args("index_k"))[:, :, 0]  # [n, S, head_dim]
+        keys = read_kv(buf, slot, positions, rows, **cache.kv_args("index_k"))  # [n, S, head_dim]
         scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32)) * ix.head_dim ** -0.5
         weights = dense(ix.heads, "weights_proj")(x).astype(jnp.float32) * ix.heads ** -0.5
         index = jnp.einsum("bth,bths->bts", weights, jax.nn.relu(scores))
