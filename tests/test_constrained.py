@@ -141,8 +141,10 @@ def _rows(pair, block_size, rows, prompts, seed=0, **kw):
     return by_index(gen.generate(prompts, seed=seed, sampling=rows)), gen
 
 
-# greedy: heavy here, everyday on the demo pair (tests/test_structured.py); the tree sampled everyday
-@pytest.mark.parametrize("temperature,tree", [pytest.param(0.0, 0, marks=pytest.mark.heavy), (1.0, 0),
+# greedy: heavy here, everyday on the demo pair (tests/test_structured.py); sampled everyday with a tree
+# (the chain sampled under a constraint everyday: tests/test_dflash2.py's sample-and-match)
+@pytest.mark.parametrize("temperature,tree", [pytest.param(0.0, 0, marks=pytest.mark.heavy),
+                                              pytest.param(1.0, 0, marks=pytest.mark.heavy),
                                               pytest.param(0.0, 6, marks=pytest.mark.heavy), (1.0, 6)])
 def test_constrained_rows_decode_as_constrained_plain_decoding(temperature, tree):
     """Rows with two constraints and none, in one batch: every constrained output walks its automaton

@@ -381,25 +381,26 @@ def test_constrained_rejection_sampling_keeps_the_masked_target_distribution():
     assert chi_square_p(counts.sum(2), exact.sum(2)) > 1e-3
 
 
-def test_constrained_match_keeps_constrained_plain_decodings_seeded_tokens():
+# greedy under -m heavy: a greedy DFlash2 run is the reference's (test_tokens_and_acceptance_lengths_...)
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.heavy), 1.0])
+def test_constrained_match_keeps_constrained_plain_decodings_seeded_tokens(temperature):
     """Sample-and-match with the selector's walk masked: plain decoding's tokens under the constraint,
     greedy and seeded, with unconstrained rows beside the constrained ones (which keep theirs)."""
     target, tparams, drafter, dparams = dflash2_sampling_setup()
     dfa = alternating_dfa(target.vocab_size)
     rs = np.random.RandomState(4)
     batch = [rs.randint(0, 11, int(n)).tolist() for n in rs.randint(3, 9, 6)]
-    for temperature in (0.0, 1.0):
-        sampling = Sampling(temperature=temperature, per_row=True)
-        rows = [dataclasses.replace(sampling, constraint=dfa if i % 2 == 0 else None) for i in range(len(batch))]
-        runs = []
-        for block in (1, 4):
-            gen = BatchEngine(target, tparams, drafter if block > 1 else None, dparams if block > 1 else None,
-                              block_size=block, batch_size=3, max_new_tokens=12, max_prompt_len=16, sampling=sampling,
-                              acceptance="match", speculation="fixed", constraint_states=4)
-            runs.append([r.output_ids for r in by_index(gen.generate(batch, seed=5, sampling=rows))])
-        assert runs[0] == runs[1]
-        assert all(s >= 0 for ids in runs[0][::2] for s in dfa.walk(ids))
-        assert any(s < 0 for ids in runs[0][1::2] for s in dfa.walk(ids))  # the free rows leave it
+    sampling = Sampling(temperature=temperature, per_row=True)
+    rows = [dataclasses.replace(sampling, constraint=dfa if i % 2 == 0 else None) for i in range(len(batch))]
+    runs = []
+    for block in (1, 4):
+        gen = BatchEngine(target, tparams, drafter if block > 1 else None, dparams if block > 1 else None,
+                          block_size=block, batch_size=3, max_new_tokens=12, max_prompt_len=16, sampling=sampling,
+                          acceptance="match", speculation="fixed", constraint_states=4)
+        runs.append([r.output_ids for r in by_index(gen.generate(batch, seed=5, sampling=rows))])
+    assert runs[0] == runs[1]
+    assert all(s >= 0 for ids in runs[0][::2] for s in dfa.walk(ids))
+    assert any(s < 0 for ids in runs[0][1::2] for s in dfa.walk(ids))  # the free rows leave it
 
 
 @pytest.mark.heavy  # the constrained test above runs unconstrained rows beside its constrained ones

@@ -60,7 +60,12 @@ for case in GREEDY_CASES:
     FAMILY_ENGINES.setdefault(case[0].split("-")[0], case)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_ENGINES))
+# everyday: the dense, MoE and hybrid families (the solve was a hybrid's); the rest under -m heavy
+HEAVY_FAMILIES = ("gemma4", "gpt_oss", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.heavy) if f in HEAVY_FAMILIES else f
+                                    for f in sorted(FAMILY_ENGINES)])
 def test_engine_programs_call_no_library_routine(family):
     """As jax lowers them, the programs hold no custom call at all (a LAPACK solve was one)."""
     name, block_size, batch_size = FAMILY_ENGINES[family]
