@@ -79,7 +79,8 @@ def test_context_cache_built_in_pieces_equals_one_pass(pair, expected):
     np.testing.assert_allclose(np.asarray(pieces.v[:, :, :11]), np.asarray(whole.v[:, :, :11]), atol=1e-5)
 
 
-@pytest.mark.parametrize("batch_size", [1, pytest.param(9, marks=pytest.mark.heavy), 4])
+# everyday batched (each of its rows the reference's); one by one and more slots than prompts under -m heavy
+@pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.heavy), pytest.param(9, marks=pytest.mark.heavy), 4])
 def test_greedy_tokens_and_acceptance_lengths_match_reference(pair, cases, batch_size):
     tc, tp, dc, dp = pair
     prompts, outputs, acceptance = cases

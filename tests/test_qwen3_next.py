@@ -55,6 +55,10 @@ CONFIGS = {
                     rms_norm_eps=1e-5, shared_expert_intermediate_size=96), (0, 3), None),
 }
 VOCAB = 8
+# configs that change what the model computes but not the engine's programs' structure (the config
+# file's style; top-1 routing and biases): their logits and plain greedy decoding are checked, DFlash
+# against plain decoding on the other four
+MODEL_ONLY = ("published", "biases")
 PROMPT_LENGTHS = (3, 13, 11, 6, 16)
 SAMPLED = Sampling(temperature=1.0)
 
@@ -137,11 +141,13 @@ def test_config_decodes_as_transformers_and_dflash_greedy_as_plain_decoding(name
     prefilled whole and as two right-padded pieces per row (rows of different lengths, whose padding
     must not touch the states); plain greedy decoding equals `generate`; DFlash (block 4, a random
     drafter) on per-slot caches equals plain greedy decoding, and some of its cycles kept drafts (a
-    verify's rollback kept a prefix)."""
+    verify's rollback kept a prefix), but for MODEL_ONLY."""
     model, target_dir, drafter_dir = pair(name)
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     check_logits(model, target)
     assert_plain_greedy_equals_generate(model, target_dir)
+    if name in MODEL_ONLY:
+        return
     spec = decode(target, drafter)
     assert outputs(spec) == outputs(decode(target))
     assert max(a for _, acc in spec.values() for a in acc) > 1
