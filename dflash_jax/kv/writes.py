@@ -66,8 +66,11 @@ def _write_pool(buf, layer, new, offsets, rows, pages):
     flat = (jnp.where(ok, phys, num_pages) * page + pos % page).reshape(-1)  # no page: past the pool, dropped
     pool = buf.reshape(layers, num_pages * page, *tail)
     new = new.astype(buf.dtype)
-    if layer is None:  # [layers, n, T, width]
-        pool = pool.at[:, flat].set(new.reshape(layers, n * t, *tail), mode="drop")
+    if layer is None:  # [layers, n, T, width]: a scatter per layer (one over the layer axis too had a TPU
+        # keep the drafter's whole context pool layers-minor and copy it around every call)
+        new = new.reshape(layers, n * t, *tail)
+        for i in range(layers):
+            pool = pool.at[i, flat].set(new[i], mode="drop")
     else:
         pool = pool.at[layer, flat].set(new.reshape(n * t, *tail), mode="drop")
     return pool.reshape(buf.shape)
@@ -80,8 +83,10 @@ def _write_ring(buf, layer, new, offsets, rows):
     pos = (offsets.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % buf.shape[2]
     where = jnp.broadcast_to(rows[:, None], pos.shape)  # rows out of range (padding): dropped
     new = new.astype(buf.dtype)
-    if layer is None:
-        return buf.at[:, where, pos].set(new, mode="drop")
+    if layer is None:  # a scatter per layer, as into a pool
+        for i in range(buf.shape[0]):
+            buf = buf.at[i, where, pos].set(new[i], mode="drop")
+        return buf
     return buf.at[layer, where, pos].set(new, mode="drop")
 
 
