@@ -6,8 +6,8 @@ with a length per row kept beside it: a position's K/V heads are one row (`merge
 axes by (8 or 16, 128), so [kv_heads, head_dim] tiles pad fewer than 8 heads to 8 (16 in bfloat16)
 and a head_dim below 128 to 128, and where they would, the compiler stores the buffer
 positions-minor between programs and copies it into the attention kernel's layout around every
-call (gpt-oss's 8 heads of 64: each layer's pool copied in and out, twice its bytes). A row of
-whole heads is a multiple of 128 lanes for every published target, and the kernel slices its heads
+call (gpt-oss-120b's 8 heads of 64: its pool copied in and out of every program). A row of
+whole heads is a multiple of 128 lanes for every target in `dflash_jax.shapes`, and the kernel slices its heads
 from it statically. `max_len` is a whole number of pages of `PAGE_SIZE`
 positions (a cache shorter than one page is one page). A row's positions are contiguous, so page
 j of row b is `buf[layer, b, j*P:(j+1)*P]`.
