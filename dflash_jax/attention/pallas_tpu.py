@@ -172,7 +172,7 @@ def attend(q, cache: LayerKV, meta: AttentionMetadata, interpret=None, expected_
         q, meta.q_pos, k_buf, v_buf, meta.kv_limit, extra)
 
 
-def _geometry(q, k_buf, page_size, pages):
+def _geometry(k_buf, page_size, pages):
     """(batch, max_len, block, the row table flattened or None) of one device's cache."""
     if pages is None:
         batch, max_len = k_buf.shape[1:3]
@@ -225,7 +225,7 @@ def _attend(q, q_pos, k_buf, v_buf, layer, kv_limit, *, window=None, chunk=None,
     """The kernel on one device's arrays (latent: a latent cache's two parts in k_buf and v_buf)."""
     n, t, kv_heads, groups, d = q.shape
     dv = k_buf.shape[-1] if latent else d
-    batch, max_len, block, table = _geometry(q, k_buf, page_size, pages)
+    batch, max_len, block, table = _geometry(k_buf, page_size, pages)
     n_blocks = ring_blocks = max_len // block
     scale = d ** -0.5 if scale is None else scale
     tq = _query_tile(q)
