@@ -49,6 +49,13 @@ def layer_config(shape: str, weight_format: str):
     config = model_config(PUBLISHED_TARGETS[shape], dtype="bfloat16")
     if config.moe is None:
         raise SystemExit(f"error: {shape} has no mixture-of-experts layer")
+    if weight_format == "mxfp4":  # a format per out width (`mxfp4.format_name`): the experts' projections by theirs
+        from dflash_jax.model.formats import mxfp4
+
+        widths = {"gate_up_proj": 2 * config.moe.intermediate_size, "gate_proj": config.moe.intermediate_size,
+                  "up_proj": config.moe.intermediate_size, "down_proj": config.hidden_size}
+        return config.replace(weight_format=tuple((f"*experts/{name}", mxfp4.mxfp4_format(n).name)
+                                                  for name, n in widths.items()))
     return config.replace(weight_format=weight_format)
 
 

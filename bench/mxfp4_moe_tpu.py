@@ -33,7 +33,7 @@ HIDDEN, EXPERTS, TOP_K, WIDTH = 2880, 128, 4, 2880
 FORMS = ("bf16", "mxfp4 materialized", "mxfp4 product", "bf16 + take", "mxfp4 product + take")
 
 
-def project(x, arrays, ids, *, form):
+def project(x, arrays, ids, *, form, n_out):
     from dflash_jax.model.formats import mxfp4
     from dflash_jax.model.weights import Batched, Weight, project as seam
 
@@ -42,7 +42,7 @@ def project(x, arrays, ids, *, form):
     if form.startswith("bf16"):
         w = arrays[""] if "take" not in form else jnp.take(arrays[""], ids, axis=0, mode="clip")
         return jnp.einsum("kmi,kio->kmo", xk, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    weight = Weight(arrays, mxfp4.MXFP4, jnp.bfloat16)
+    weight = Weight(arrays, mxfp4.mxfp4_format(n_out), jnp.bfloat16)
     if "take" in form:
         weight = weight.take(ids)
     if form == "mxfp4 materialized":
@@ -76,10 +76,11 @@ def main(argv=None) -> int:
                 if form.startswith("bf16"):
                     arrays = {"": A((e, n_in, n_out), jnp.bfloat16)}
                 else:
-                    arrays = {"_blocks": A((e, n_in, n_out), jnp.float4_e2m1fn),
-                              "_scales": A((e, n_in // 32, n_out), jnp.uint8)}
+                    from dflash_jax.model.formats.mxfp4 import padded  # as stored: columns padded to whole lanes
+                    arrays = {"_blocks": A((e, n_in, padded(n_out)), jnp.float4_e2m1fn),
+                              "_scales": A((e, n_in // 32, padded(n_out)), jnp.uint8)}
                 x, ids = A((tokens, n_in), jnp.bfloat16), A((k,), jnp.int32)
-                r = aot.compile_for_tpu(jax.jit(functools.partial(project, form=form)), (x, arrays, ids), args.hlo,
+                r = aot.compile_for_tpu(jax.jit(functools.partial(project, form=form, n_out=n_out)), (x, arrays, ids), args.hlo,
                                         f"{name}-{form.replace(' ', '_').replace('+', 'and')}-{tokens}")
                 hbm = r["bytes"] - 4 * r["prefetched"]
                 est = f"{r['seconds'] * 1e3:7.3f} ms" if r["seconds"] else "   none"

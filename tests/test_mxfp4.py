@@ -29,7 +29,8 @@ def random_mxfp4(experts, n_out, n_in, seed=0):
 
 
 def kept(blocks, scales, dtype=jnp.float32) -> Weight:
-    return Weight({k: jnp.asarray(v) for k, v in mxfp4.to_stored(blocks, scales).items()}, mxfp4.MXFP4, dtype)
+    fmt = mxfp4.mxfp4_format(scales.shape[-2])  # "mxfp4_out<out>": the stored arrays are padded past out
+    return Weight({k: jnp.asarray(v) for k, v in mxfp4.to_stored(blocks, scales).items()}, fmt, dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
@@ -39,8 +40,12 @@ def test_stored_arrays_materialize_to_gpt_oss_dequantization(dtype):
     # the FP4 columns padded to a whole 128 (zero), so a TPU's default layout is the one the dots read
     assert stored["_blocks"].dtype == ml_dtypes.float4_e2m1fn and stored["_blocks"].shape == (3, 96, 128)
     assert not np.asarray(stored["_blocks"][..., 24:], np.float32).any()
-    assert stored["_scales"].dtype == np.uint8 and stored["_scales"].shape == (3, 3, 24)
-    dense = np.asarray(mxfp4.materialize({k: jnp.asarray(v) for k, v in stored.items()}, jnp.dtype(dtype)))
+    # the scales' columns padded as the blocks' (127: a scale of 1), so their layout is whole lanes too
+    assert stored["_scales"].dtype == np.uint8 and stored["_scales"].shape == (3, 3, 128)
+    assert (stored["_scales"][..., 24:] == 127).all()
+    fmt = mxfp4.mxfp4_format(24)
+    assert fmt.name == "mxfp4_out24" and mxfp4.mxfp4_format(256).name == "mxfp4"
+    dense = np.asarray(fmt.materialize({k: jnp.asarray(v) for k, v in stored.items()}, jnp.dtype(dtype)))
     np.testing.assert_array_equal(dense.astype(np.float32), dequantize_mxfp4(blocks, scales, dtype).astype(np.float32))
     with pytest.raises(ValueError, match="do not match"):
         mxfp4.to_stored(blocks, scales[..., :1])
@@ -56,7 +61,7 @@ def test_products_equal_materialize_then_contract(n_in):
         ref = jnp.einsum("kmi,kio->kmo", x, dense)
         got = project(x, weight, Batched(jnp.float32))
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
-        one = Weight({k: v[2] for k, v in weight.arrays.items()}, mxfp4.MXFP4, jnp.float32)
+        one = Weight({k: v[2] for k, v in weight.arrays.items()}, weight.format, jnp.float32)
         got = project(x[0], one, Dot(jnp.float32))
         np.testing.assert_allclose(np.asarray(got), np.asarray(x[0] @ dense[2]), rtol=1e-5,
                                    atol=1e-5 * float(jnp.abs(ref).max()))
@@ -78,6 +83,7 @@ def checkpoint(tmp_path_factory):
 
 def test_checkpoint_loads_kept_in_mxfp4_and_decodes_as_dequantized(checkpoint):
     from dflash_jax.engine import BatchEngine
+    from dflash_jax.model.weights import format_for, weight_format
 
     model, path = checkpoint
     config, params = load_target(path, dtype="float32")
@@ -91,8 +97,10 @@ def test_checkpoint_loads_kept_in_mxfp4_and_decodes_as_dequantized(checkpoint):
             assert experts[f"{name}_blocks"].dtype == jnp.float4_e2m1fn
             assert experts[f"{name}_scales"].dtype == jnp.uint8
             dense = dparams["model"][f"layers_{i}"]["mlp"]["experts"][name]
+            fmt = weight_format(format_for(config.weight_format, f"model/layers_{i}/mlp/experts/{name}"))
+            assert fmt.name == mxfp4.format_name(dense.shape[-1])  # its out width's format ("mxfp4_out<out>")
             np.testing.assert_array_equal(
-                np.asarray(mxfp4.materialize({s: experts[name + s] for s in ("_blocks", "_scales")}, jnp.float32)),
+                np.asarray(fmt.materialize({s: experts[name + s] for s in ("_blocks", "_scales")}, jnp.float32)),
                 np.asarray(dense))
         # attention and the router stay dense, in the model's dtype
         assert params["model"][f"layers_{i}"]["self_attn"]["q_proj"]["kernel"].dtype == jnp.float32
@@ -128,9 +136,9 @@ def test_a_missing_scale_is_named_when_kept(checkpoint, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_a_tpu_holds_gpt_oss_120b_experts_at_the_checkpoints_bytes():
     """Compiled for one v5p chip, a program taking one gpt-oss-120b layer's experts in MXFP4 holds
-    them at 4.25 bits a weight (the checkpoint's blocks and scales; down_proj's FP4 columns padded
-    from 2880 to 2944), the biases in bfloat16, and its default layouts are the ones the dots read:
-    no stack is copied into another layout."""
+    them at 4.25 bits a weight (the checkpoint's blocks and scales; down_proj's FP4 columns and
+    scales padded from 2880 to 2944), the biases in bfloat16, and its default layouts are the ones
+    the products read: no stack, of values or of scales, is copied into another layout."""
     from dflash_jax import aot
     from dflash_jax.families import model_config
     from dflash_jax.model import abstract_params
@@ -145,11 +153,14 @@ def test_a_tpu_holds_gpt_oss_120b_experts_at_the_checkpoints_bytes():
     r = aot.compile_for_tpu(jax.jit(lambda a: sum(v.reshape(-1)[0].astype(jnp.float32) for v in a.values())),
                             (args,), None, "experts")
     e, h, i = 128, 2880, 2880
-    blocks, scales = e * (h * 2 * i + i * 2944) / 2, e * (h * 2 * i + i * h) / 32
+    blocks, scales = e * (h * 2 * i + i * 2944) / 2, e * (h * 2 * i + i * 2944) / 32
     assert r["memory"]["arguments"] == blocks + scales + e * (2 * i + h) * 2
     layouts = jax.jit(lambda a: a).trace(args).lower().compile().input_formats[0][0]
     for name in ("gate_up_proj_blocks", "down_proj_blocks"):
         assert layouts[name].layout.major_to_minor == (0, 1, 2), (name, layouts[name].layout)
+    for name in ("gate_up_proj_scales", "down_proj_scales"):  # the columns minor, not the experts (unpadded,
+        # down_proj's were expert-minor, and every call copied the stack's scales before picking an expert's)
+        assert layouts[name].layout.major_to_minor[-1] == 2, (name, layouts[name].layout)
 
 
 def test_conversion_keeps_the_experts_in_mxfp4_and_reloads_as_the_hf_checkpoint(checkpoint, tmp_path):

@@ -65,17 +65,27 @@ def materialize(arrays: dict, dtype, block: tuple[int, int]):
 def block_dot(x, w, scale, block: tuple[int, int], dtype, batched: bool = False):
     """x [..., R] . dequantized w [R, C] -> [..., C] in dtype (batched: x [K, M, R], w [K, R, C],
     scale [K, ...]: one product per leading index), as one partial dot per br rows of w, the convert
-    to dtype inside the dot's operand, each partial scaled after it, accumulated in float32."""
+    to dtype inside the dot's operand, accumulated in float32. The partials [..., R / br, C] are
+    weighed by their blocks' scales and summed over the row blocks in one contraction per column
+    block (`...jcp,jc->...cp`), which the TPU compiler fuses into the dot; a scale repeated over its
+    block's columns first (`jnp.repeat`) is written out for every weight (DeepSeek-V3's MoE layer at 8
+    tokens: 1.494 against 1.347 ms, docs/benchmarks.md). Columns that do not fill their last block
+    (tiny test models) take the repeated scale."""
     br, bc = block
     rows, cols = w.shape[-2:]
     xb = x.astype(dtype).reshape(*x.shape[:-1], rows // br, br)
     wb = w.astype(dtype).reshape(*w.shape[:-2], rows // br, br, cols)
-    s = jnp.repeat(scale.astype(jnp.float32), bc, axis=-1)[..., :cols]  # [(K,) R / br, C]
+    scale = scale.astype(jnp.float32)  # [(K,) R / br, C / bc]
     if batched:
         partial = jnp.einsum("kmjb,kjbo->kmjo", xb, wb, preferred_element_type=jnp.float32)
-        return (partial * s[:, None]).sum(-2).astype(dtype)
-    partial = jnp.einsum("...jb,jbo->...jo", xb, wb, preferred_element_type=jnp.float32)
-    return (partial * s).sum(-2).astype(dtype)
+    else:
+        partial = jnp.einsum("...jb,jbo->...jo", xb, wb, preferred_element_type=jnp.float32)
+    if cols % bc == 0:
+        blocks = partial.reshape(*partial.shape[:-1], cols // bc, bc)
+        weigh = "kmjcp,kjc->kmcp" if batched else "...jcp,jc->...cp"
+        return jnp.einsum(weigh, blocks, scale).reshape(*partial.shape[:-2], cols).astype(dtype)
+    s = jnp.repeat(scale, bc, axis=-1)[..., :cols]
+    return (partial * (s[:, None] if batched else s)).sum(-2).astype(dtype)
 
 
 def _product(block):
