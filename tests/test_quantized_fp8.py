@@ -359,21 +359,31 @@ if __name__ == "__main__":
     print(json.dumps(worker(sys.argv[1], sys.argv[2])))
 
 
-@pytest.mark.parametrize("rows", [256, 200])  # whole blocks (picked from the blocked view), and edge blocks
-def test_experts_taken_from_a_kept_stack_multiply_as_their_dequantized_selves(rows):
+@pytest.mark.parametrize("rows,cols,m", [(256, 256, 2), (256, 256, 12), (200, 192, 2)])
+def test_experts_taken_from_a_kept_stack_multiply_as_their_dequantized_selves(rows, cols, m):
     """`Weight.take` through the format's own pick (from the stack's view in row blocks), then the
-    touched path's `Batched` product: each picked expert's product with its dequantized weight."""
+    touched path's `Batched` product, and a `Dot` on one expert: each equals the product with the
+    dequantized weight. Both ways `block_dot` weighs its partials: in one contraction per column
+    block (m rows up to `WEIGHED_ROWS`, whole column blocks), and by the scale repeated over its
+    columns (more rows; edge blocks of rows and columns)."""
+    from dflash_jax.model.formats.fp8 import WEIGHED_ROWS
+    from dflash_jax.model.weights import Dot
     from dflash_jax.model.weights import Batched, Weight, project
 
     fmt = weight_format("fp8_e4m3_128x128")
     rs = np.random.RandomState(0)
-    values = jnp.asarray(rs.randn(5, rows, 192).astype(np.float32)).astype(jnp.float8_e4m3fn)
-    scale = jnp.asarray(rs.uniform(0.5, 2, (5, -(-rows // 128), 2)).astype(np.float32))
+    assert (m <= WEIGHED_ROWS) == (m == 2)
+    values = jnp.asarray(rs.randn(5, rows, cols).astype(np.float32)).astype(jnp.float8_e4m3fn)
+    scale = jnp.asarray(rs.uniform(0.5, 2, (5, -(-rows // 128), -(-cols // 128))).astype(np.float32))
     stack = Weight({"": values, SCALE: scale}, fmt, jnp.float32)
     ids = jnp.asarray([4, 0, 4], jnp.int32)
     picked = stack.take(ids)
-    assert picked.arrays[""].shape == (3, rows, 192) and picked.arrays[SCALE].shape == (3, scale.shape[1], 2)
-    x = jnp.asarray(rs.randn(3, 2, rows).astype(np.float32))
+    assert picked.arrays[""].shape == (3, rows, cols) and picked.arrays[SCALE].shape == (3, *scale.shape[1:])
+    x = jnp.asarray(rs.randn(3, m, rows).astype(np.float32))
     got = project(x, picked, Batched(jnp.float32))
     want = jnp.einsum("kmi,kio->kmo", x, stack.dense[ids], precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    one = Weight({"": values[1], SCALE: scale[1]}, fmt, jnp.float32)
+    got = project(x[1], one, Dot(jnp.float32))
+    want = jnp.dot(x[1], stack.dense[1], precision="highest")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))

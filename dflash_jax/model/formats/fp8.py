@@ -36,6 +36,7 @@ modules of `modules_to_not_convert` dense. A checkpoint with one scale per matri
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ import numpy as np
 
 from dflash_jax.model.weights import FORMATS, Batched, Dot, WeightFormat, register
 
+WEIGHED_ROWS = 8  # rows of a product up to which `block_dot` weighs its partials in one contraction (a sublane tile)
 SCALE = "_scale_inv"  # the stored suffix: `X.weight_scale_inv` beside `X.weight`, `kernel_scale_inv` beside `kernel`
 FLOAT8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
@@ -67,10 +69,12 @@ def block_dot(x, w, scale, block: tuple[int, int], dtype, batched: bool = False)
     scale [K, ...]: one product per leading index), as one partial dot per br rows of w, the convert
     to dtype inside the dot's operand, accumulated in float32. The partials [..., R / br, C] are
     weighed by their blocks' scales and summed over the row blocks in one contraction per column
-    block (`...jcp,jc->...cp`), which the TPU compiler fuses into the dot; a scale repeated over its
-    block's columns first (`jnp.repeat`) is written out for every weight (DeepSeek-V3's MoE layer at 8
-    tokens: 1.494 against 1.347 ms, docs/benchmarks.md). Columns that do not fill their last block
-    (tiny test models) take the repeated scale."""
+    block (`...jcp,jc->...cp`) while a product has at most `WEIGHED_ROWS` rows: the TPU compiler then
+    fuses it into the dot, where a scale repeated over its block's columns first (`jnp.repeat`) is
+    written out for every weight (DeepSeek-V3's MoE layer at 8 tokens: 1.494 against 1.344 ms).
+    With more rows the contraction is not fused and its partials are written out (the layer at 16
+    tokens 7.57 ms, MiniMax-M2's at 128 14.6 against 2.65), so those take the repeated scale, as do
+    columns that do not fill their last block (tiny test models). docs/benchmarks.md, "Touched experts"."""
     br, bc = block
     rows, cols = w.shape[-2:]
     xb = x.astype(dtype).reshape(*x.shape[:-1], rows // br, br)
@@ -80,7 +84,8 @@ def block_dot(x, w, scale, block: tuple[int, int], dtype, batched: bool = False)
         partial = jnp.einsum("kmjb,kjbo->kmjo", xb, wb, preferred_element_type=jnp.float32)
     else:
         partial = jnp.einsum("...jb,jbo->...jo", xb, wb, preferred_element_type=jnp.float32)
-    if cols % bc == 0:
+    rows_per_product = x.shape[-2] if batched else math.prod(x.shape[:-1])
+    if cols % bc == 0 and rows_per_product <= WEIGHED_ROWS:
         blocks = partial.reshape(*partial.shape[:-1], cols // bc, bc)
         weigh = "kmjcp,kjc->kmcp" if batched else "...jcp,jc->...cp"
         return jnp.einsum(weigh, blocks, scale).reshape(*partial.shape[:-2], cols).astype(dtype)

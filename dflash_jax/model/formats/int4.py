@@ -120,9 +120,9 @@ def group_dot(x, arrays, dtype, batched: bool = False):
     scale = scale.astype(jnp.float32)
     if batched:
         partial = jnp.einsum("kmgab,kgaob->kmgo", xg, q, preferred_element_type=jnp.float32)
-        return jnp.einsum("kmgo,kgo->kmo", partial, scale)
+        return (partial * scale[:, None]).sum(-2)
     partial = jnp.einsum("...gab,gaob->...go", xg, q, preferred_element_type=jnp.float32)
-    return jnp.einsum("...go,go->...o", partial, scale)
+    return (partial * scale).sum(-2)
 
 
 def product(spec, x, arrays, dtype):
