@@ -14,7 +14,9 @@ for one chip (nothing runs) at each token count, by path:
 - `touched`: forced, each distinct expert the step routes to picked from the stack in its stored
   format and run over every token of the step (`moe.touched_mlp`; every expert once N x k reaches
   the experts);
-- `grouped`: forced, `ragged_dot` over the whole stack (`moe._grouped_mlp`).
+- `grouped`: forced, `ragged_dot` over the whole stack (`moe._grouped_mlp`);
+- `tiled`: forced, the routed rows sorted by expert in tiles of `moe.TILE_ROWS`, one product a tile
+  (`moe.tiled_mlp`).
 
 Prints the compiler's estimate (`optimal_seconds`), bytes accessed (less the extra counts of
 prefetched buffers), and the ideal: the layer's weights a step must read once at their stored
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when run as a script
 
-PATHS = ("auto", "touched", "grouped")
+PATHS = ("auto", "touched", "grouped", "tiled")
 
 
 def layer_config(shape: str, weight_format: str):
@@ -104,7 +106,9 @@ def main(argv=None) -> int:
           f"top-{moe.top_k} of width {moe.intermediate_size}, shared expert {moe.shared_expert_size}), weights "
           f"{args.format}; compiler estimates, nothing ran")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        auto = "touched" if moe_module.touched_path(tokens, moe, quantized=args.format != "dense") else "grouped"
+        row_cost = 2 if args.format == "mxfp4" else 1
+        auto = ("tiled" if moe_module.tiled_path(tokens, moe, row_cost) else
+                "touched" if moe_module.touched_path(tokens, moe, quantized=args.format != "dense") else "grouped")
         for path in args.paths.split(","):
             r, shapes = compile_layer(config, tokens, path, mesh, args.hlo, f"{args.shape}-{path}-{tokens}")
             ideal = ideal_bytes(shapes, config, tokens)

@@ -165,6 +165,32 @@ def test_touched_experts_equal_the_grouped_matmuls(family, dtype):
 
 
 @pytest.mark.parametrize("family", sorted(TOUCHED_BLOCKS))
+def test_tiled_experts_equal_the_grouped_matmuls(family, monkeypatch):
+    """The tiled path (the assignments sorted by expert, cut into tiles of one expert's rows, one
+    product a tile) equals the grouped one: tiles of 2 rows (an expert's rows over several tiles, a
+    last tile part padding) and of 32 (each expert's rows in one), 3 tokens touching some of the 16
+    experts and 20 touching most, a token naming one expert twice."""
+    moe = TOUCHED_BLOCKS[family]
+    config = block_config(moe)
+    rs = np.random.RandomState(5)
+    params = Experts(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 24)), jnp.zeros((1, moe.top_k)),
+                                  jnp.zeros((1, moe.top_k), jnp.int32))["params"]
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.PRNGKey(2), p.shape), params)
+    for rows in (2, 32):
+        monkeypatch.setattr(moe_module, "TILE_ROWS", rows)
+        for n in (3, 20):
+            tokens = jnp.asarray(rs.standard_normal((n, 24)), jnp.float32)
+            weights = jnp.asarray(rs.uniform(0.1, 1, (n, moe.top_k)), jnp.float32)
+            experts = rs.choice([1, 4, 5, 11, 15], (n, moe.top_k)) if n == 3 else rs.randint(0, 16, (n, moe.top_k))
+            experts[0, :2] = 4
+            experts = jnp.asarray(experts, jnp.int32)
+            got = experts_on("tiled", config, params, tokens, weights, experts)
+            want = experts_on("grouped", config, params, tokens, weights, experts)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+            assert np.abs(want).max() > 0.1
+
+
+@pytest.mark.parametrize("family", sorted(TOUCHED_BLOCKS))
 def test_the_block_at_decode_equals_every_expert_on_every_token(family):
     """The whole block (router, touched experts, shared expert) at 2 tokens, which take the touched
     path, against the grouped path and, for the two routers numpy_moe knows, the definition."""
@@ -198,6 +224,13 @@ def test_the_switch_between_touched_and_grouped():
     assert moe_module.touched_path(4096, oss) is False
     # stacks kept quantized: touched (every expert) up to QUANTIZED_TOUCHED_TOKENS, then grouped
     assert [moe_module.touched_path(n, deepseek, True) for n in (8, 128, 256, 257, 4096)] == [True] * 3 + [False] * 2
+    # tiled: products that cost more than a dot a row (MXFP4), every local expert run, tiles reading at
+    # most 1.25x the experts: gpt-oss-120b's verify of 8 x 16 tokens on one chip, not on four (48 tiles for 32)
+    assert [moe_module.tiled_path(n, oss, 2) for n in (8, 31, 32, 128)] == [False, False, True, True]
+    assert not moe_module.tiled_path(128, oss, 1) and not moe_module.tiled_path(128, oss, 2, local=32)
+    assert not moe_module.tiled_path(128, deepseek, 1)
+    with moe_module.override("tiled"):
+        assert moe_module.tiled_path(1, oss) and not moe_module.touched_path(1, oss)
     with pytest.raises(ValueError, match="unknown MoE path 'fast'"):
         with moe_module.override("fast"):
             pass
@@ -272,6 +305,12 @@ for family in sys.argv[1:]:
             with tracing_on(mesh):
                 got = jax.jit(lambda p, x: MoE(config).apply({"params": p}, x))(*on)
             out[f"{family} {n} {spec}"] = float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+            if n == 10:  # the tiled path over each device's own experts, tiles of 2 rows
+                moe_module.TILE_ROWS = 2
+                with tracing_on(mesh), moe_module.override("tiled"):
+                    got = jax.jit(lambda p, x: MoE(config).apply({"params": p}, x))(*on)
+                moe_module.TILE_ROWS = 32
+                out[f"{family} {n} {spec} tiled"] = float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
 print(json.dumps({"errors": out, "touched": calls}))
 """
 
@@ -283,14 +322,15 @@ print(json.dumps({"errors": out, "touched": calls}))
 def test_expert_parallel_touched_and_grouped_equal_one_device(families):
     """The block with its 16 experts split over `model` (2 or 4 devices; 8 CPU devices in a
     subprocess): at 2 tokens (touched: with 8 experts a device, some of them picked, padding slots
-    included; with 4, all of them) and at 10 (grouped), the block equals one device's."""
+    included; with 4, all of them) and at 10 (grouped, and tiled over each device's experts), the
+    block equals one device's."""
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, *families], capture_output=True, text=True, env=env,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(out["errors"]) == len(families) * 2 * 2
+    assert len(out["errors"]) == len(families) * 2 * 3
     bad = {k: e for k, e in out["errors"].items() if not e < 1e-5}
     assert not bad, bad
     assert True in out["touched"] and False in out["touched"]

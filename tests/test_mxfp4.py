@@ -81,8 +81,13 @@ def checkpoint(tmp_path_factory):
     return model, mxfp4_checkpoint(model, tmp_path_factory.mktemp("mxfp4"))
 
 
-def test_checkpoint_loads_kept_in_mxfp4_and_decodes_as_dequantized(checkpoint):
+def test_checkpoint_loads_kept_in_mxfp4_and_decodes_as_dequantized(checkpoint, monkeypatch):
     from dflash_jax.engine import BatchEngine
+    from dflash_jax.model import moe as moe_module
+
+    tiled = []  # MXFP4 stacks' products cost two dots a row: a step running every expert takes the tiled path
+    real = moe_module.tiled_mlp
+    monkeypatch.setattr(moe_module, "tiled_mlp", lambda *a, **k: tiled.append(1) or real(*a, **k))
     from dflash_jax.model.weights import format_for, weight_format
 
     model, path = checkpoint
@@ -113,8 +118,10 @@ def test_checkpoint_loads_kept_in_mxfp4_and_decodes_as_dequantized(checkpoint):
     prompts = [IDS[0, :n].tolist() for n in (3, 19, 11)]
     outs = []
     for cfg, p in ((config, params), (dconfig, dparams)):
+        tiled.clear()
         gen = BatchEngine(cfg, p, batch_size=2, max_new_tokens=10, max_prompt_len=24, page_size=16)
         outs.append([r.output_ids for r in sorted(gen.generate(prompts), key=lambda r: r.index)])
+        assert bool(tiled) == (cfg.weight_format != "dense")  # 2 rows x top 2 run all 4 experts: tiled in MXFP4
     assert outs[0] == outs[1]
 
 

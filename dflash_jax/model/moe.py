@@ -1,7 +1,7 @@
 """The sparse mixture-of-experts MLP block (Qwen3-MoE, gpt-oss, Gemma 4, Qwen3.5, DeepSeek-V3).
 
 A router scores every token against every expert and keeps the top k (`route`). The experts
-then run one of two ways, by the call's static number of tokens (`touched_path`):
+then run one of three ways, by the call's static number of tokens (`touched_path`, `tiled_path`):
 
 - touched (decode, the verify of small batches: tokens x k < experts): the distinct experts routed
   to are picked from the stacks in their stored format, one product each over every token of the
@@ -9,9 +9,13 @@ then run one of two ways, by the call's static number of tokens (`touched_path`)
 - grouped (prefill): the k (token, expert) assignments are sorted by expert, so each expert's
   tokens are one contiguous group, and every projection is one grouped matmul
   (`jax.lax.ragged_dot`) over those groups; the outputs go back to token order and are summed
-  with the routing weights.
+  with the routing weights;
+- tiled (the verify of a batch over MXFP4 stacks, whose products cost two dots a row): the
+  assignments sorted by expert are cut into tiles of `TILE_ROWS` rows, one expert's each, and each
+  tile is one product with its expert picked in its stored format (`tiled_mlp`): each expert runs
+  over its own routed rows, not every token.
 
-Both agree to float32 rounding; the switch is where the TPU compiler's estimates put it.
+All agree to float32 rounding; the switch is where the TPU compiler's estimates put it.
 
 On TPU and GPU, XLA runs `ragged_dot` as a grouped matmul. XLA's CPU backend expands it into a
 dense dot masked per group (every expert's weights against every routed row): correct, and
@@ -167,13 +171,40 @@ def touched_path(tokens: int, moe: MoeConfig, quantized: bool = False) -> bool:
     return tokens * moe.top_k < moe.num_experts or (quantized and tokens <= QUANTIZED_TOUCHED_TOKENS)
 
 
+TILE_ROWS = 32  # rows a tile of `tiled_mlp` holds
+# The tiled path's reads of experts (its static tiles) at most this many times the touched path's.
+TILED_READS = 1.25
+
+
+def tiled_path(tokens: int, moe: MoeConfig, row_cost: int = 1, local: int | None = None) -> bool:
+    """Whether a call with `tokens` tokens (static) runs `tiled_mlp` rather than `touched_mlp` (inside
+    `override`: as it says): where the touched path would run every one of the `local` experts
+    (default: all) over every token, its products cost more than a plain dot per row (`row_cost` > 1:
+    MXFP4), and the tiles read at most `TILED_READS` times the experts the touched path reads.
+
+    By the TPU compiler (v5p, one MoE layer at 128 tokens, a DFlash verify of batch 8 x block 16;
+    docs/benchmarks.md, "Touched experts"): gpt-oss-120b in MXFP4 (128 experts, top 4: 144 tiles of 32
+    rows against 128 experts) 5.439 ms touched, 3.707 ms tiled (tiles of 8 rows: 192 tiles, 4.164 ms):
+    its touched products, two copies of 128 tokens each, are compute-bound. MiniMax-M2 in FP8 (256
+    experts, top 8: 288 tiles) 2.650 touched against 2.963 tiled: one copy of the tokens, and the
+    tiles read 12% more experts."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced == "tiled"
+    local = moe.num_experts if local is None else local
+    assigned = tokens * moe.top_k
+    if row_cost <= 1 or assigned < local:
+        return False
+    return -(-assigned // TILE_ROWS) + local <= TILED_READS * local
+
+
 @contextlib.contextmanager
 def override(path: str):
-    """Inside the block, MoE blocks traced take `path` ("touched" or "grouped") at every token
+    """Inside the block, MoE blocks traced take `path` ("touched", "grouped" or "tiled") at every token
     count. For benchmarks and tests; the choice is made when a call is traced (a function traced
     before keeps its path from jax's cache)."""
-    if path not in ("touched", "grouped"):
-        raise ValueError(f"unknown MoE path {path!r} (touched, grouped)")
+    if path not in ("touched", "grouped", "tiled"):
+        raise ValueError(f"unknown MoE path {path!r} (touched, grouped, tiled)")
     token = _forced.set(path)
     try:
         yield
@@ -228,6 +259,61 @@ def touched_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, f
     return out
 
 
+def tiled_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, first=0, local=None,
+              rows: int = None):
+    """The routed experts' outputs combined, each expert over its own routed rows only: tokens
+    [N, hidden], weights [N, k] float32, experts [N, k], params as `touched_mlp`'s.
+
+    The N x k assignments (those to experts first .. first + local - 1) are sorted by expert and
+    cut into tiles of `rows` rows, each tile one expert's (an expert's last tile padded with zero
+    rows): at most ceil(N k / rows) + min(local, N k) tiles, a static count. Each tile is one
+    product with its expert picked in its stored format (`Weight.take`), as `touched_mlp` picks one
+    expert a product; an unused tile repeats the last expert's pick over zero rows. Where
+    `touched_mlp` runs every touched expert over every token (N x U rows), this runs N x k rows
+    (plus the tiles' padding) and reads an expert once per tile: the verify of a batch, whose
+    tokens touch most experts, is compute-bound the first way (docs/benchmarks.md, "Touched
+    experts"). Gathers and sorts only, no scatter. Returns [N, hidden] float32."""
+    local = moe.num_experts if local is None else local
+    rows = TILE_ROWS if rows is None else rows
+    n, k = experts.shape
+    a = n * k
+    ids = experts.reshape(-1) - first
+    key = jnp.where((ids >= 0) & (ids < local), ids, local)  # another device's experts sort last
+    order = jnp.argsort(key, stable=True)  # the assignments by expert
+    ends = jnp.searchsorted(jnp.take(key, order), jnp.arange(local, dtype=key.dtype), side="right", method="sort")
+    sizes = jnp.diff(ends, prepend=0)  # [local] assignments per expert
+    tiles = (sizes + rows - 1) // rows
+    tile_end = jnp.cumsum(tiles)
+    tile_start, group_start = tile_end - tiles, ends - sizes
+    count = -(-a // rows) + min(local, a)
+    expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(count), side="right"), local - 1)  # [T]
+    rank = (jnp.arange(count) - tile_start[expert])[:, None] * rows + jnp.arange(rows)  # [T, rows]
+    valid = (rank < sizes[expert][:, None]) & (rank >= 0)
+    src = jnp.take(order, jnp.clip(group_start[expert][:, None] + rank, 0, a - 1))  # [T, rows] assignment
+    x = jnp.where(valid[..., None], jnp.take(tokens, src // k, axis=0), jnp.zeros((), tokens.dtype))
+    ys = []
+    for t in range(count):
+        e = expert[t:t + 1]
+        picked = {name: p.take(e) if name.endswith("_proj") else jnp.take(p, e, axis=0, mode="clip")
+                  for name, p in params.items()}
+
+        def batched(x, name, picked=picked):
+            y = project(x, picked[name], Batched(dtype))
+            if moe.expert_bias:
+                y = y + picked[f"{name}_bias"][:, None, :]
+            return y
+
+        ys.append(_mlp(x[t:t + 1], batched, moe)[0])  # [rows, hidden]
+    ys = jnp.concatenate(ys).astype(jnp.float32)  # [T rows, hidden]
+    position = jnp.argsort(order)  # each assignment's place in the sorted order
+    clipped = jnp.minimum(key, local - 1)
+    within = position - group_start[clipped]
+    slot = (tile_start[clipped] + within // rows) * rows + within % rows
+    y = jnp.take(ys, slot, axis=0).reshape(n, k, -1)
+    w = jnp.where((key < local).reshape(n, k), weights, 0.0)
+    return jnp.einsum("nk,nkh->nh", w, y)
+
+
 def _grouped_local(xs, group_sizes, expert_of, params: dict, moe: MoeConfig, dtype, first, local: int):
     """`_grouped_mlp` on the rows routed to experts first .. first + local - 1 (a device's own):
     a contiguous run of the grouped rows, rolled to the front, the rest zero."""
@@ -277,7 +363,8 @@ class Experts(nn.Module):
     @nn.compact
     def __call__(self, tokens, weights, experts):
         """tokens [N, hidden], routed (`route`) with weights [N, k] float32 to experts [N, k] ->
-        sum_k weights * expert(token), [N, hidden] float32. N static: with `touched_path`, the
+        sum_k weights * expert(token), [N, hidden] float32. N static: with `tiled_path`, each
+        expert over its own rows in tiles (`tiled_mlp`: an MXFP4 verify); with `touched_path`, the
         touched experts alone (`touched_mlp`: decode and verify); else the grouped matmuls over
         the whole stack (`dispatch`, `_grouped_mlp`: prefill). Under a mesh that splits `model`
         (and divides the experts), each device runs its own experts (`expert_parallel`)."""
@@ -297,6 +384,14 @@ class Experts(nn.Module):
         mesh = _model_axis_mesh()
         split = mesh is not None and e % mesh.shape["model"] == 0
         quantized = any(isinstance(p, Weight) and p.format.name != "dense" for p in params.values())
+        row_cost = max(p.format.row_cost for p in params.values() if isinstance(p, Weight))
+        local = e // mesh.shape["model"] if split else e
+        if tiled_path(tokens.shape[0], moe, row_cost, local):
+            fn = functools.partial(tiled_mlp, moe=moe, dtype=dtype)
+            if split:
+                return expert_parallel(lambda *a: fn(*a[:3], a[3], first=a[4], local=a[5]),
+                                       (tokens, weights, experts), params, moe, mesh)
+            return fn(tokens, weights, experts, params)
         if touched_path(tokens.shape[0], moe, quantized):
             fn = functools.partial(touched_mlp, moe=moe, dtype=dtype)
             if split:

@@ -131,7 +131,10 @@ class WeightFormat:
         (compressed-tensors' `weight_shape`): the loader passes each to
     check(suffix, value, {suffix: shape of one matrix's stored array}) -> None, or what is wrong with it.
     take(arrays, index) -> arrays: `Weight.take` (experts picked from a stack) the format's way, where
-        the compiler fuses a pick into the product only from a view of its own; None: `jnp.take`."""
+        the compiler fuses a pick into the product only from a view of its own; None: `jnp.take`.
+    row_cost: a product's multiply-adds per row of x and weight, against a plain dot's one (MXFP4's
+        products contract two copies of x per chunk of its blocks: 2). The MoE block's choice of path
+        reads it (`dflash_jax.model.moe.tiled_path`)."""
 
     name: str
     stored: Callable[..., Stored]
@@ -140,6 +143,7 @@ class WeightFormat:
     aside: tuple[str, ...] = ()
     check: Callable | None = None
     take: Callable | None = None  # (arrays, index) -> arrays: `Weight.take` in the format's own way
+    row_cost: int = 1
 
     @property
     def names(self) -> tuple[str, ...]:

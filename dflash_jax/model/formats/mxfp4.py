@@ -157,7 +157,7 @@ def mxfp4_format(n_out: int) -> w.WeightFormat:
     out = None if name == "mxfp4" else int(n_out)  # "mxfp4": any width of whole lanes, nothing cut
     return w.register(w.WeightFormat(name, stored=_stored(),
                                      materialize=lambda arrays, dtype: materialize(arrays, dtype, out),
-                                     product=_product(out), take=take))
+                                     product=_product(out), take=take, row_cost=2))
 
 
 MXFP4 = mxfp4_format(LANES)  # "mxfp4"
