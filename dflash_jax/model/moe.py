@@ -223,6 +223,24 @@ def touched(experts, first, local: int):
     return jnp.sort(jnp.where(new, flat, local))[:min(local, flat.shape[0])]
 
 
+def _pick(params: dict, ids) -> dict:
+    """The experts `ids` [K] of every stack: kernels in their stored format (`Weight.take`), biases too."""
+    return {name: p.take(ids) if name.endswith("_proj") else jnp.take(p, ids, axis=0, mode="clip")
+            for name, p in params.items()}
+
+
+def _experts_mlp(x, params: dict, moe: MoeConfig, dtype):
+    """x [K, M, hidden] through K experts' MLPs (params: their kernels [K, in, out] and biases
+    [K, out]), one product per expert (`Batched`) -> [K, M, hidden]."""
+    def batched(x, name):
+        y = project(x, params[name], Batched(dtype))
+        if moe.expert_bias:
+            y = y + params[f"{name}_bias"][:, None, :]
+        return y
+
+    return _mlp(x, batched, moe)
+
+
 def touched_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, first=0, local=None):
     """The routed experts' outputs combined, reading only the experts the step touches: tokens
     [N, hidden], weights [N, k] float32, experts [N, k]; params as `_grouped_mlp`'s, holding experts
@@ -241,18 +259,10 @@ def touched_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, f
         slots = [(jnp.arange(local), params)]
     else:
         ids = touched(experts, first, local)  # [U]
-        slots = [(ids[u:u + 1], {name: p.take(ids[u:u + 1]) if name.endswith("_proj")
-                                 else jnp.take(p, ids[u:u + 1], axis=0, mode="clip") for name, p in params.items()})
-                 for u in range(ids.shape[0])]
+        slots = [(ids[u:u + 1], _pick(params, ids[u:u + 1])) for u in range(ids.shape[0])]
     out = jnp.zeros(tokens.shape, jnp.float32)
     for ids, picked in slots:  # ids [K], picked: their kernels [K, in, out] (and biases [K, out])
-        def batched(x, name, picked=picked):
-            y = project(x, picked[name], Batched(dtype))
-            if moe.expert_bias:
-                y = y + picked[f"{name}_bias"][:, None, :]
-            return y
-
-        ys = _mlp(jnp.broadcast_to(tokens, (ids.shape[0], *tokens.shape)), batched, moe)  # [K, N, hidden]
+        ys = _experts_mlp(jnp.broadcast_to(tokens, (ids.shape[0], *tokens.shape)), picked, moe, dtype)  # [K, N, hidden]
         mine = (experts[None] - first == ids[:, None, None]) & (ids < local)[:, None, None]  # padding: no one's
         routed = jnp.where(mine, weights[None], 0.0).sum(-1)  # [K, N]
         out = out + jnp.einsum("kn,knh->nh", routed, ys.astype(jnp.float32))
@@ -278,34 +288,20 @@ def tiled_mlp(tokens, weights, experts, params: dict, moe: MoeConfig, dtype, fir
     n, k = experts.shape
     a = n * k
     ids = experts.reshape(-1) - first
-    key = jnp.where((ids >= 0) & (ids < local), ids, local)  # another device's experts sort last
-    order = jnp.argsort(key, stable=True)  # the assignments by expert
-    ends = jnp.searchsorted(jnp.take(key, order), jnp.arange(local, dtype=key.dtype), side="right", method="sort")
-    sizes = jnp.diff(ends, prepend=0)  # [local] assignments per expert
+    key = jnp.where((ids >= 0) & (ids < local), ids, local)  # another device's experts: group `local`, last
+    order, sizes, position = dispatch(key, local + 1)  # the assignments by expert; each one's sorted place
+    sizes = sizes[:local]  # [local] assignments per expert
     tiles = (sizes + rows - 1) // rows
     tile_end = jnp.cumsum(tiles)
-    tile_start, group_start = tile_end - tiles, ends - sizes
+    tile_start, group_start = tile_end - tiles, jnp.cumsum(sizes) - sizes
     count = -(-a // rows) + min(local, a)
     expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(count), side="right"), local - 1)  # [T]
     rank = (jnp.arange(count) - tile_start[expert])[:, None] * rows + jnp.arange(rows)  # [T, rows]
     valid = (rank < sizes[expert][:, None]) & (rank >= 0)
     src = jnp.take(order, jnp.clip(group_start[expert][:, None] + rank, 0, a - 1))  # [T, rows] assignment
     x = jnp.where(valid[..., None], jnp.take(tokens, src // k, axis=0), jnp.zeros((), tokens.dtype))
-    ys = []
-    for t in range(count):
-        e = expert[t:t + 1]
-        picked = {name: p.take(e) if name.endswith("_proj") else jnp.take(p, e, axis=0, mode="clip")
-                  for name, p in params.items()}
-
-        def batched(x, name, picked=picked):
-            y = project(x, picked[name], Batched(dtype))
-            if moe.expert_bias:
-                y = y + picked[f"{name}_bias"][:, None, :]
-            return y
-
-        ys.append(_mlp(x[t:t + 1], batched, moe)[0])  # [rows, hidden]
+    ys = [_experts_mlp(x[t:t + 1], _pick(params, expert[t:t + 1]), moe, dtype)[0] for t in range(count)]
     ys = jnp.concatenate(ys).astype(jnp.float32)  # [T rows, hidden]
-    position = jnp.argsort(order)  # each assignment's place in the sorted order
     clipped = jnp.minimum(key, local - 1)
     within = position - group_start[clipped]
     slot = (tile_start[clipped] + within // rows) * rows + within % rows

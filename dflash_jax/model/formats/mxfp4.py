@@ -65,18 +65,16 @@ def format_name(n_out: int) -> str:
     return "mxfp4" if n_out % LANES == 0 else f"mxfp4_out{n_out}"
 
 
-def _stored():
-    def stored(shape, dtype, init):
-        *lead, n_in, out = shape  # n_in a multiple of GROUP in any MXFP4 checkpoint (a group's blocks are whole)
+def stored(shape, dtype, init):
+    *lead, n_in, out = shape  # n_in a multiple of GROUP in any MXFP4 checkpoint (a group's blocks are whole)
 
-        def padded_init(key, shape, dtype):  # the weight's own columns as init gives them, the padding zero
-            values = init(key, (*shape[:-1], out), jnp.float32)
-            return jnp.pad(values, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - out)]).astype(dtype)
+    def padded_init(key, shape, dtype):  # the weight's own columns as init gives them, the padding zero
+        values = init(key, (*shape[:-1], out), jnp.float32)
+        return jnp.pad(values, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - out)]).astype(dtype)
 
-        return {"_blocks": ((*lead, n_in, padded(out)), FP4, padded_init),
-                "_scales": ((*lead, -(-n_in // GROUP), padded(out)), jnp.uint8,
-                            lambda key, shape, dtype: jnp.full(shape, 127, dtype))}
-    return stored
+    return {"_blocks": ((*lead, n_in, padded(out)), FP4, padded_init),
+            "_scales": ((*lead, -(-n_in // GROUP), padded(out)), jnp.uint8,
+                        lambda key, shape, dtype: jnp.full(shape, 127, dtype))}
 
 
 def scale_values(scales, dtype):
@@ -155,7 +153,7 @@ def mxfp4_format(n_out: int) -> w.WeightFormat:
     if name in w.FORMATS:
         return w.FORMATS[name]
     out = None if name == "mxfp4" else int(n_out)  # "mxfp4": any width of whole lanes, nothing cut
-    return w.register(w.WeightFormat(name, stored=_stored(),
+    return w.register(w.WeightFormat(name, stored=stored,
                                      materialize=lambda arrays, dtype: materialize(arrays, dtype, out),
                                      product=_product(out), take=take, row_cost=2))
 
