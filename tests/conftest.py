@@ -5,11 +5,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The tiny models compile for far longer than they run, and LLVM's optimisation of the CPU code
-# is most of a compile: at level 0 the suite takes about a third less time. Every run of a test
-# compiles the same way, so comparisons between engines are unaffected; the subprocesses the CLI
-# tests start inherit it. DFLASH_TEST_XLA_OPT=1 keeps XLA's default.
-if os.environ.get("DFLASH_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# is most of a compile: at level 0 the suite takes about a third less time. The CPU's fusion
+# emitters (MLIR, XLA's default) take about twice as long to compile the tests' thousands of small
+# programs as the older loop emitters: without them tests/test_tree.py ran in 75 s instead of 114 s
+# (2026-12-08). Every run of a test compiles the same way, so comparisons between engines are
+# unaffected; the subprocesses the CLI tests start inherit the flags. DFLASH_TEST_XLA_OPT=1 keeps
+# XLA's defaults.
+_FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+if os.environ.get("DFLASH_TEST_XLA_OPT") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _FAST_COMPILE.items()
+                                                   if k not in _flags]).strip()
 
 # Compiling is most of the suite's time. jax's persistent compilation cache keeps every compiled
 # program on disk (in .jax_cache/, ignored by git; the CLI and training subprocesses inherit it):

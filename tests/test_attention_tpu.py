@@ -328,10 +328,12 @@ def test_on_a_mesh_the_kernel_runs_per_device():
     in a shard_map (heads over model, rows over data) equals the walk on one device, for the
     target's verify, a window with sinks, the drafter's block, and admission rows (the walk); and
     over a latent cache, its query heads split over model."""
+    import os
     import subprocess
     import sys
 
-    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MESH_CHECK], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("ok") == 5, p.stdout
