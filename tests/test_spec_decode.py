@@ -405,6 +405,11 @@ def test_no_recompilation_after_warmup():
     list(gen.generate([ids(20)]))
     list(gen.generate([ids(31), ids(4)]))
     assert programs() == {**warm, "prefill": warm["prefill"] + 1}
+    # Prompts the slots take at once (3 of 4): their one call is of width 4, the only one compiled.
+    gen.warmup([20, 25, 31], exact=True)
+    assert programs() == {**warm, "prefill": warm["prefill"] + 2}
+    list(gen.generate([ids(20), ids(25), ids(31)]))
+    assert programs() == {**warm, "prefill": warm["prefill"] + 2}
 
 
 # --------------------------------------------------------------------------- 4. sampling distribution

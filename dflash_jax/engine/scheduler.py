@@ -401,9 +401,15 @@ class BatchEngine:
         """`warmup`'s steps, (label, run) each, in order."""
         steps = []
         counts = collections.Counter(self._bucket([0] * n) for n in prompt_lengths)
+        at_once = exact and self._admitted_at_once(prompt_lengths)
         for length in sorted(counts):
             most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
-            for width in (w for w in self.widths if not exact or w <= most):
+            if at_once:  # the widths the one admission's calls of this bucket use (`admit`)
+                widths = sorted({next(w for w in self.widths if w >= len(part))
+                                 for part in admission_parts(self.widths, list(range(counts[length])))})
+            else:
+                widths = [w for w in self.widths if not exact or w <= most]
+            for width in widths:
                 # The cycle loop is one program whatever was admitted: it runs after the first
                 # prefill only (a restart that loads every program from the cache then spends
                 # its time on tracing, not on cycles).
@@ -437,6 +443,22 @@ class BatchEngine:
 
             steps.append((f"the tail's loops ({', '.join(map(str, self.tail_widths))} slots)", narrower_loops))
         return steps
+
+    def _admitted_at_once(self, prompt_lengths: Sequence[int]) -> bool:
+        """Whether the next `generate` of prompts of these lengths admits them all in its first
+        admission: no more than the slots, and the page pool (if any) holds every row at the
+        engine's longest max_new_tokens. Then each bucket's rows go in by the calls `admit` makes
+        for them together, and an exact warm-up compiles only those widths (the demo: 3 prefill
+        programs per engine instead of 7). Cached prefixes could move prompts to shorter buckets:
+        not where the prefix pool already holds pages."""
+        if len(prompt_lengths) > self.batch_size:
+            return False
+        if self.idle_state is not None and self.prefix_pool is not None and self.prefix_pool.index:
+            return False
+        if self.spec.kv_pages:
+            need = sum(self.pages_needed(n, self.spec.max_new_tokens) for n in prompt_lengths)
+            return need <= self.spec.kv_pages
+        return True
 
     def time_drafts(self, drafts: int, length: int, cycles: int = 4, *, stream: bool = False):
         """Compile the cycle loop of `drafts` drafts and time it on a full batch (every slot a row of a
