@@ -166,7 +166,7 @@ def check_logits(model, target):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["mixed", "one_kq_head"])
+@pytest.mark.parametrize("name", ["mixed"])  # one_kq_head's greedy decoding is the test above's (.ci/run's 50 minutes)
 def test_dflash_sampled_on_a_page_pool_equals_plain_sampling(name, pair):
     """Seeded sampling (temperature 1): DFlash on a pool of 8 pages for 2 slots gives plain
     decoding's tokens (each position's key is the row's and the position's, whatever was drafted)."""
