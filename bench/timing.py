@@ -123,11 +123,12 @@ def time_generate(gen, prompts, repeats: int, seed: int, max_new_tokens=None):
 
 
 def bench_generator(gen, prompts, repeats: int, seed: int, max_new_tokens=None) -> dict:
-    """Warm up (BatchEngine.warmup, then one untimed generate over all prompts that counts the
-    engine's loop cycles), then time `generate` over all prompts `repeats` times; median."""
+    """Warm up (BatchEngine.warmup for these very prompts, then one untimed generate over all
+    prompts that counts the engine's loop cycles), then time `generate` over all prompts `repeats`
+    times; median."""
     before = compile_counts()
     t = time.perf_counter()
-    gen.warmup([len(p) for p in prompts])
+    gen.warmup([len(p) for p in prompts], exact=True)
     calls = []
     counted, loop_cycles, admissions = counted_generate(gen, prompts, seed, max_new_tokens, calls)
     warm = delta(compile_counts(), before)
