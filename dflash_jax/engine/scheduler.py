@@ -391,7 +391,8 @@ class BatchEngine:
         """Compile prefill for the buckets of these lengths at every admission width, and the
         cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry
         per prompt), so a bucket with m prompts compiles only the widths up to m's, the most
-        it can be admitted at together. stream: the loop that also returns the rows' tokens
+        it can be admitted at together, and where the slots take every prompt at once only the
+        widths of that admission (`_admitted_at_once`). stream: the loop that also returns the rows' tokens
         (`StreamingEngine`), and `cancel`. progress(done, total, label) is called before each
         step and once after the last (`dflash_jax.compiling.CompileProgress.step`)."""
         run_steps(self.warmup_steps(prompt_lengths, exact=exact, stream=stream), progress)
@@ -403,11 +404,11 @@ class BatchEngine:
         counts = collections.Counter(self._bucket([0] * n) for n in prompt_lengths)
         at_once = exact and self._admitted_at_once(prompt_lengths)
         for length in sorted(counts):
-            most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
             if at_once:  # the widths the one admission's calls of this bucket use (`admit`)
                 widths = sorted({next(w for w in self.widths if w >= len(part))
                                  for part in admission_parts(self.widths, list(range(counts[length])))})
             else:
+                most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
                 widths = [w for w in self.widths if not exact or w <= most]
             for width in widths:
                 # The cycle loop is one program whatever was admitted: it runs after the first
@@ -448,7 +449,7 @@ class BatchEngine:
         """Whether the next `generate` of prompts of these lengths admits them all in its first
         admission: no more than the slots, and the page pool (if any) holds every row at the
         engine's longest max_new_tokens. Then each bucket's rows go in by the calls `admit` makes
-        for them together, and an exact warm-up compiles only those widths (the demo: 3 prefill
+        for them together, and an exact warm-up compiles only those widths (the demo: 2 prefill
         programs per engine instead of 7). Cached prefixes could move prompts to shorter buckets:
         not where the prefix pool already holds pages."""
         if len(prompt_lengths) > self.batch_size:
