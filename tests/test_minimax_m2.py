@@ -57,10 +57,11 @@ def test_logits_equal_transformers_whole_and_in_padded_pieces(name, tmp_path):
     check_against_transformers(model, config, params, name)
 
 
-# Decoding (plain as transformers' `generate`, DFlash as plain) runs on the default config; the others
-# change only RoPE or routing and are checked against transformers by their logits, whole and in padded
-# pieces (the cached path); their decoding went for .ci/run's 50 minutes (2026-12-08).
-DECODED = ("minimax_m2",)
+# Decoding (plain as transformers' `generate`, DFlash as plain) runs on the configs that change what a
+# decode step reads or caches (heads, head width, K/V heads); the others change only RoPE or routing and
+# are checked against transformers by their logits, whole and in padded pieces (the cached path); their
+# decoding went for .ci/run's 50 minutes (2026-12-08).
+DECODED = ("minimax_m2", "minimax_m2-8-heads-tied", "minimax_m2-1-kv-head-top1")
 
 
 @pytest.mark.heavy  # engines compile for a minute per case
