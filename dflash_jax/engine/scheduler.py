@@ -322,6 +322,10 @@ class BatchEngine:
         self._prefix_pool = pool
         return self.new_state() if state is None else state
 
+    def _width(self, rows: int) -> int:
+        """The admission width `rows` prompts admitted together are padded to."""
+        return next(w for w in self.widths if w >= rows)
+
     def _bucket(self, prompt) -> int:
         return min(bucket(len(prompt)), self.max_prompt_len)
 
@@ -346,7 +350,7 @@ class BatchEngine:
         for length, members in sorted(groups.items()):
             for chunk in (part for lo in range(0, len(members), self.batch_size)
                           for part in admission_parts(self.widths, members[lo:lo + self.batch_size])):
-                width = next(w for w in self.widths if w >= len(chunk))
+                width = self._width(len(chunk))
                 table = None
                 if pool:  # pages None: every entry NO_PAGE
                     table = put_batch(page_table([pages[i] for i in chunk] if pages is not None else [], width,
@@ -392,8 +396,8 @@ class BatchEngine:
         cycle loop. exact: the lengths are the very prompts of the next `generate` (one entry
         per prompt), so a bucket with m prompts compiles only the widths up to m's, the most
         it can be admitted at together, and where the slots take every prompt at once only the
-        widths of that admission (`_admitted_at_once`). stream: the loop that also returns the rows' tokens
-        (`StreamingEngine`), and `cancel`. progress(done, total, label) is called before each
+        widths of that admission (`_admitted_at_once`). stream: the loop that also returns the
+        rows' tokens (`StreamingEngine`), and `cancel`. progress(done, total, label) is called before each
         step and once after the last (`dflash_jax.compiling.CompileProgress.step`)."""
         run_steps(self.warmup_steps(prompt_lengths, exact=exact, stream=stream), progress)
 
@@ -405,10 +409,10 @@ class BatchEngine:
         at_once = exact and self._admitted_at_once(prompt_lengths)
         for length in sorted(counts):
             if at_once:  # the widths the one admission's calls of this bucket use (`admit`)
-                widths = sorted({next(w for w in self.widths if w >= len(part))
+                widths = sorted({self._width(len(part))
                                  for part in admission_parts(self.widths, list(range(counts[length])))})
             else:
-                most = next(w for w in self.widths if w >= min(counts[length], self.batch_size))
+                most = self._width(min(counts[length], self.batch_size))
                 widths = [w for w in self.widths if not exact or w <= most]
             for width in widths:
                 # The cycle loop is one program whatever was admitted: it runs after the first
